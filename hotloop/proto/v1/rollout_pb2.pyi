@@ -1,0 +1,90 @@
+from hotloop.proto.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class GenerateRequest(_message.Message):
+    __slots__ = ("prompts", "sampling", "pin_version", "return_prompt_ids", "request_id")
+    PROMPTS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    PIN_VERSION_FIELD_NUMBER: _ClassVar[int]
+    RETURN_PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    prompts: _containers.RepeatedCompositeFieldContainer[_common_pb2.Prompt]
+    sampling: _common_pb2.SamplingParams
+    pin_version: int
+    return_prompt_ids: bool
+    request_id: str
+    def __init__(self, prompts: _Optional[_Iterable[_Union[_common_pb2.Prompt, _Mapping]]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., pin_version: _Optional[int] = ..., return_prompt_ids: _Optional[bool] = ..., request_id: _Optional[str] = ...) -> None: ...
+
+class Completion(_message.Message):
+    __slots__ = ("prompt_index", "sample_index", "text", "token_ids", "logprobs", "finish_reason", "policy_version", "prompt_token_ids")
+    PROMPT_INDEX_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    prompt_index: int
+    sample_index: int
+    text: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    logprobs: _containers.RepeatedScalarFieldContainer[float]
+    finish_reason: str
+    policy_version: int
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, prompt_index: _Optional[int] = ..., sample_index: _Optional[int] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[str] = ..., policy_version: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class AdapterChunk(_message.Message):
+    __slots__ = ("header", "data")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    header: AdapterHeader
+    data: bytes
+    def __init__(self, header: _Optional[_Union[AdapterHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class AdapterHeader(_message.Message):
+    __slots__ = ("info", "make_latest")
+    INFO_FIELD_NUMBER: _ClassVar[int]
+    MAKE_LATEST_FIELD_NUMBER: _ClassVar[int]
+    info: _common_pb2.VersionInfo
+    make_latest: bool
+    def __init__(self, info: _Optional[_Union[_common_pb2.VersionInfo, _Mapping]] = ..., make_latest: _Optional[bool] = ...) -> None: ...
+
+class PushAdapterResponse(_message.Message):
+    __slots__ = ("loaded", "verify_ms", "load_ms", "already_present")
+    LOADED_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_MS_FIELD_NUMBER: _ClassVar[int]
+    LOAD_MS_FIELD_NUMBER: _ClassVar[int]
+    ALREADY_PRESENT_FIELD_NUMBER: _ClassVar[int]
+    loaded: _common_pb2.VersionInfo
+    verify_ms: float
+    load_ms: float
+    already_present: bool
+    def __init__(self, loaded: _Optional[_Union[_common_pb2.VersionInfo, _Mapping]] = ..., verify_ms: _Optional[float] = ..., load_ms: _Optional[float] = ..., already_present: _Optional[bool] = ...) -> None: ...
+
+class StatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class RolloutStatus(_message.Message):
+    __slots__ = ("model", "latest_version", "versions", "running_requests", "update_mode", "engine")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    LATEST_VERSION_FIELD_NUMBER: _ClassVar[int]
+    VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    UPDATE_MODE_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    latest_version: int
+    versions: _containers.RepeatedCompositeFieldContainer[_common_pb2.VersionInfo]
+    running_requests: int
+    update_mode: str
+    engine: str
+    def __init__(self, model: _Optional[str] = ..., latest_version: _Optional[int] = ..., versions: _Optional[_Iterable[_Union[_common_pb2.VersionInfo, _Mapping]]] = ..., running_requests: _Optional[int] = ..., update_mode: _Optional[str] = ..., engine: _Optional[str] = ...) -> None: ...
