@@ -1,0 +1,45 @@
+"""Error types shared by every service core, and their gRPC status codes.
+
+Cores raise these (never grpc errors); `grpcutil.map_errors` turns them into statuses at the
+service edge. The split follows vLLM v1: a `RecoverableError` fails one request and the
+service keeps serving; a `FatalError` means the process should stop (the launcher restarts or
+reports it).
+"""
+
+from __future__ import annotations
+
+
+class HotloopError(Exception):
+    """Base class. `code` names the grpc.StatusCode the edge maps it to."""
+
+    code = "INTERNAL"
+
+
+class RecoverableError(HotloopError):
+    """One request failed; the service is healthy."""
+
+
+class InvalidArgument(RecoverableError):
+    code = "INVALID_ARGUMENT"
+
+
+class NotFound(RecoverableError):
+    code = "NOT_FOUND"
+
+
+class FailedPrecondition(RecoverableError):
+    code = "FAILED_PRECONDITION"
+
+
+class ResourceExhausted(RecoverableError):
+    code = "RESOURCE_EXHAUSTED"
+
+
+class Unavailable(RecoverableError):
+    """A dependency is down or the service is shutting down; the caller may retry."""
+
+    code = "UNAVAILABLE"
+
+
+class FatalError(HotloopError):
+    """The process cannot continue (engine died, model missing)."""

@@ -1,0 +1,72 @@
+"""The common `__main__` of every service: parse config, set up tracing, serve, shut down.
+
+Each service's `__main__.py` supplies only its section model and an async `build` that
+returns a started server; this module owns argument parsing, the port file the launcher
+waits for, signal handling and ordered shutdown.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hotloop import config as hconfig
+from hotloop import telemetry
+
+
+@dataclass
+class Running:
+    server: Any
+    port: int
+    health: Any
+    cleanups: list[Callable[[], Any]] = field(default_factory=list)
+
+
+def parse_args(name: str) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog=f"hotloop serve {name}")
+    p.add_argument("--config", help="TOML config file")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config value, e.g. --set rollout.port=50051")
+    p.add_argument("--port-file", help="write {'port': N} here once serving (used by `hotloop up`)")
+    return p.parse_args()
+
+
+def run(name: str, section: type, build: Callable[[hconfig.MeshConfig, Any], Awaitable[Running]]) -> None:
+    args = parse_args(name)
+    logging.basicConfig(
+        level=os.environ.get("HOTLOOP_LOG_LEVEL", "INFO"),
+        format=f"%(asctime)s {name} %(levelname)s %(name)s: %(message)s",
+    )
+    mesh, cfg = hconfig.load(name, section, args.config, args.set)
+    asyncio.run(_main(name, mesh, cfg, build, args.port_file))
+
+
+async def _main(name, mesh, cfg, build, port_file) -> None:
+    from hotloop.grpcutil import serve_until_signal
+
+    telemetry.setup(name, mesh.telemetry, mesh.run_dir)
+    running = await build(mesh, cfg)
+    log = logging.getLogger(name)
+    log.info("serving on %s:%d", getattr(cfg, "host", "127.0.0.1"), running.port)
+    if port_file:
+        tmp = Path(port_file).with_suffix(".tmp")
+        tmp.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps({"port": running.port, "pid": os.getpid()}))
+        tmp.rename(port_file)  # the launcher never reads a half-written file
+
+    async def cleanup():
+        for fn in reversed(running.cleanups):
+            res = fn()
+            if asyncio.iscoroutine(res):
+                await res
+        telemetry.shutdown()
+
+    await serve_until_signal(running.server, running.health, on_stop=cleanup)
+    log.info("stopped")

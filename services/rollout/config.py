@@ -1,0 +1,53 @@
+"""Configuration of the rollout service (section `[rollout]`)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from hotloop.config import Section
+
+
+class RolloutConfig(Section):
+    host: str = "127.0.0.1"
+    """Interface to listen on."""
+    port: int = Field(0, ge=0, le=65535)
+    """Port to listen on; 0 picks a free one (written to the port file)."""
+    update_mode: Literal["auto", "merged", "lora"] = "auto"
+    """How a new version becomes live. `merged`: the adapter is merged into the engine's
+    weights (full-speed generation; one live version, swapped between requests). `lora`: each
+    version is a LoRA slot (any held version can be pinned per request; on the CPU backend
+    generation runs several times slower). `auto`: merged on CPU, lora on CUDA."""
+    max_lora_rank: int = Field(16, ge=1, le=256)
+    """Largest adapter rank a push may carry."""
+    max_loras: int = Field(2, ge=1, le=64)
+    """LoRA slots in one engine step (lora mode)."""
+    keep_versions: int = Field(3, ge=1, le=100)
+    """Versions kept on this replica (newest first); older unused ones are retired."""
+    max_prompt_tokens: int = Field(1536, ge=1)
+    """Longest prompt accepted, in tokens."""
+    max_n: int = Field(64, ge=1, le=1024)
+    """Most samples per prompt."""
+    max_new_tokens: int = Field(1024, ge=1)
+    """Most new tokens per sample."""
+    max_prompts: int = Field(256, ge=1)
+    """Most prompts in one Generate call."""
+    default_max_tokens: int = Field(128, ge=1)
+    """max_tokens when a request leaves it 0."""
+    swap_drain_timeout_s: float = Field(120.0, gt=0)
+    """merged mode: longest wait for in-flight requests to finish before a version swap."""
+    enforce_eager: bool = True
+    """Skip torch.compile/graph capture (fast start; compiled CPU runs ~1.35x faster after
+    ~70 s of compilation, NOTES.md)."""
+    kv_cache_gib: float = Field(2.0, gt=0)
+    """CPU KV cache size (VLLM_CPU_KVCACHE_SPACE)."""
+    cpu_omp_threads_bind: str = "auto"
+    """VLLM_CPU_OMP_THREADS_BIND: `auto`, `nobind`, or a core list like `0-1`."""
+    cpu_reserved_cpus: int = Field(0, ge=0)
+    """VLLM_CPU_NUM_OF_RESERVED_CPU: cores left to other work (vLLM reserves 1 by default;
+    on a 2-core box that halves generation speed)."""
+    gpu_memory_utilization: float = Field(0.5, gt=0, le=1)
+    """CUDA: share of GPU memory the engine takes (leave room for trainer/reference)."""
+    storage_dir: str = ""
+    """Where received adapters are unpacked; empty: `<run_dir>/rollout-<port>/adapters`."""

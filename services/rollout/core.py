@@ -1,0 +1,511 @@
+"""The rollout core: a vLLM engine, policy versions, and the rule that ties them together.
+
+Owns: request validation, tokenization (text, token ids, chat through the model's template),
+sampling through vLLM's AsyncLLM (continuous batching), the table of held versions, and the
+version rule: *a request is admitted on one version and every token it produces comes from
+that version*; every completion says which version produced it.
+
+Two ways to make a version live, chosen once by `make_updater` (the only branch on the mode):
+- `MergedUpdater`: the adapter's delta is merged into the engine's weights inside the worker
+  (services/rollout/worker_ext.py). Generation runs at base speed. There is one live weight
+  set, so a swap closes admission, waits for in-flight requests to finish on the old version,
+  swaps (the packed weights were prepared beforehand, off the critical path), and reopens.
+  Pinning a version other than the live one is refused.
+- `LoraUpdater`: each version is a vLLM LoRA slot. Any held version can be pinned per request
+  and a swap needs no drain, but on the CPU backend generation is several times slower.
+
+Does not own: gRPC (server.py), the bus (an `on_loaded` callback announces versions).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import shutil
+import time
+import uuid
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hotloop import adapters
+from hotloop.adapters import Version
+from hotloop.errors import FailedPrecondition, FatalError, InvalidArgument, NotFound
+
+from .config import RolloutConfig
+
+log = logging.getLogger(__name__)
+
+WORKER_EXTENSION = "services.rollout.worker_ext.HotloopWorkerExtension"
+
+
+# ---- plain data in and out ---------------------------------------------------------------
+@dataclass
+class PromptIn:
+    text: str | None = None
+    token_ids: list[int] | None = None
+    messages: list[dict[str, str]] | None = None
+
+
+@dataclass
+class Sampling:
+    n: int = 1
+    max_tokens: int = 0  # 0: config default
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+
+
+@dataclass
+class GenerateInput:
+    prompts: list[PromptIn]
+    sampling: Sampling = field(default_factory=Sampling)
+    pin_version: int = 0  # 0: latest at admission
+    return_prompt_ids: bool = False
+    request_id: str = ""
+
+
+@dataclass
+class CompletionOut:
+    prompt_index: int
+    sample_index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+    policy_version: int
+    prompt_token_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class PushResult:
+    version: Version
+    verify_ms: float
+    load_ms: float
+    already_present: bool = False
+
+
+# ---- version updaters -------------------------------------------------------------------
+class Updater(ABC):
+    """How a version becomes servable and live in the engine."""
+
+    mode: str
+
+    @abstractmethod
+    async def prepare(self, version: int, adapter_dir: Path) -> None:
+        """Make `version` ready to go live without disturbing what is serving."""
+
+    @abstractmethod
+    async def commit(self, version: int) -> None:
+        """Make `version` the weights new requests run on (called with admission closed in
+        merged mode)."""
+
+    @abstractmethod
+    def lora_request(self, version: int):
+        """The vLLM LoRARequest a request on `version` carries (None: the engine's weights)."""
+
+    @abstractmethod
+    async def retire(self, version: int) -> None: ...
+
+    needs_drain: bool = False
+    pinnable_history: bool = True
+
+
+class MergedUpdater(Updater):
+    mode = "merged"
+    needs_drain = True  # one weight set: in-flight requests must finish before a swap
+    pinnable_history = False
+
+    def __init__(self, engine, model_dir: Path):
+        self.engine = engine
+        self.model_dir = model_dir
+
+    async def init(self) -> None:
+        await self.engine.collective_rpc("hotloop_init", args=(str(self.model_dir),))
+
+    async def prepare(self, version: int, adapter_dir: Path) -> None:
+        await self.engine.collective_rpc("hotloop_prepare", args=(version, str(adapter_dir)))
+
+    async def commit(self, version: int) -> None:
+        if version == 0:
+            await self.engine.collective_rpc("hotloop_reset")
+        else:
+            await self.engine.collective_rpc("hotloop_commit", args=(version,))
+        # KV blocks computed with the old weights must not be reused for new prompts.
+        await self.engine.reset_prefix_cache()
+
+    def lora_request(self, version: int):
+        return None
+
+    async def retire(self, version: int) -> None:
+        return None  # prepared weights are freed by the worker on commit
+
+
+class LoraUpdater(Updater):
+    mode = "lora"
+
+    def __init__(self, engine):
+        self.engine = engine
+        self._requests: dict[int, object] = {}
+
+    async def prepare(self, version: int, adapter_dir: Path) -> None:
+        from vllm.lora.request import LoRARequest
+
+        req = LoRARequest(f"v{version}", version, str(adapter_dir))
+        # add_lora loads it into a slot now, so the first request on it pays nothing extra.
+        await self.engine.add_lora(req)
+        self._requests[version] = req
+
+    async def commit(self, version: int) -> None:
+        return None  # new requests pick the new LoRARequest; in-flight ones keep theirs
+
+    def lora_request(self, version: int):
+        return self._requests.get(version) if version else None
+
+    async def retire(self, version: int) -> None:
+        if self._requests.pop(version, None) is not None:
+            await self.engine.remove_lora(version)
+
+
+def resolve_mode(cfg: RolloutConfig) -> str:
+    if cfg.update_mode != "auto":
+        return cfg.update_mode
+    import torch
+
+    # Measured on the CPU backend (NOTES.md, `hotloop bench rollout`): LoRA slots generate at
+    # ~0.25x base speed, a merged update at base speed. On CUDA, punica kernels make slots
+    # cheap and give per-request pinning for free.
+    return "lora" if torch.cuda.is_available() else "merged"
+
+
+def make_updater(mode: str, engine, model_dir: Path) -> Updater:
+    """The one place that branches on the update mode."""
+    if mode == "merged":
+        return MergedUpdater(engine, model_dir)
+    if mode == "lora":
+        return LoraUpdater(engine)
+    raise ValueError(f"unknown update mode {mode!r}")
+
+
+# ---- the core ----------------------------------------------------------------------------
+@dataclass
+class _Held:
+    version: Version
+    path: Path | None
+    in_flight: int = 0
+
+
+class RolloutCore:
+    def __init__(
+        self,
+        cfg: RolloutConfig,
+        model_dir: Path,
+        base_model: str,
+        dtype: str = "bfloat16",
+        max_model_len: int = 2048,
+        storage_dir: Path | None = None,
+        on_loaded: Callable[[Version, float], Awaitable[None]] | None = None,
+    ):
+        self.cfg = cfg
+        self.model_dir = Path(model_dir)
+        self.base_model = base_model
+        self.dtype = dtype
+        self.max_model_len = max_model_len
+        self.storage = Path(storage_dir or cfg.storage_dir or f".hotloop/rollout-{os.getpid()}")
+        self.on_loaded = on_loaded
+        self.engine = None
+        self.tokenizer = None
+        self.updater: Updater | None = None
+        self.mode = resolve_mode(cfg)
+        self.engine_name = ""
+        self._held: dict[int, _Held] = {0: _Held(Version(0, base_model=base_model), None)}
+        self._latest = 0
+        self._live = 0  # merged mode: the version in the engine's weights
+        self._cond = asyncio.Condition()
+        self._gate_open = True
+        self._push_lock = asyncio.Lock()
+
+    # ---- lifecycle ------------------------------------------------------------------
+    async def start(self) -> None:
+        self._set_cpu_env()
+        from transformers import AutoTokenizer
+        from vllm import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        import vllm
+
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+        args = AsyncEngineArgs(
+            model=str(self.model_dir),
+            dtype=self.dtype,
+            max_model_len=self.max_model_len,
+            enforce_eager=self.cfg.enforce_eager,
+            enable_lora=self.mode == "lora",
+            max_lora_rank=self.cfg.max_lora_rank,
+            max_loras=self.cfg.max_loras,
+            worker_extension_cls=WORKER_EXTENSION if self.mode == "merged" else "",
+            gpu_memory_utilization=self.cfg.gpu_memory_utilization,
+            disable_log_stats=True,
+        )
+        self.engine = AsyncLLM.from_engine_args(args)
+        self.engine_name = f"vllm {vllm.__version__}"
+        self.updater = make_updater(self.mode, self.engine, self.model_dir)
+        if isinstance(self.updater, MergedUpdater):
+            await self.updater.init()
+        shutil.rmtree(self.storage, ignore_errors=True)
+        self.storage.mkdir(parents=True, exist_ok=True)
+
+    def _set_cpu_env(self) -> None:
+        # Read by vLLM's CPU worker at engine start. On a 2-core host vLLM's default of one
+        # reserved core halves generation speed; the launcher decides who gets which cores.
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.cfg.kv_cache_gib))
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", self.cfg.cpu_omp_threads_bind)
+        os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", str(self.cfg.cpu_reserved_cpus))
+
+    async def stop(self) -> None:
+        if self.engine is not None:
+            self.engine.shutdown()
+            self.engine = None
+
+    # ---- status ---------------------------------------------------------------------
+    @property
+    def latest(self) -> int:
+        return self._latest
+
+    def versions(self) -> list[Version]:
+        return [h.version for _, h in sorted(self._held.items())]
+
+    def running(self) -> int:
+        return sum(h.in_flight for h in self._held.values())
+
+    # ---- admission and the version rule -----------------------------------------------
+    @asynccontextmanager
+    async def _admitted(self, pin: int):
+        async with self._cond:
+            await self._cond.wait_for(lambda: self._gate_open)
+            version = pin or self._latest
+            held = self._held.get(version)
+            if held is None:
+                have = sorted(self._held)
+                raise NotFound(f"version {version} is not held by this replica (held: {have})")
+            if not self.updater.pinnable_history and version != self._live:
+                raise FailedPrecondition(
+                    f"this replica serves merged weights of version {self._live} only; "
+                    f"version {version} cannot be pinned (run the replica with "
+                    f"update_mode=lora to pin older versions)"
+                )
+            held.in_flight += 1
+        try:
+            yield version
+        finally:
+            async with self._cond:
+                held.in_flight -= 1
+                self._cond.notify_all()
+
+    # ---- generation -------------------------------------------------------------------
+    def _validate(self, req: GenerateInput) -> tuple[list[list[int]], Sampling]:
+        cfg = self.cfg
+        if not req.prompts:
+            raise InvalidArgument("no prompts given")
+        if len(req.prompts) > cfg.max_prompts:
+            raise InvalidArgument(f"{len(req.prompts)} prompts; at most {cfg.max_prompts} per call")
+        s = req.sampling
+        if not 1 <= s.n <= cfg.max_n:
+            raise InvalidArgument(f"n={s.n} is out of range 1..{cfg.max_n}")
+        max_tokens = s.max_tokens or cfg.default_max_tokens
+        if not 1 <= max_tokens <= cfg.max_new_tokens:
+            raise InvalidArgument(f"max_tokens={max_tokens} is out of range 1..{cfg.max_new_tokens}")
+        if s.temperature < 0 or not 0 < s.top_p <= 1:
+            raise InvalidArgument("temperature must be >= 0 and top_p in (0, 1]")
+        ids = [self._tokenize(i, p) for i, p in enumerate(req.prompts)]
+        for i, p in enumerate(ids):
+            if len(p) > cfg.max_prompt_tokens:
+                raise InvalidArgument(
+                    f"prompt {i} has {len(p)} tokens; at most {cfg.max_prompt_tokens}"
+                )
+            if len(p) + max_tokens > self.max_model_len:
+                raise InvalidArgument(
+                    f"prompt {i} ({len(p)} tokens) + max_tokens ({max_tokens}) exceeds the "
+                    f"model's context of {self.max_model_len}"
+                )
+        s = Sampling(**{**s.__dict__, "max_tokens": max_tokens})
+        return ids, s
+
+    def _tokenize(self, i: int, p: PromptIn) -> list[int]:
+        given = [x is not None for x in (p.text, p.token_ids, p.messages)]
+        if sum(given) != 1:
+            raise InvalidArgument(f"prompt {i}: give exactly one of text, token_ids, chat")
+        if p.token_ids is not None:
+            vocab = len(self.tokenizer)
+            if not p.token_ids:
+                raise InvalidArgument(f"prompt {i} is empty")
+            bad = [t for t in p.token_ids if t >= vocab]
+            if bad:
+                raise InvalidArgument(f"prompt {i}: token ids {bad[:5]} outside vocab of {vocab}")
+            return list(p.token_ids)
+        if p.messages is not None:
+            if not p.messages:
+                raise InvalidArgument(f"prompt {i} has no chat messages")
+            for m in p.messages:
+                if m.get("role") not in ("system", "user", "assistant"):
+                    raise InvalidArgument(f"prompt {i}: unknown chat role {m.get('role')!r}")
+            text = self.tokenizer.apply_chat_template(
+                p.messages, add_generation_prompt=True, tokenize=False
+            )
+            return self.tokenizer.encode(text, add_special_tokens=False)
+        if not p.text:
+            raise InvalidArgument(f"prompt {i} is empty")
+        return self.tokenizer.encode(p.text)
+
+    async def generate(self, req: GenerateInput) -> AsyncIterator[CompletionOut]:
+        """Yield completions as prompts finish. Validation errors raise before any output."""
+        from vllm import SamplingParams, TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        ids, s = self._validate(req)
+        rid = req.request_id or uuid.uuid4().hex[:12]
+        async with self._admitted(req.pin_version) as version:
+            lora = self.updater.lora_request(version)
+            queue: asyncio.Queue = asyncio.Queue()
+
+            async def one(i: int, prompt_ids: list[int]) -> None:
+                params = SamplingParams(
+                    n=s.n, max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p,
+                    top_k=s.top_k if s.top_k > 0 else 0,
+                    seed=None if s.seed is None else s.seed + i,
+                    stop=s.stop or None, logprobs=0,
+                    output_kind=RequestOutputKind.FINAL_ONLY,
+                )
+                final = None
+                async for out in self.engine.generate(
+                    TokensPrompt(prompt_token_ids=prompt_ids), params, f"{rid}-{i}",
+                    lora_request=lora,
+                ):
+                    final = out
+                await queue.put((i, final))
+
+            tasks = [asyncio.create_task(one(i, p)) for i, p in enumerate(ids)]
+            try:
+                for _ in range(len(tasks)):
+                    i, out = await queue.get()
+                    for c in out.outputs:
+                        yield CompletionOut(
+                            prompt_index=i,
+                            sample_index=c.index,
+                            text=c.text,
+                            token_ids=list(c.token_ids),
+                            # logprobs=0 returns exactly the sampled token's logprob per step
+                            logprobs=[next(iter(lp.values())).logprob for lp in c.logprobs or []],
+                            finish_reason=c.finish_reason or "abort",
+                            policy_version=version,
+                            prompt_token_ids=ids[i] if req.return_prompt_ids else [],
+                        )
+                await asyncio.gather(*tasks)  # surface engine errors
+            finally:
+                for t in tasks:
+                    t.cancel()  # a cancelled client aborts its engine requests
+
+    # ---- versions ---------------------------------------------------------------------
+    async def push(
+        self, info: Version, chunks: AsyncIterator[bytes], make_latest: bool = True
+    ) -> PushResult:
+        """Receive, verify and load a version; make it latest. On any failure the replica
+        keeps serving what it served and holds nothing of the failed push."""
+        t0 = time.perf_counter()
+        if info.version <= 0:
+            raise InvalidArgument("version must be a positive integer")
+        if info.base_model and info.base_model != self.base_model:
+            raise FailedPrecondition(
+                f"adapter was trained on {info.base_model!r}; this replica serves {self.base_model!r}"
+            )
+        if not 0 < info.bytes <= adapters.MAX_ARCHIVE_BYTES:
+            raise InvalidArgument(f"declared size {info.bytes} is out of range")
+        buf = bytearray()
+        async for chunk in chunks:
+            buf.extend(chunk)
+            if len(buf) > info.bytes:
+                raise InvalidArgument(f"push is larger than its declared {info.bytes} bytes")
+        if len(buf) != info.bytes:
+            raise InvalidArgument(
+                f"push truncated: got {len(buf)} of {info.bytes} bytes; version not loaded"
+            )
+        digest = adapters.sha256(bytes(buf))
+        if digest != info.sha256:
+            raise InvalidArgument(f"sha256 mismatch (got {digest[:12]}, header {info.sha256[:12]})")
+        async with self._push_lock:
+            held = self._held.get(info.version)
+            if held is not None:
+                if held.version.sha256 != info.sha256:
+                    raise FailedPrecondition(
+                        f"version {info.version} is already held with different content"
+                    )
+                return PushResult(held.version, 0.0, 0.0, already_present=True)
+            if make_latest and info.version < self._latest:
+                raise FailedPrecondition(
+                    f"version {info.version} is older than the latest ({self._latest})"
+                )
+            path = self.storage / f"v{info.version}"
+            try:
+                await asyncio.to_thread(adapters.unpack, bytes(buf), path)
+                await asyncio.to_thread(
+                    adapters.validate, path, self.model_dir, self.cfg.max_lora_rank
+                )
+                t1 = time.perf_counter()
+                await self.updater.prepare(info.version, path)
+            except BaseException:
+                shutil.rmtree(path, ignore_errors=True)
+                raise
+            self._held[info.version] = _Held(info, path)
+            if make_latest:
+                await self._make_live(info.version)
+            t2 = time.perf_counter()
+        await self._retire_old()
+        result = PushResult(info, (t1 - t0) * 1e3, (t2 - t1) * 1e3)
+        if self.on_loaded is not None:
+            await self.on_loaded(info, result.load_ms)
+        return result
+
+    async def _make_live(self, version: int) -> None:
+        if not self.updater.needs_drain:
+            await self.updater.commit(version)
+            self._latest = version
+            return
+        async with self._cond:
+            self._gate_open = False  # new requests wait; in-flight ones finish on their version
+            try:
+                await asyncio.wait_for(
+                    self._cond.wait_for(lambda: self.running() == 0),
+                    self.cfg.swap_drain_timeout_s,
+                )
+                await self.updater.commit(version)
+                self._live = self._latest = version
+            except TimeoutError:
+                raise FailedPrecondition(
+                    f"in-flight requests did not finish within {self.cfg.swap_drain_timeout_s}s; "
+                    f"still serving version {self._live}"
+                ) from None
+            finally:
+                self._gate_open = True
+                self._cond.notify_all()
+
+    async def _retire_old(self) -> None:
+        async with self._cond:
+            keep = sorted((v for v in self._held if v), reverse=True)[: self.cfg.keep_versions]
+            doomed = [
+                v for v, h in self._held.items()
+                if v and v not in keep and v != self._latest and h.in_flight == 0
+            ]
+            for v in doomed:
+                h = self._held.pop(v)
+                await self.updater.retire(v)
+                if h.path is not None:
+                    shutil.rmtree(h.path, ignore_errors=True)
+
+    def check_engine(self) -> None:
+        if self.engine is None or getattr(self.engine, "errored", False):
+            raise FatalError("the vLLM engine is not running")

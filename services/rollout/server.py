@@ -1,0 +1,112 @@
+"""gRPC edge of the rollout service: protos in, dataclasses to the core, protos out."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import grpc
+
+from hotloop.adapters import Version
+from hotloop.errors import InvalidArgument
+from hotloop.grpcutil import create_server, map_errors
+from hotloop.proto.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
+
+from .core import CompletionOut, GenerateInput, PromptIn, RolloutCore, Sampling
+
+SERVICE = rollout_pb2.DESCRIPTOR.services_by_name["Rollout"].full_name
+ADMIN_METHODS = [f"/{SERVICE}/PushAdapter"]
+
+
+def version_to_proto(v: Version) -> common_pb2.VersionInfo:
+    return common_pb2.VersionInfo(
+        version=v.version, sha256=v.sha256, bytes=v.bytes, base_model=v.base_model,
+        created_at=v.created_at,
+    )
+
+
+def version_from_proto(p: common_pb2.VersionInfo) -> Version:
+    return Version(p.version, p.sha256, p.bytes, p.base_model, p.created_at)
+
+
+def _prompt(p: common_pb2.Prompt) -> PromptIn:
+    kind = p.WhichOneof("kind")
+    if kind == "text":
+        return PromptIn(text=p.text)
+    if kind == "token_ids":
+        return PromptIn(token_ids=list(p.token_ids.ids))
+    if kind == "chat":
+        return PromptIn(messages=[{"role": m.role, "content": m.content} for m in p.chat.messages])
+    raise InvalidArgument("a prompt must set text, token_ids or chat")
+
+
+def generate_input(req: rollout_pb2.GenerateRequest) -> GenerateInput:
+    s = req.sampling
+    return GenerateInput(
+        prompts=[_prompt(p) for p in req.prompts],
+        sampling=Sampling(
+            n=s.n or 1, max_tokens=s.max_tokens,
+            temperature=s.temperature if s.HasField("temperature") else 1.0,
+            top_p=s.top_p if s.HasField("top_p") else 1.0,
+            top_k=s.top_k, seed=s.seed if s.HasField("seed") else None, stop=list(s.stop),
+        ),
+        pin_version=req.pin_version,
+        return_prompt_ids=req.return_prompt_ids,
+        request_id=req.request_id,
+    )
+
+
+def completion_to_proto(c: CompletionOut) -> rollout_pb2.Completion:
+    return rollout_pb2.Completion(
+        prompt_index=c.prompt_index, sample_index=c.sample_index, text=c.text,
+        token_ids=c.token_ids, logprobs=c.logprobs, finish_reason=c.finish_reason,
+        policy_version=c.policy_version, prompt_token_ids=c.prompt_token_ids,
+    )
+
+
+class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
+    def __init__(self, core: RolloutCore):
+        self.core = core
+
+    @map_errors
+    async def Generate(self, request, context) -> AsyncIterator[rollout_pb2.Completion]:
+        async for c in self.core.generate(generate_input(request)):
+            yield completion_to_proto(c)
+
+    @map_errors
+    async def PushAdapter(self, request_iterator, context):
+        first = await anext(aiter(request_iterator), None)
+        if first is None or first.WhichOneof("kind") != "header":
+            raise InvalidArgument("a push must start with a header message")
+        header = first.header
+
+        async def chunks():
+            async for msg in request_iterator:
+                if msg.WhichOneof("kind") != "data":
+                    raise InvalidArgument("only data chunks may follow the header")
+                yield msg.data
+
+        res = await self.core.push(
+            version_from_proto(header.info), chunks(), make_latest=header.make_latest
+        )
+        return rollout_pb2.PushAdapterResponse(
+            loaded=version_to_proto(res.version), verify_ms=res.verify_ms, load_ms=res.load_ms,
+            already_present=res.already_present,
+        )
+
+    async def Status(self, request, context):
+        return rollout_pb2.RolloutStatus(
+            model=self.core.base_model,
+            latest_version=self.core.latest,
+            versions=[version_to_proto(v) for v in self.core.versions()],
+            running_requests=self.core.running(),
+            update_mode=self.core.mode,
+            engine=self.core.engine_name,
+        )
+
+
+async def serve(core: RolloutCore, address: str, admin_token: str) -> tuple[grpc.aio.Server, int, object]:
+    servicer = RolloutServicer(core)
+    return await create_server(
+        [lambda s: rollout_pb2_grpc.add_RolloutServicer_to_server(servicer, s)],
+        [SERVICE], address, admin_methods=ADMIN_METHODS, admin_token=admin_token,
+    )
