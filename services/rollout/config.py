@@ -40,7 +40,7 @@ class RolloutConfig(Section):
     enforce_eager: bool = True
     """Skip torch.compile/graph capture (fast start; compiled CPU runs ~1.35x faster after
     ~70 s of compilation, NOTES.md)."""
-    kv_cache_gib: float = Field(2.0, gt=0)
+    kv_cache_gib: int = Field(2, ge=1)
     """CPU KV cache size (VLLM_CPU_KVCACHE_SPACE)."""
     cpu_omp_threads_bind: str = "auto"
     """VLLM_CPU_OMP_THREADS_BIND: `auto`, `nobind`, or a core list like `0-1`."""

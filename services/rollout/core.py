@@ -59,6 +59,7 @@ class Sampling:
     top_k: int = 0
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
+    ignore_eos: bool = False  # benchmarks: every sample runs to max_tokens
 
 
 @dataclass
@@ -121,23 +122,24 @@ class MergedUpdater(Updater):
     needs_drain = True  # one weight set: in-flight requests must finish before a swap
     pinnable_history = False
 
-    def __init__(self, engine, model_dir: Path):
+    def __init__(self, engine, model_dir: Path, max_rank: int):
         self.engine = engine
         self.model_dir = model_dir
+        self.max_rank = max_rank
 
     async def init(self) -> None:
-        await self.engine.collective_rpc("hotloop_init", args=(str(self.model_dir),))
+        await self.engine.collective_rpc("hotloop_init", args=(str(self.model_dir), self.max_rank))
 
     async def prepare(self, version: int, adapter_dir: Path) -> None:
-        await self.engine.collective_rpc("hotloop_prepare", args=(version, str(adapter_dir)))
+        # In a worker thread: the engine keeps stepping (in-flight requests drain) while the
+        # merged weights are packed; commit waits for it and raises its error, if any.
+        await self.engine.collective_rpc("hotloop_prepare", args=(version, str(adapter_dir), True))
 
     async def commit(self, version: int) -> None:
         if version == 0:
             await self.engine.collective_rpc("hotloop_reset")
         else:
             await self.engine.collective_rpc("hotloop_commit", args=(version,))
-        # KV blocks computed with the old weights must not be reused for new prompts.
-        await self.engine.reset_prefix_cache()
 
     def lora_request(self, version: int):
         return None
@@ -183,10 +185,10 @@ def resolve_mode(cfg: RolloutConfig) -> str:
     return "lora" if torch.cuda.is_available() else "merged"
 
 
-def make_updater(mode: str, engine, model_dir: Path) -> Updater:
+def make_updater(mode: str, engine, model_dir: Path, max_rank: int) -> Updater:
     """The one place that branches on the update mode."""
     if mode == "merged":
-        return MergedUpdater(engine, model_dir)
+        return MergedUpdater(engine, model_dir, max_rank)
     if mode == "lora":
         return LoraUpdater(engine)
     raise ValueError(f"unknown update mode {mode!r}")
@@ -254,7 +256,7 @@ class RolloutCore:
         )
         self.engine = AsyncLLM.from_engine_args(args)
         self.engine_name = f"vllm {vllm.__version__}"
-        self.updater = make_updater(self.mode, self.engine, self.model_dir)
+        self.updater = make_updater(self.mode, self.engine, self.model_dir, self.cfg.max_lora_rank)
         if isinstance(self.updater, MergedUpdater):
             await self.updater.init()
         shutil.rmtree(self.storage, ignore_errors=True)
@@ -322,6 +324,8 @@ class RolloutCore:
             raise InvalidArgument(f"max_tokens={max_tokens} is out of range 1..{cfg.max_new_tokens}")
         if s.temperature < 0 or not 0 < s.top_p <= 1:
             raise InvalidArgument("temperature must be >= 0 and top_p in (0, 1]")
+        if s.temperature == 0 and s.n > 1:
+            raise InvalidArgument("greedy sampling (temperature 0) gives one sample: use n=1")
         ids = [self._tokenize(i, p) for i, p in enumerate(req.prompts)]
         for i, p in enumerate(ids):
             if len(p) > cfg.max_prompt_tokens:
@@ -374,25 +378,33 @@ class RolloutCore:
             queue: asyncio.Queue = asyncio.Queue()
 
             async def one(i: int, prompt_ids: list[int]) -> None:
-                params = SamplingParams(
-                    n=s.n, max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p,
-                    top_k=s.top_k if s.top_k > 0 else 0,
-                    seed=None if s.seed is None else s.seed + i,
-                    stop=s.stop or None, logprobs=0,
-                    output_kind=RequestOutputKind.FINAL_ONLY,
-                )
-                final = None
-                async for out in self.engine.generate(
-                    TokensPrompt(prompt_token_ids=prompt_ids), params, f"{rid}-{i}",
-                    lora_request=lora,
-                ):
-                    final = out
+                try:
+                    params = SamplingParams(
+                        n=s.n, max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p,
+                        top_k=s.top_k if s.top_k > 0 else 0,
+                        seed=None if s.seed is None else s.seed + i,
+                        stop=s.stop or None, ignore_eos=s.ignore_eos, logprobs=0,
+                        output_kind=RequestOutputKind.FINAL_ONLY,
+                    )
+                    # The cache salt keeps prefix-cache blocks computed under one version
+                    # from being reused by another (merged mode swaps weights under one cache).
+                    prompt = TokensPrompt(prompt_token_ids=prompt_ids, cache_salt=f"v{version}")
+                    final = None
+                    async for out in self.engine.generate(
+                        prompt, params, f"{rid}-{i}", lora_request=lora
+                    ):
+                        final = out
+                except BaseException as e:  # handed to the consumer, which re-raises it
+                    await queue.put((i, e))
+                    raise
                 await queue.put((i, final))
 
             tasks = [asyncio.create_task(one(i, p)) for i, p in enumerate(ids)]
             try:
                 for _ in range(len(tasks)):
                     i, out = await queue.get()
+                    if isinstance(out, BaseException):
+                        raise out
                     for c in out.outputs:
                         yield CompletionOut(
                             prompt_index=i,
@@ -405,7 +417,6 @@ class RolloutCore:
                             policy_version=version,
                             prompt_token_ids=ids[i] if req.return_prompt_ids else [],
                         )
-                await asyncio.gather(*tasks)  # surface engine errors
             finally:
                 for t in tasks:
                     t.cancel()  # a cancelled client aborts its engine requests
@@ -462,7 +473,14 @@ class RolloutCore:
                 raise
             self._held[info.version] = _Held(info, path)
             if make_latest:
-                await self._make_live(info.version)
+                try:
+                    await self._make_live(info.version)
+                except BaseException:
+                    # nothing of a failed version stays: the previous one keeps serving
+                    self._held.pop(info.version, None)
+                    await self.updater.retire(info.version)
+                    shutil.rmtree(path, ignore_errors=True)
+                    raise
             t2 = time.perf_counter()
         await self._retire_old()
         result = PushResult(info, (t1 - t0) * 1e3, (t2 - t1) * 1e3)

@@ -26,7 +26,7 @@ async def start(tiny_model, tmp_path, mode):
     from services.rollout.server import serve
 
     cfg = RolloutConfig(update_mode=mode, max_lora_rank=16, max_prompt_tokens=200, max_n=8,
-                        max_new_tokens=64, default_max_tokens=16, kv_cache_gib=1)
+                        max_new_tokens=64, default_max_tokens=16, kv_cache_gib=1, swap_drain_timeout_s=30)
     core = RolloutCore(cfg, tiny_model, base_model="tiny", max_model_len=512,
                        storage_dir=tmp_path / "adapters")
     await core.start()
@@ -102,6 +102,7 @@ async def test_greedy_text_and_token_ids_agree(rollout):
         ([text_prompt("hi")], {"max_tokens": 65}, grpc.StatusCode.INVALID_ARGUMENT, "max_tokens=65"),
         ([common_pb2.Prompt(token_ids=common_pb2.TokenIds(ids=[10**6]))], {}, grpc.StatusCode.INVALID_ARGUMENT, "outside vocab"),
         ([common_pb2.Prompt()], {}, grpc.StatusCode.INVALID_ARGUMENT, "text, token_ids or chat"),
+        ([text_prompt("hi")], {"n": 2, "temperature": 0}, grpc.StatusCode.INVALID_ARGUMENT, "greedy"),
     ],
 )
 async def test_bad_generate_requests_are_refused(rollout, prompts, sampling, code, needle):

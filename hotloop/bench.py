@@ -1,0 +1,285 @@
+"""`hotloop bench ...`: performance numbers as ratios against a baseline measured in the same run.
+
+Owns the rollout benchmark (HF `generate` per prompt and batched vs vLLM with and without a
+fresh adapter), the hot-update benchmark (push-to-first-token of new versions while requests
+are in flight) and the sandbox benchmark (local pool vs Ray actors). Machines here are noisy:
+every figure is a median over repeats, and only ratios from one run are comparable.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+CODE_PROMPTS = [
+    "Write a Python function `add(a, b)` that returns the sum of a and b.",
+    "Write a Python function `is_even(n)` that returns True if n is even.",
+    "Write a Python function `reverse(s)` that returns the string s reversed.",
+    "Write a Python function `maximum(xs)` that returns the largest element of a list.",
+    "Write a Python function `count_vowels(s)` that counts the vowels in s.",
+    "Write a Python function `factorial(n)` that returns n factorial.",
+    "Write a Python function `square_all(xs)` that returns a list of the squares of xs.",
+    "Write a Python function `first_word(s)` that returns the first word of s.",
+]
+
+
+def _prompts(k: int) -> list[str]:
+    return [CODE_PROMPTS[i % len(CODE_PROMPTS)] for i in range(k)]
+
+
+def _write_json(path: str | None, result: dict) -> None:
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(result, indent=2))
+        print(f"wrote {path}")
+
+
+def _chat_ids(tok, prompt: str) -> list[int]:
+    text = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False)
+    return tok.encode(text, add_special_tokens=False)
+
+
+# ---- rollout ---------------------------------------------------------------------------------
+def hf_tokens_per_s(model_dir: Path, prompts: list[str], n: int, max_tokens: int, batched: bool) -> float:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    tok.padding_side = "left"
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    gen = dict(do_sample=True, temperature=1.0, max_new_tokens=max_tokens, min_new_tokens=max_tokens,
+               num_return_sequences=n, pad_token_id=tok.pad_token_id)
+    texts = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False)
+             for p in prompts]
+    tokens = 0
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        groups = [texts] if batched else [[t] for t in texts]
+        for g in groups:
+            enc = tok(g, return_tensors="pt", padding=True, add_special_tokens=False)
+            out = model.generate(**enc, **gen)
+            tokens += (out[:, enc["input_ids"].shape[1]:] != tok.pad_token_id).sum().item()
+    return tokens / (time.perf_counter() - t0)
+
+
+async def _vllm_rates(model_dir: Path, model_name: str, prompts: list[str], n: int, max_tokens: int,
+                      repeats: int, mode: str, adapter_dir: Path) -> dict[str, float]:
+    """tokens/s of one engine before and after a fresh adapter version goes live."""
+    from hotloop import adapters
+    from services.rollout.config import RolloutConfig
+    from services.rollout.core import GenerateInput, PromptIn, RolloutCore, Sampling
+
+    cfg = RolloutConfig(update_mode=mode, max_lora_rank=64, max_new_tokens=max(max_tokens, 16),
+                        cpu_reserved_cpus=0)
+    core = RolloutCore(cfg, model_dir, base_model=model_name, max_model_len=1024,
+                       storage_dir=Path(tempfile.mkdtemp(prefix="hotloop-bench-")))
+    await core.start()
+
+    async def rate() -> float:
+        req = GenerateInput([PromptIn(messages=[{"role": "user", "content": p}]) for p in prompts],
+                            Sampling(n=n, max_tokens=max_tokens, temperature=1.0, ignore_eos=True))
+        t0 = time.perf_counter()
+        tokens = sum([len(c.token_ids) async for c in core.generate(req)])
+        return tokens / (time.perf_counter() - t0)
+
+    try:
+        await rate()  # warm-up: first-use costs are not throughput
+        base = statistics.median([await rate() for _ in range(repeats)])
+        data = adapters.pack(adapter_dir)
+        info = adapters.Version(1, adapters.sha256(data), len(data), model_name)
+
+        async def chunks():
+            yield data
+
+        await core.push(info, chunks())
+        await rate()
+        with_adapter = statistics.median([await rate() for _ in range(repeats)])
+    finally:
+        await core.stop()
+    return {"base": base, "adapter": with_adapter}
+
+
+def _make_bench_adapter(model_dir: Path, out: Path, rank: int, seed: int = 0) -> Path:
+    """An r=`rank` all-linear LoRA with small random weights, like an early training step."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    peft_model = get_peft_model(model, LoraConfig(
+        r=rank, lora_alpha=2 * rank, init_lora_weights=False,
+        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.mul_(0.01)  # keep outputs sensible: a trained adapter is a small delta
+    peft_model.save_pretrained(out)
+    return out
+
+
+def bench_rollout(args) -> dict:
+    from hotloop import models
+
+    model_dir = models.resolve(args.model)
+    prompts = _prompts(args.prompts)
+    hf_sub = prompts[: min(2, len(prompts))]  # HF per-prompt is slow; a rate needs few prompts
+    print(f"workload: {len(prompts)} prompts x n={args.n} x {args.max_tokens} tokens, chat template, "
+          f"temperature 1; medians of {args.repeats} runs (HF per-prompt: {len(hf_sub)} prompts, 1 run)")
+    hf_per_prompt = hf_tokens_per_s(model_dir, hf_sub, args.n, args.max_tokens, batched=False)
+    print(f"  hf_per_prompt  {hf_per_prompt:8.1f} tok/s")
+    hf_batched = hf_tokens_per_s(model_dir, prompts, args.n, args.max_tokens, batched=True)
+    print(f"  hf_batched     {hf_batched:8.1f} tok/s")
+    adapter = _make_bench_adapter(model_dir, Path(tempfile.mkdtemp(prefix="hotloop-adapter-")), 16)
+    from services.rollout.core import resolve_mode
+    from services.rollout.config import RolloutConfig
+
+    default_mode = resolve_mode(RolloutConfig())
+    rates = {}
+    for mode in dict.fromkeys([default_mode, "lora"]):
+        rates[mode] = asyncio.run(_vllm_rates(model_dir, args.model, prompts, args.n, args.max_tokens,
+                                              args.repeats, mode, adapter))
+        print(f"  vllm ({mode:6s})  base {rates[mode]['base']:8.1f} tok/s, "
+              f"fresh adapter {rates[mode]['adapter']:8.1f} tok/s")
+    vllm = rates[default_mode]["base"]
+    vllm_adapter = rates[default_mode]["adapter"]
+    result = {
+        "workload": {"prompts": len(prompts), "n": args.n, "max_tokens": args.max_tokens,
+                     "repeats": args.repeats, "model": args.model},
+        "tokens_per_s": {"hf_per_prompt": hf_per_prompt, "hf_batched": hf_batched,
+                         "vllm": vllm, "vllm_adapter": vllm_adapter,
+                         "vllm_lora_slot": rates["lora"]["adapter"]},
+        "update_mode": default_mode,
+        "ratios": {"vllm_vs_hf_per_prompt": vllm / hf_per_prompt,
+                   "vllm_vs_hf_batched": vllm / hf_batched,
+                   "adapter_vs_base": vllm_adapter / vllm,
+                   "lora_slot_vs_base": rates["lora"]["adapter"] / rates["lora"]["base"]},
+    }
+    r = result["ratios"]
+    print(f"vLLM {r['vllm_vs_hf_per_prompt']:.1f}x HF per-prompt, {r['vllm_vs_hf_batched']:.1f}x HF batched; "
+          f"fresh adapter ({default_mode}) {r['adapter_vs_base']:.2f}x base; "
+          f"LoRA slot {r['lora_slot_vs_base']:.2f}x base")
+    return result
+
+
+# ---- hot update ----------------------------------------------------------------------------
+async def _hot_update(args) -> dict:
+    """Push `pushes` versions through a real gRPC server while clients keep requests in flight;
+    measure last chunk sent -> first completion served by the new version."""
+    import grpc
+
+    from hotloop import adapters, grpcutil, models
+    from hotloop.proto.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
+    from services.rollout.config import RolloutConfig
+    from services.rollout.core import RolloutCore
+    from services.rollout.server import serve
+
+    model_dir = models.resolve(args.model)
+    tmp = Path(tempfile.mkdtemp(prefix="hotloop-hot-"))
+    token = "bench"
+    cfg = RolloutConfig(update_mode=args.mode, max_lora_rank=max(16, args.rank), cpu_reserved_cpus=0)
+    core = RolloutCore(cfg, model_dir, base_model=args.model, max_model_len=1024, storage_dir=tmp / "store")
+    await core.start()
+    server, port, _ = await serve(core, "127.0.0.1:0", token)
+    ch = grpcutil.channel(f"127.0.0.1:{port}")
+    stub = rollout_pb2_grpc.RolloutStub(ch)
+    archives = []
+    for i in range(min(args.pushes, 4)):  # distinct adapters, reused round-robin
+        d = _make_bench_adapter(model_dir, tmp / f"a{i}", args.rank, seed=i)
+        archives.append(adapters.pack(d))
+    print(f"adapter archive: {len(archives[0]) / 1e6:.1f} MB (r={args.rank}, all linear); mode {core.mode}")
+    stop = asyncio.Event()
+    failed = {"n": 0, "errors": []}
+    served = {"n": 0}
+
+    async def user_traffic(seed: int) -> None:
+        while not stop.is_set():
+            req = rollout_pb2.GenerateRequest(
+                prompts=[common_pb2.Prompt(chat=common_pb2.ChatMessages(messages=[
+                    common_pb2.ChatMessage(role="user", content=CODE_PROMPTS[seed % 8])]))],
+                sampling=common_pb2.SamplingParams(n=2, max_tokens=32, seed=seed))
+            try:
+                async for _ in stub.Generate(req):
+                    pass
+                served["n"] += 1
+            except grpc.aio.AioRpcError as e:
+                failed["n"] += 1
+                failed["errors"].append(e.details())
+
+    users = [asyncio.create_task(user_traffic(i)) for i in range(3)]
+    await asyncio.sleep(1.0)
+    latencies = []
+    probe = rollout_pb2.GenerateRequest(
+        prompts=[common_pb2.Prompt(text="def f(x):")],
+        sampling=common_pb2.SamplingParams(max_tokens=1, temperature=0))
+    try:
+        for i in range(args.pushes):
+            v = i + 1
+            data = archives[i % len(archives)]
+            sent = {}
+
+            def messages():
+                info = common_pb2.VersionInfo(version=v, sha256=adapters.sha256(data), bytes=len(data),
+                                              base_model=args.model)
+                yield rollout_pb2.AdapterChunk(header=rollout_pb2.AdapterHeader(info=info, make_latest=True))
+                for off in range(0, len(data), grpcutil.CHUNK_BYTES):
+                    yield rollout_pb2.AdapterChunk(data=data[off: off + grpcutil.CHUNK_BYTES])
+                sent["t"] = time.perf_counter()
+
+            push = asyncio.create_task(stub.PushAdapter(messages(), metadata=grpcutil.bearer(token)))
+            # Probe until a completion says it came from version v: that is the first token
+            # served by the new weights (max_tokens=1).
+            while True:
+                out = [c async for c in stub.Generate(probe)]
+                if out[0].policy_version == v:
+                    latencies.append((time.perf_counter() - sent["t"]) * 1e3)
+                    break
+            await push
+            await asyncio.sleep(0.2)
+    finally:
+        stop.set()
+        await asyncio.gather(*users)
+        await ch.close()
+        await server.stop(0)
+        await core.stop()
+    q = statistics.quantiles(latencies, n=20) if len(latencies) >= 2 else latencies * 19
+    result = {
+        "push_to_first_token_ms": {"p50": statistics.median(latencies), "p95": q[18],
+                                   "min": min(latencies), "max": max(latencies)},
+        "pushes": len(latencies), "failed_requests": failed["n"], "served_requests": served["n"],
+        "mode": core.mode, "rank": args.rank, "archive_bytes": len(archives[0]),
+        "errors": failed["errors"][:5],
+    }
+    print(f"push -> first token of the new version: p50 {result['push_to_first_token_ms']['p50']:.1f} ms, "
+          f"p95 {result['push_to_first_token_ms']['p95']:.1f} ms over {len(latencies)} pushes "
+          f"({core.mode}); user requests served {served['n']}, failed {failed['n']}")
+    return result
+
+
+def bench_sandbox(args) -> dict:
+    from services.reward.bench import bench_sandbox as run
+
+    local = run(args.samples, "local")
+    ray = run(args.samples, "ray")
+    result = {"local": local, "ray": ray}
+    print(json.dumps(result, indent=2))
+    return result
+
+
+def main(args) -> int:
+    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+    if args.bench == "rollout":
+        result = bench_rollout(args)
+    elif args.bench == "hot-update":
+        result = asyncio.run(_hot_update(args))
+    else:
+        result = bench_sandbox(args)
+    _write_json(args.json, result)
+    return 0

@@ -1,0 +1,177 @@
+"""The `hotloop` command line.
+
+Only argparse is imported at module level: every command imports what it needs when it runs,
+so `hotloop --help` is instant (torch, vLLM, peft and Ray take seconds to import).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+SERVICES = ["rollout", "reward", "reference", "gateway"]
+
+
+def _config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help="TOML config file (see configs/)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config value, e.g. --set model.name=/path/to/model")
+
+
+def cmd_models(args) -> int:
+    from hotloop import models
+
+    if args.action == "list":
+        for name, km in models.KNOWN_MODELS.items():
+            target = models.cache_dir() / name
+            state = "pulled" if (target / models.MANIFEST).exists() else "not pulled"
+            print(f"{name:28s} {state:11s} {km.description}")
+        print(f"cache: {models.cache_dir()}")
+        return 0
+    path = models.pull(args.name, force=args.force)
+    print(path)
+    return 0
+
+
+def cmd_up(args) -> int:
+    from hotloop import config
+    from hotloop.launcher import ALL_SERVICES, Mesh
+
+    mesh_cfg = config.load_mesh(config.raw_config(args.config, args.set))
+    services = args.services.split(",") if args.services else ALL_SERVICES
+    services = [s for s in services if _service_available(s)]
+    mesh = Mesh(mesh_cfg, args.config, args.set, services)
+    info = mesh.start()
+    print(f"[hotloop up] mesh is up: {info.endpoints}; mesh file {info.run_dir}/mesh.json. Ctrl-C stops it.",
+          flush=True)
+    return mesh.watch()
+
+
+def _service_available(name: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(f"services.{name}.__main__") is not None
+
+
+def cmd_serve(args) -> int:
+    if not _service_available(args.service):
+        print(f"service {args.service!r} is not available", file=sys.stderr)
+        return 2
+    os.execv(sys.executable, [sys.executable, "-m", f"services.{args.service}", *args.rest])
+    return 0  # not reached
+
+
+def cmd_bench(args) -> int:
+    from hotloop import bench
+
+    return bench.main(args)
+
+
+def cmd_train(args) -> int:
+    from hotloop.train import main as train_main
+
+    return train_main(args)
+
+
+def cmd_eval(args) -> int:
+    from hotloop.evaluate import main as eval_main
+
+    return eval_main(args)
+
+
+def cmd_trace(args) -> int:
+    from hotloop.tracebudget import main as trace_main
+
+    return trace_main(args)
+
+
+def cmd_demo(args) -> int:
+    from hotloop.demo import main as demo_main
+
+    return demo_main(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="hotloop",
+        description="RL fine-tuning (GRPO, PPO) of LLMs around a serving engine with hot LoRA updates.",
+    )
+    sub = p.add_subparsers(dest="command", required=True)
+
+    m = sub.add_parser("models", help="provision models")
+    msub = m.add_subparsers(dest="action", required=True)
+    pull = msub.add_parser("pull", help="provision a model into the cache as a Hugging Face directory")
+    pull.add_argument("name", nargs="?", default="smollm2-135m-instruct",
+                      help="known name, local HF directory, or hub id")
+    pull.add_argument("--force", action="store_true", help="re-provision even if cached")
+    msub.add_parser("list", help="known models and whether they are pulled")
+    m.set_defaults(fn=cmd_models)
+
+    up = sub.add_parser("up", help="start NATS and every service on loopback; Ctrl-C stops all")
+    _config_args(up)
+    up.add_argument("--services", help=f"comma-separated subset of {SERVICES}")
+    up.set_defaults(fn=cmd_up)
+
+    serve = sub.add_parser("serve", help="run one service in the foreground (as compose does)")
+    serve.add_argument("service", choices=SERVICES)
+    serve.add_argument("rest", nargs=argparse.REMAINDER, help="--config F --set K=V --port-file F")
+    serve.set_defaults(fn=cmd_serve)
+
+    b = sub.add_parser("bench", help="benchmarks that print ratios against a baseline measured in the same run")
+    bsub = b.add_subparsers(dest="bench", required=True)
+    br = bsub.add_parser("rollout", help="tokens/s: HF generate (per prompt, batched) vs vLLM, with/without adapter")
+    br.add_argument("--model", default="smollm2-135m-instruct")
+    br.add_argument("--prompts", type=int, default=8)
+    br.add_argument("--n", type=int, default=8)
+    br.add_argument("--max-tokens", type=int, default=128)
+    br.add_argument("--repeats", type=int, default=3)
+    br.add_argument("--json", help="write results here")
+    bh = bsub.add_parser("hot-update", help="push-to-first-token latency of new versions under load")
+    bh.add_argument("--model", default="smollm2-135m-instruct")
+    bh.add_argument("--pushes", type=int, default=20)
+    bh.add_argument("--mode", choices=["merged", "lora", "auto"], default="auto")
+    bh.add_argument("--rank", type=int, default=16)
+    bh.add_argument("--json", help="write results here")
+    bs = bsub.add_parser("sandbox", help="scored samples/s: local process pool vs Ray actors")
+    bs.add_argument("--samples", type=int, default=64)
+    bs.add_argument("--json", help="write results here")
+    b.set_defaults(fn=cmd_bench)
+
+    t = sub.add_parser("train", help="run a training job against a running mesh")
+    tsub = t.add_subparsers(dest="algorithm", required=True)
+    tg = tsub.add_parser("grpo", help="GRPO on LoRA")
+    _config_args(tg)
+    tg.add_argument("--run-dir", help="mesh run directory (default: from config)")
+    tg.set_defaults(fn=cmd_train)
+
+    e = sub.add_parser("eval", help="pass@k of a policy version on held-out tasks or HumanEval")
+    _config_args(e)
+    e.add_argument("--tasks", default="builtin", help="builtin | humaneval | path/to/tasks.jsonl")
+    e.add_argument("--split", default="heldout")
+    e.add_argument("--version", type=int, default=0, help="policy version (0: base model)")
+    e.add_argument("--samples", type=int, default=4, help="samples per task")
+    e.add_argument("--limit", type=int, default=0, help="first N tasks only")
+    e.add_argument("--k", type=int, action="append", help="report pass@k (repeatable)")
+    e.set_defaults(fn=cmd_eval)
+
+    tr = sub.add_parser("trace", help="turn traces into a latency budget")
+    trs = tr.add_subparsers(dest="action", required=True)
+    tb = trs.add_parser("budget", help="time and share per stage from JSON-lines trace files")
+    tb.add_argument("paths", nargs="+", help="trace .jsonl files or directories")
+    tb.add_argument("--root", default="", help="span name of the loop (default: the longest roots)")
+    tr.set_defaults(fn=cmd_trace)
+
+    d = sub.add_parser("demo", help="start the mesh and run the GRPO demo, then write a report")
+    _config_args(d)
+    d.set_defaults(fn=cmd_demo)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.fn(args) or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,41 @@
+"""Typed configuration of the reference service core (pydantic; no torch import here).
+
+Owns: the model, backend choice, precision and batching of reference logprobs. Does not own:
+the listen address or telemetry (the server and shared config layers).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class ReferenceConfig(BaseModel):
+    """Frozen base-model logprobs for the KL term."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    model: str = "smollm2-135m-instruct"
+    """Base model: a known name, a local HF directory, or a hub id (see hotloop.models). Must be
+    the trainer's base model, or the KL anchors to the wrong distribution."""
+    backend: Literal["torch"] = "torch"
+    """Scoring engine. "torch": HF model, completion-only chunked logprobs (the trainer's own
+    code, so both agree by construction). A "vllm" backend (prompt_logprobs, engine built
+    without LoRA) plugs in at `core.make_backend`."""
+    dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    """Compute dtype; use the trainer's, or the KL picks up the bf16/fp32 gap (~1e-2 per token
+    on logprobs) as if it were policy drift."""
+    token_budget: int = Field(4096, ge=16)
+    """Padded tokens (rows x longest prompt+completion) per forward pass; also the most tokens
+    the streaming path groups into one batch."""
+    chunk_tokens: int = Field(512, ge=1)
+    """Completion positions per output-head chunk (a [chunk, vocab] fp32 block each)."""
+    temperature: float = Field(1.0, gt=0)
+    """Logits are divided by this before the log-softmax; match the trainer's temperature so
+    the KL compares like with like."""
+    torch_threads: int | None = Field(None, ge=1)
+    """torch intra-op threads (None: torch's default)."""
+    flush_denormal: bool = True
+    """Flush float denormals to zero on the CPU (process-wide); denormal arithmetic is
+    10-100x slower there and changes nothing a logprob can resolve."""

@@ -1,0 +1,205 @@
+"""The reference core: per-token logprobs of completions under the frozen base model.
+
+Owns: the request/result dataclasses, the backend interface and the one factory that picks a
+backend, the torch backend (HF model, no adapter, eval, inference mode, the shared
+completion-only chunked computation from `hotloop.logprobs`, micro-batched by a padded-token
+budget), and the async path for a bidirectional stream: take whatever requests are waiting,
+up to the token budget, score them off the event loop, yield results in arrival order.
+
+Does not own: gRPC (server.py converts protos and maps `ValueError` to INVALID_ARGUMENT),
+the trainer's policy, or deciding which model is "the base" (config).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from abc import ABC, abstractmethod
+from collections import deque
+from collections.abc import AsyncIterable, AsyncIterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from hotloop.logprobs import collate, completion_logprobs, plan_micro_batches
+from hotloop.models import resolve
+from services.reference.config import ReferenceConfig
+
+Pair = tuple[Sequence[int], Sequence[int]]  # (prompt_ids, completion_ids)
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+@dataclass(frozen=True)
+class LogprobsRequest:
+    id: str
+    prompt_ids: Sequence[int]
+    completion_ids: Sequence[int]
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.completion_ids)
+
+
+@dataclass(frozen=True)
+class LogprobsResult:
+    id: str
+    logprobs: list[float]  # one per completion token: log p(c_t | prompt, c_<t)
+
+
+class ReferenceBackend(ABC):
+    """Scores (prompt, completion) pairs; owns its own batching (vLLM schedules itself)."""
+
+    @abstractmethod
+    def score(self, pairs: Sequence[Pair]) -> list[list[float]]:
+        """Per-token completion logprobs, one list per pair, in the given order. Raises
+        ValueError on a request it cannot score (empty prompt, token id out of vocabulary)."""
+
+
+class TorchBackend(ReferenceBackend):
+    """Exact reference logprobs with the same code path as the trainer's policy."""
+
+    def __init__(self, cfg: ReferenceConfig, model_dir: Path | None = None) -> None:
+        self.cfg = cfg
+        if cfg.torch_threads is not None:
+            torch.set_num_threads(cfg.torch_threads)
+        if cfg.flush_denormal:
+            torch.set_flush_denormal(True)  # process-wide; a no-op where unsupported
+        path = Path(model_dir) if model_dir is not None else resolve(cfg.model)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=_DTYPES[cfg.dtype])
+        model.eval().requires_grad_(False)
+        self.model = model
+        mc = model.config
+        pad = mc.pad_token_id if mc.pad_token_id is not None else mc.eos_token_id
+        self.pad_id = int(pad if isinstance(pad, int) else 0)
+        self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
+
+    def _autocast(self) -> contextlib.AbstractContextManager[Any]:
+        # The trainer runs its bf16 base under autocast; doing the same here keeps the ops
+        # (and so the rounding) identical, which is what lets the two agree to ~1e-6.
+        if self.cfg.dtype == "float32":
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.model.device.type, dtype=torch.bfloat16)
+
+    def _check(self, pairs: Sequence[Pair]) -> None:
+        for i, (p, c) in enumerate(pairs):
+            if len(p) == 0:
+                raise ValueError(f"request {i}: empty prompt (at least one token is required)")
+            bad = [t for t in (*p, *c) if not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(f"request {i}: token ids {bad[:5]} outside [0, {self.vocab_size})")
+
+    @torch.inference_mode()
+    def score(self, pairs: Sequence[Pair]) -> list[list[float]]:
+        self._check(pairs)
+        out: list[list[float]] = [[] for _ in pairs]
+        lengths = [len(p) + len(c) for p, c in pairs]
+        for idx in plan_micro_batches(lengths, self.cfg.token_budget):
+            batch = collate([pairs[i] for i in idx], pad_id=self.pad_id)
+            with self._autocast():
+                lp = completion_logprobs(
+                    self.model,
+                    batch,
+                    chunk_tokens=self.cfg.chunk_tokens,
+                    temperature=self.cfg.temperature,
+                )
+            for i, row in zip(idx, lp.rows()):
+                out[i] = row
+        return out
+
+
+def make_backend(cfg: ReferenceConfig, model_dir: Path | None = None) -> ReferenceBackend:
+    """The one place that maps `cfg.backend` to an implementation.
+
+    Extension point for "vllm": add the literal to `ReferenceConfig.backend` and a case here
+    returning a backend that asks an engine built *without* LoRA for `prompt_logprobs` of
+    prompt+completion (NOTES.md: that works without LoRA, crashes with `enable_lora=True`).
+    """
+    match cfg.backend:
+        case "torch":
+            return TorchBackend(cfg, model_dir)
+        case other:  # unreachable through a validated config
+            raise ValueError(f"unknown reference backend {other!r}")
+
+
+_END = object()
+
+
+class ReferenceCore:
+    """Frozen base-model logprobs, as plain calls (tests, colocated) or a request stream."""
+
+    def __init__(
+        self,
+        cfg: ReferenceConfig,
+        backend: ReferenceBackend | None = None,
+        model_dir: Path | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.backend = backend if backend is not None else make_backend(cfg, model_dir)
+
+    def logprobs(self, requests: Sequence[LogprobsRequest]) -> list[LogprobsResult]:
+        """Score requests; results come back in request order."""
+        if not requests:
+            return []
+        rows = self.backend.score([(r.prompt_ids, r.completion_ids) for r in requests])
+        return [LogprobsResult(id=r.id, logprobs=row) for r, row in zip(requests, rows)]
+
+    async def stream(
+        self, requests: AsyncIterable[LogprobsRequest]
+    ) -> AsyncIterator[LogprobsResult]:
+        """Results for a stream of requests, in arrival order.
+
+        A reader task drains `requests` into a queue so that, whenever the scorer is free, it
+        takes everything already waiting (FIFO, up to `token_budget` tokens, at least one
+        request) as one batch; it never waits for more to arrive. Scoring runs in a worker
+        thread so the event loop (and the gRPC server on it) stays responsive. An error from
+        the request iterator or the backend propagates to the consumer.
+        """
+        queue: asyncio.Queue[Any] = asyncio.Queue()
+
+        async def read() -> None:
+            try:
+                async for r in requests:
+                    await queue.put(r)
+                await queue.put(_END)
+            except Exception as e:  # handed to the consumer, which re-raises it
+                await queue.put(e)
+
+        reader = asyncio.create_task(read())
+        pending: deque[LogprobsRequest] = deque()
+        ended = False
+
+        def take(item: Any) -> None:
+            nonlocal ended
+            if isinstance(item, Exception):
+                raise item
+            if item is _END:
+                ended = True
+            else:
+                pending.append(item)
+
+        try:
+            while True:
+                if not pending and not ended:
+                    take(await queue.get())
+                while not ended:  # everything already waiting, without blocking
+                    try:
+                        take(queue.get_nowait())
+                    except asyncio.QueueEmpty:
+                        break
+                if not pending:
+                    return
+                batch = [pending.popleft()]
+                used = batch[0].num_tokens
+                while pending and used + pending[0].num_tokens <= self.cfg.token_budget:
+                    used += pending[0].num_tokens
+                    batch.append(pending.popleft())
+                for result in await asyncio.to_thread(self.logprobs, batch):
+                    yield result
+        finally:
+            reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await reader

@@ -1,0 +1,247 @@
+"""RL algorithm units: advantages and the policy objective, as small pure tensor functions.
+
+Owns: group-relative advantages (GRPO / Dr.GRPO), the REINFORCE advantage, the clipped
+importance-ratio objective with a k3 KL term and two aggregation modes, GAE and a clipped value
+loss (for PPO once the policy grows a value head), and `make_algorithm`, the only place that
+branches on the algorithm name.
+
+Does not own: models, batching, optimizers (policy.py), or where rewards come from.
+Shapes: B sequences, T completion tokens (right-padded, `mask` marks real tokens),
+num_groups x G for GRPO groups.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+from torch import Tensor
+
+from services.trainer.config import LossSettings, TrainerConfig
+
+# exp(ref - logp) in the k3 estimator overflows float32 past ~88; a log-ratio of 20 already
+# means the policy is e^20 times likelier than the reference on that token.
+_MAX_LOG_RATIO = 20.0
+
+
+def group_advantages(rewards: Tensor, *, scale_by_std: bool = True, eps: float = 1e-6) -> Tensor:
+    """GRPO advantages: reward minus its group's mean, divided by the group's std (+ eps).
+
+    rewards: [num_groups, G] -> advantages [num_groups, G] (float32).
+    `scale_by_std=False` is Dr.GRPO (the std division re-weights groups by how easy they are).
+    A group whose rewards are all equal carries no signal and gets exactly zero advantage;
+    the std is the unbiased one (torch default, as in TRL and torchtune).
+    """
+    rewards = rewards.float()
+    centred = rewards - rewards.mean(dim=1, keepdim=True)  # [num_groups, G]
+    if scale_by_std:
+        centred = centred / (rewards.std(dim=1, keepdim=True) + eps)
+    constant = (rewards == rewards[:, :1]).all(dim=1, keepdim=True)  # [num_groups, 1]
+    # Exact zero: float rounding of mean() could otherwise leave +-1e-8 / eps-sized values.
+    return torch.where(constant, torch.zeros_like(centred), centred)
+
+
+def reinforce_advantages(rewards: Tensor, *, baseline: float = 0.0) -> Tensor:
+    """REINFORCE with a constant baseline: rewards [N] -> advantages [N] (float32)."""
+    return rewards.float() - baseline
+
+
+def k3_kl(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
+    """Per-token KL(pi || pi_ref) estimate, k3 = exp(d) - d - 1 with d = ref - logp. [B, T].
+
+    Schulman's k3 is unbiased for KL(pi || pi_ref) under samples from pi, always >= 0, and 0
+    exactly where the two logprobs agree.
+    """
+    d = (ref_logprobs - logprobs).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+    return torch.exp(d) - d - 1.0
+
+
+def loss_normalizer(lengths: Sequence[int], aggregation: str) -> float:
+    """The denominator of a whole batch: its token count ("token") or its non-empty sequences
+    ("sequence"). Pass it to every micro-batch's `policy_loss` so that summing micro-batch
+    losses gives the full-batch loss exactly (not a mean of micro-batch means)."""
+    if aggregation == "token":
+        return float(max(sum(lengths), 1))
+    return float(max(sum(1 for n in lengths if n > 0), 1))
+
+
+def aggregate(
+    per_token: Tensor, mask: Tensor, aggregation: str, normalizer: float | None = None
+) -> Tensor:
+    """per_token, mask: [B, T] -> scalar.
+
+    "token": sum over all real tokens / normalizer (default: their count).
+    "sequence": sum over sequences of each sequence's token mean / normalizer (default: the
+    number of non-empty sequences).
+    """
+    masked = torch.where(mask, per_token, torch.zeros_like(per_token))  # pads may hold nan
+    lengths = mask.sum(dim=1)  # [B]
+    if normalizer is None:
+        normalizer = loss_normalizer(lengths.tolist(), aggregation)
+    if aggregation == "token":
+        return masked.sum() / normalizer
+    per_seq = masked.sum(dim=1) / lengths.clamp(min=1)  # [B]
+    return per_seq.sum() / normalizer
+
+
+def policy_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    ref_logprobs: Tensor | None,
+    advantages: Tensor,
+    mask: Tensor,
+    cfg: LossSettings,
+    *,
+    normalizer: float | None = None,
+    entropy: Tensor | None = None,
+) -> tuple[Tensor, dict[str, float]]:
+    """Clipped importance-ratio policy-gradient loss plus beta * k3 KL. Returns (loss, metrics).
+
+    logprobs:      [B, T] current policy, differentiable.
+    old_logprobs:  [B, T] the rollout engine's logprobs of the sampled tokens (no recompute:
+                   any sampler/trainer mismatch and staleness live in the ratio and are
+                   bounded by the clip and `ratio_cap`).
+    ref_logprobs:  [B, T] frozen reference, or None (required when cfg.kl_beta > 0).
+    advantages:    [B] per sequence (broadcast over tokens) or [B, T] per token.
+    mask:          [B, T] bool, real completion tokens.
+    normalizer:    the whole batch's denominator (`loss_normalizer`) when this call sees one
+                   micro-batch of it.
+
+    Per token, with r = exp(logp - old):
+        pg = -min(r * A, clip(r, 1 - eps_low, 1 + eps_high) * A)
+        (A < 0 and ratio_cap: pg = min(pg, -ratio_cap * A), the dual clip)
+        kl = exp(ref - logp) - (ref - logp) - 1      (k3, >= 0)
+        loss_t = pg + kl_beta * kl
+    and `cfg.aggregation` turns loss_t into a scalar. Metrics are token means over this call.
+    """
+    if advantages.dim() == 1:
+        advantages = advantages[:, None]  # [B, 1] broadcasts over tokens
+    advantages = advantages.to(logprobs.dtype)
+    log_ratio = (logprobs - old_logprobs).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+    ratio = torch.exp(log_ratio)  # [B, T]
+    clipped = ratio.clamp(1.0 - cfg.clip_eps_low, 1.0 + cfg.clip_eps_high)
+    pg = -torch.minimum(ratio * advantages, clipped * advantages)  # [B, T]
+    if cfg.ratio_cap is not None:
+        # Only A < 0 needs it: for A > 0 the min above already stops at 1 + eps_high.
+        pg = torch.where(advantages < 0, torch.minimum(pg, -cfg.ratio_cap * advantages), pg)
+
+    per_token = pg
+    kl = None
+    if cfg.kl_beta > 0:
+        if ref_logprobs is None:
+            raise ValueError("kl_beta > 0 needs ref_logprobs")
+        kl = k3_kl(logprobs, ref_logprobs)
+        per_token = pg + cfg.kl_beta * kl
+    loss = aggregate(per_token, mask, cfg.aggregation, normalizer)
+
+    with torch.no_grad():
+        n = mask.sum().clamp(min=1)
+
+        def mean(x: Tensor) -> float:
+            return float(torch.where(mask, x, torch.zeros_like(x)).sum() / n)
+
+        # A token is clipped when the clip, not the ratio, sets its gradient (to zero).
+        is_clipped = ((advantages > 0) & (ratio > 1.0 + cfg.clip_eps_high)) | (
+            (advantages < 0) & (ratio < 1.0 - cfg.clip_eps_low)
+        )
+        metrics = {
+            "pg_loss": mean(pg),
+            "ratio_mean": mean(ratio),
+            "clip_frac": mean(is_clipped.float()),
+            "tokens": float(mask.sum()),
+        }
+        if cfg.ratio_cap is not None:
+            metrics["capped_frac"] = mean(((advantages < 0) & (ratio > cfg.ratio_cap)).float())
+        if kl is None and ref_logprobs is not None:
+            kl = k3_kl(logprobs, ref_logprobs)  # still worth watching when beta is 0
+        if kl is not None:
+            metrics["kl"] = mean(kl)
+        if entropy is not None:
+            metrics["entropy"] = mean(entropy)
+    return loss, metrics
+
+
+def gae(
+    rewards: Tensor, values: Tensor, mask: Tensor, *, gamma: float = 1.0, lam: float = 0.95
+) -> tuple[Tensor, Tensor]:
+    """Generalized advantage estimation over right-padded token sequences.
+
+    rewards, values, mask: [B, T]; values[t] = V(prefix before token t); the value after the
+    last real token is 0 (the episode ends). Returns (advantages, returns), both [B, T], 0 on
+    padding; returns = advantages + values are the value-function targets.
+    """
+    mask_f = mask.float()
+    B, T = rewards.shape
+    advantages = torch.zeros_like(rewards, dtype=torch.float32)
+    running = torch.zeros(B, dtype=torch.float32, device=rewards.device)  # A_{t+1}
+    for t in reversed(range(T)):
+        alive_next = mask_f[:, t + 1] if t + 1 < T else torch.zeros_like(running)
+        next_value = values[:, t + 1] * alive_next if t + 1 < T else torch.zeros_like(running)
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        running = (delta + gamma * lam * alive_next * running) * mask_f[:, t]
+        advantages[:, t] = running
+    return advantages, (advantages + values) * mask_f
+
+
+def value_loss(
+    values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor, *, clip_eps: float = 0.2
+) -> Tensor:
+    """PPO's clipped value loss, token mean: 0.5 * max((v - R)^2, (clip(v, old +- eps) - R)^2).
+
+    values (differentiable), old_values, returns, mask: [B, T].
+    """
+    clipped = old_values + (values - old_values).clamp(-clip_eps, clip_eps)
+    per_token = 0.5 * torch.maximum((values - returns) ** 2, (clipped - returns) ** 2)
+    return aggregate(per_token, mask, "token")
+
+
+@dataclass(frozen=True)
+class Algorithm:
+    """An advantage estimator paired with the policy objective. Build with `make_algorithm`."""
+
+    name: str
+    loss_cfg: LossSettings
+    _advantages: Callable[[Tensor], Tensor]
+
+    def advantages(self, rewards: Tensor) -> Tensor:
+        """GRPO: rewards [num_groups, G] -> [num_groups, G]; REINFORCE: [N] -> [N]."""
+        return self._advantages(rewards)
+
+    def loss(
+        self,
+        logprobs: Tensor,
+        old_logprobs: Tensor,
+        ref_logprobs: Tensor | None,
+        advantages: Tensor,
+        mask: Tensor,
+        *,
+        normalizer: float | None = None,
+        entropy: Tensor | None = None,
+    ) -> tuple[Tensor, dict[str, float]]:
+        """`policy_loss` with this algorithm's settings."""
+        return policy_loss(
+            logprobs,
+            old_logprobs,
+            ref_logprobs,
+            advantages,
+            mask,
+            self.loss_cfg,
+            normalizer=normalizer,
+            entropy=entropy,
+        )
+
+
+def make_algorithm(cfg: TrainerConfig) -> Algorithm:
+    """The one place that maps `cfg.algorithm` to code."""
+    lc = cfg.loss
+    adv: Callable[[Tensor], Tensor]
+    match cfg.algorithm:
+        case "grpo":
+            adv = partial(group_advantages, scale_by_std=lc.scale_advantages_by_std)
+        case "reinforce":
+            adv = partial(reinforce_advantages, baseline=lc.reinforce_baseline)
+        case other:  # unreachable through a validated config
+            raise ValueError(f"unknown algorithm {other!r}")
+    return Algorithm(name=cfg.algorithm, loss_cfg=lc, _advantages=adv)

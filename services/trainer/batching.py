@@ -1,0 +1,107 @@
+"""Training samples and their micro-batches.
+
+Owns: `Sample` (one scored completion as the trainer receives it) and turning a step's samples
+into padded micro-batches that fit a token budget, each remembering which samples it holds.
+The budget planning and padding themselves are shared with the reference service
+(`hotloop.logprobs`). Does not own: loss normalisation across micro-batches (policy.py passes
+one whole-batch normalizer to every micro-batch) or where samples come from.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from hotloop.logprobs import CompletionBatch, collate, plan_micro_batches
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One completion with everything the loss needs.
+
+    old_logprobs: the rollout engine's logprob of each sampled completion token.
+    advantage: one value for the whole sequence (GRPO, REINFORCE) or one per token.
+    ref_logprobs: the reference model's logprob per token; None when the KL term is off.
+    """
+
+    prompt_ids: Sequence[int]
+    completion_ids: Sequence[int]
+    old_logprobs: Sequence[float]
+    advantage: float | Sequence[float]
+    ref_logprobs: Sequence[float] | None = None
+
+    def __post_init__(self) -> None:
+        n = len(self.completion_ids)
+        if len(self.prompt_ids) == 0:
+            raise ValueError("a sample needs at least one prompt token")
+        if len(self.old_logprobs) != n:
+            raise ValueError(f"old_logprobs has {len(self.old_logprobs)} values for {n} tokens")
+        if self.ref_logprobs is not None and len(self.ref_logprobs) != n:
+            raise ValueError(f"ref_logprobs has {len(self.ref_logprobs)} values for {n} tokens")
+        if not isinstance(self.advantage, (int, float)) and len(self.advantage) != n:
+            raise ValueError(f"advantage has {len(self.advantage)} values for {n} tokens")
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt + completion: what a forward pass over this sample costs."""
+        return len(self.prompt_ids) + len(self.completion_ids)
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """Samples `indices` (positions in the step's list), padded to [B, Tc] per token."""
+
+    indices: list[int]
+    batch: CompletionBatch
+    old_logprobs: Tensor  # [B, Tc] float32
+    ref_logprobs: Tensor | None  # [B, Tc] float32
+    advantages: Tensor  # [B, Tc] float32 (a sequence-level advantage is repeated per token)
+
+    @property
+    def mask(self) -> Tensor:  # [B, Tc] bool
+        return self.batch.completion_mask
+
+
+def _pad(rows: Sequence[Sequence[float]], width: int) -> Tensor:
+    out = torch.zeros((len(rows), width), dtype=torch.float32)  # [B, Tc]
+    for i, r in enumerate(rows):
+        out[i, : len(r)] = torch.tensor(list(r), dtype=torch.float32)
+    return out
+
+
+def make_micro_batches(
+    samples: Sequence[Sample], token_budget: int, pad_id: int = 0
+) -> list[MicroBatch]:
+    """Split samples into padded micro-batches of at most `token_budget` padded tokens
+    (a single sample over the budget gets one of its own)."""
+    with_ref = [s.ref_logprobs is not None for s in samples]
+    if any(with_ref) and not all(with_ref):
+        raise ValueError("either every sample carries ref_logprobs or none does")
+    out = []
+    for idx in plan_micro_batches([s.num_tokens for s in samples], token_budget):
+        group = [samples[i] for i in idx]
+        batch = collate([(s.prompt_ids, s.completion_ids) for s in group], pad_id=pad_id)
+        width = batch.completion_ids.shape[1]
+        advantages = [
+            [float(s.advantage)] * len(s.completion_ids)
+            if isinstance(s.advantage, (int, float))
+            else s.advantage
+            for s in group
+        ]
+        out.append(
+            MicroBatch(
+                indices=idx,
+                batch=batch,
+                old_logprobs=_pad([s.old_logprobs for s in group], width),
+                ref_logprobs=(
+                    _pad([s.ref_logprobs for s in group], width)  # type: ignore[misc]
+                    if all(with_ref)
+                    else None
+                ),
+                advantages=_pad(advantages, width),
+            )
+        )
+    return out

@@ -1,0 +1,138 @@
+"""Typed configuration of the trainer service (pydantic; no torch import here).
+
+Owns: every knob of the trainer core (algorithm, loss, optimizer, LoRA, batching, precision,
+checkpoints) and the GRPO loop sizes the trainer reports. Does not own: addresses, ports and
+bus settings (the server and shared config layers add those).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class _Strict(BaseModel):
+    # A misspelled key in a config file is an error, not a silently ignored default.
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+
+class LoraSettings(_Strict):
+    """The LoRA adapter that is trained and published as a policy version."""
+
+    r: int = Field(16, ge=1, le=256)
+    """Adapter rank."""
+    alpha: float = Field(32.0, gt=0)
+    """LoRA scaling numerator: the update is scaled by alpha / r."""
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    """Dropout on the adapter input. Default 0: with dropout the trainer's logprobs are a noisy
+    estimate of the policy the rollout sampled, so the importance ratio is not 1 even before the
+    first update."""
+    target_modules: Literal["all-linear"] | list[str] = "all-linear"
+    """Modules to adapt: "all-linear" (every linear layer but the output head) or names such as
+    ["q_proj", "v_proj"]."""
+
+
+class OptimizerSettings(_Strict):
+    """AdamW over the LoRA parameters only."""
+
+    lr: float = Field(1e-5, gt=0, le=1.0)
+    """Learning rate (constant)."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW betas."""
+    weight_decay: float = Field(0.0, ge=0.0)
+    """Decoupled weight decay on the LoRA parameters."""
+    max_grad_norm: float = Field(1.0, gt=0)
+    """Clip the global gradient norm to this value before each step."""
+
+    @model_validator(mode="after")
+    def _betas_in_range(self) -> OptimizerSettings:
+        if not all(0.0 <= b < 1.0 for b in self.betas):
+            raise ValueError(f"betas must lie in [0, 1), got {self.betas}")
+        return self
+
+
+class LossSettings(_Strict):
+    """The clipped policy-gradient objective shared by every algorithm (algorithms.py)."""
+
+    clip_eps_low: float = Field(0.2, ge=0.0, lt=1.0)
+    """PPO clip: the ratio is clipped below at 1 - clip_eps_low (matters for A < 0)."""
+    clip_eps_high: float = Field(0.2, ge=0.0)
+    """PPO clip: the ratio is clipped above at 1 + clip_eps_high (matters for A > 0); a larger
+    value than clip_eps_low is DAPO's "clip-higher"."""
+    ratio_cap: float | None = Field(None, gt=1.0)
+    """Dual-clip / truncated importance sampling: for A < 0 an importance ratio above this cap
+    stops growing the loss. None disables it. Must exceed 1 + clip_eps_high."""
+    kl_beta: float = Field(0.0, ge=0.0)
+    """Coefficient of the k3 KL estimate to the reference (frozen base) model; 0 turns the KL
+    term (and the need for reference logprobs) off."""
+    aggregation: Literal["token", "sequence"] = "token"
+    """How per-token losses become one number: "token" sums over all tokens of the batch and
+    divides by their count (long completions weigh more); "sequence" averages each sequence,
+    then averages sequences (GRPO paper)."""
+    scale_advantages_by_std: bool = True
+    """GRPO: divide group-centred rewards by the group's std. False is Dr.GRPO."""
+    reinforce_baseline: float = 0.0
+    """REINFORCE: advantage = reward - this constant (user feedback of +-1 is already
+    centred)."""
+
+    @model_validator(mode="after")
+    def _cap_above_clip(self) -> LossSettings:
+        if self.ratio_cap is not None and self.ratio_cap <= 1.0 + self.clip_eps_high:
+            raise ValueError("ratio_cap must exceed 1 + clip_eps_high")
+        return self
+
+
+class TrainerConfig(_Strict):
+    """The trainer core: LoRA policy, algorithm, batching, precision and checkpoints."""
+
+    model: str = "smollm2-135m-instruct"
+    """Base model: a known name, a local HF directory, or a hub id (see hotloop.models)."""
+    algorithm: Literal["grpo", "reinforce"] = "grpo"
+    """Advantage estimator; both use the clipped objective. PPO (GAE + a value head) is not a
+    choice until the policy has a value head: `algorithms.gae` / `value_loss` are ready."""
+    loss: LossSettings = Field(default_factory=LossSettings)
+    """Policy objective settings."""
+    optimizer: OptimizerSettings = Field(default_factory=OptimizerSettings)
+    """Optimizer settings."""
+    lora: LoraSettings = Field(default_factory=LoraSettings)
+    """Adapter settings."""
+    micro_batch_tokens: int = Field(2048, ge=16)
+    """Padded tokens (rows x longest prompt+completion) per forward/backward; gradients are
+    accumulated across micro-batches, so this bounds memory without changing the update."""
+    logprob_chunk_tokens: int = Field(512, ge=1)
+    """Completion positions per output-head chunk (each chunk holds a [chunk, vocab] fp32
+    block)."""
+    dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    """Compute dtype. bfloat16 stores the frozen base in bf16 and runs under CPU/CUDA autocast;
+    the LoRA weights, optimizer state and log-softmax stay float32."""
+    torch_threads: int | None = Field(None, ge=1)
+    """torch intra-op threads (None: torch's default). vLLM on the same host competes for the
+    same cores; set both deliberately."""
+    flush_denormal: bool = True
+    """Flush float denormals to zero on the CPU (process-wide). Measured on the tiny model:
+    fp32 steps took 2.8-3.3 s instead of 0.12 s until LoRA B grew out of the denormal range."""
+    seed: int = 0
+    """Seed for torch / python / numpy RNGs at start (a resume restores saved RNG states)."""
+    log_entropy: bool = False
+    """Report the mean policy entropy per step (costs an extra pass over the [chunk, vocab]
+    block)."""
+    temperature: float = Field(1.0, gt=0)
+    """Sampling temperature of the rollouts. The trainer scores logits / temperature, so the
+    rollout's old_logprobs must describe the same distribution: vLLM's default
+    `logprobs_mode="raw_logprobs"` reports T=1 logprobs whatever the sampling temperature;
+    `"processed_logprobs"` reports the tempered ones (and also applies top_p/top_k, which the
+    trainer does not model: sample training rollouts with top_p=1, top_k off)."""
+    checkpoint_dir: Path | None = None
+    """Where checkpoints go (None: no checkpoints)."""
+    checkpoint_interval: int = Field(50, ge=1)
+    """Optimizer steps between checkpoints."""
+    group_size: int = Field(8, ge=1)
+    """GRPO: completions sampled per prompt (G)."""
+    batch_prompts: int = Field(8, ge=1)
+    """Prompts per training step (the batch is batch_prompts x group_size samples)."""
+    max_new_tokens: int = Field(128, ge=1)
+    """Completion length limit for rollouts."""
+    num_steps: int = Field(100, ge=1)
+    """Training steps for a batch run."""

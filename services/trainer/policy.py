@@ -1,0 +1,260 @@
+"""The LoRA policy: a frozen base model with a trainable peft adapter and its optimizer.
+
+Owns: loading the base (HF directory) with a LoRA adapter, AdamW over the adapter only, one
+training update per `train_step` (micro-batches by token budget, exact gradient accumulation,
+clipping, a non-finite guard), scoring completions with or without the adapter, writing the
+adapter as a publishable directory, and checkpoint save/restore (via checkpoint.py).
+
+Does not own: the algorithm math (algorithms.py), sampling, rewards, publishing versions to
+rollout replicas, or the loop. Errors in inputs propagate; a non-finite loss or gradient is a
+result (`StepMetrics.skipped`), not an exception, because one bad batch should not kill a run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import random
+import shutil
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model
+from transformers import AutoModelForCausalLM
+
+from hotloop.logprobs import collate, completion_logprobs, plan_micro_batches
+from hotloop.models import resolve
+from services.trainer.algorithms import loss_normalizer, make_algorithm
+from services.trainer.batching import Sample, make_micro_batches
+from services.trainer.checkpoint import TrainerState, load_checkpoint, save_checkpoint
+from services.trainer.config import TrainerConfig
+
+__all__ = ["LoraPolicy", "Sample", "StepMetrics"]
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+@dataclass
+class StepMetrics:
+    """One `train_step`. Loss-side values are token means over the whole batch."""
+
+    step: int  # optimizer steps applied so far, this one included
+    loss: float
+    grad_norm: float  # before clipping
+    tokens: int  # completion tokens
+    sequences: int
+    micro_batches: int
+    seconds: float
+    lr: float
+    skipped: bool = False
+    skip_reason: str | None = None
+    extra: dict[str, float] = field(default_factory=dict)  # pg_loss, kl, clip_frac, ...
+
+    def as_dict(self) -> dict[str, float]:
+        """Flat numeric view (for TrainerStatus.last_metrics, logs)."""
+        d = {k: float(v) for k, v in asdict(self).items() if isinstance(v, (int, float, bool))}
+        d.update(self.extra)
+        return d
+
+
+class LoraPolicy:
+    """Base model + LoRA adapter + AdamW. Not thread-safe: one caller drives it."""
+
+    def __init__(self, cfg: TrainerConfig, model_dir: Path | None = None) -> None:
+        self.cfg = cfg
+        if cfg.torch_threads is not None:
+            torch.set_num_threads(cfg.torch_threads)
+        if cfg.flush_denormal:
+            torch.set_flush_denormal(True)  # process-wide; a no-op where unsupported
+        torch.manual_seed(cfg.seed)
+        random.seed(cfg.seed)
+        np.random.seed(cfg.seed)
+        path = Path(model_dir) if model_dir is not None else resolve(cfg.model)
+        # The frozen base is stored in the compute dtype (bf16 halves its memory and skips a
+        # per-step cast); peft keeps the adapter in float32 (autocast_adapter_dtype), so the
+        # trained weights and AdamW state are full precision.
+        base = AutoModelForCausalLM.from_pretrained(path, dtype=_DTYPES[cfg.dtype])
+        lora = LoraConfig(
+            r=cfg.lora.r,
+            lora_alpha=cfg.lora.alpha,
+            lora_dropout=cfg.lora.dropout,
+            target_modules=cfg.lora.target_modules,
+            task_type="CAUSAL_LM",
+        )
+        self.model: PeftModel = get_peft_model(base, lora)
+        # named_parameters order is deterministic, so a rebuilt policy maps a saved optimizer
+        # state onto the same tensors.
+        self._params = [p for p in self.model.parameters() if p.requires_grad]
+        opt = cfg.optimizer
+        self.optimizer = torch.optim.AdamW(
+            self._params, lr=opt.lr, betas=opt.betas, weight_decay=opt.weight_decay
+        )
+        self.algorithm = make_algorithm(cfg)
+        self.step = 0
+        mc = base.config
+        pad = mc.pad_token_id if mc.pad_token_id is not None else mc.eos_token_id
+        self.pad_id = int(pad if isinstance(pad, int) else 0)
+        self.base_model_path = path
+
+    # ---------------------------------------------------------------------------- training
+
+    def _autocast(self) -> contextlib.AbstractContextManager[Any]:
+        if self.cfg.dtype == "float32":
+            return contextlib.nullcontext()
+        device = next(iter(self._params)).device.type
+        return torch.autocast(device_type=device, dtype=torch.bfloat16)
+
+    def train_step(self, samples: Sequence[Sample]) -> StepMetrics:
+        """One optimizer update on `samples` (an empty list is an error).
+
+        The loss of each micro-batch is divided by the whole batch's normalizer
+        (`loss_normalizer`), so the accumulated gradient equals the full-batch gradient no
+        matter how the token budget splits the batch.
+        """
+        if not samples:
+            raise ValueError("train_step needs at least one sample")
+        t0 = time.perf_counter()
+        cfg = self.cfg
+        if cfg.loss.kl_beta > 0 and any(s.ref_logprobs is None for s in samples):
+            raise ValueError("kl_beta > 0: every sample needs ref_logprobs")
+        micro = make_micro_batches(samples, cfg.micro_batch_tokens, self.pad_id)
+        normalizer = loss_normalizer(
+            [len(s.completion_ids) for s in samples], cfg.loss.aggregation
+        )
+        tokens = sum(len(s.completion_ids) for s in samples)
+
+        def result(
+            loss: float, grad_norm: float, extra: dict[str, float], reason: str | None
+        ) -> StepMetrics:
+            return StepMetrics(
+                step=self.step,
+                loss=loss,
+                grad_norm=grad_norm,
+                tokens=tokens,
+                sequences=len(samples),
+                micro_batches=len(micro),
+                seconds=time.perf_counter() - t0,
+                lr=self.optimizer.param_groups[0]["lr"],
+                skipped=reason is not None,
+                skip_reason=reason,
+                extra=extra,
+            )
+
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        total = 0.0
+        sums: dict[str, float] = {}
+        for mb in micro:
+            with self._autocast():
+                out = completion_logprobs(
+                    self.model,
+                    mb.batch,
+                    chunk_tokens=cfg.logprob_chunk_tokens,
+                    temperature=cfg.temperature,
+                    with_entropy=cfg.log_entropy,
+                )
+            loss, m = self.algorithm.loss(
+                out.logprobs,
+                mb.old_logprobs,
+                mb.ref_logprobs,
+                mb.advantages,
+                out.mask,
+                normalizer=normalizer,
+                entropy=out.entropy,
+            )
+            if not torch.isfinite(loss):
+                self.optimizer.zero_grad(set_to_none=True)
+                return result(float(loss.detach()), math.nan, {}, "non-finite loss")
+            loss.backward()
+            total += float(loss.detach())
+            n = m.pop("tokens")
+            for k, v in m.items():
+                sums[k] = sums.get(k, 0.0) + v * n
+        extra = {k: v / max(tokens, 1) for k, v in sums.items()}
+
+        grad_norm = float(
+            torch.nn.utils.clip_grad_norm_(self._params, cfg.optimizer.max_grad_norm)
+        )
+        if not math.isfinite(grad_norm):
+            self.optimizer.zero_grad(set_to_none=True)
+            return result(total, grad_norm, extra, "non-finite gradient")
+        # Gradients stay on the parameters until the next step zeroes them (inspectable).
+        self.optimizer.step()
+        self.step += 1
+        return result(total, grad_norm, extra, None)
+
+    # ----------------------------------------------------------------------------- scoring
+
+    @torch.inference_mode()
+    def _score(self, pairs: Sequence[tuple[Sequence[int], Sequence[int]]]) -> list[list[float]]:
+        self.model.eval()
+        out: list[list[float]] = [[] for _ in pairs]
+        lengths = [len(p) + len(c) for p, c in pairs]
+        for idx in plan_micro_batches(lengths, self.cfg.micro_batch_tokens):
+            batch = collate([pairs[i] for i in idx], pad_id=self.pad_id)
+            with self._autocast():
+                lp = completion_logprobs(
+                    self.model,
+                    batch,
+                    chunk_tokens=self.cfg.logprob_chunk_tokens,
+                    temperature=self.cfg.temperature,
+                )
+            for i, row in zip(idx, lp.rows()):
+                out[i] = row
+        return out
+
+    def logprobs(self, pairs: Sequence[tuple[Sequence[int], Sequence[int]]]) -> list[list[float]]:
+        """Per-token logprobs of each (prompt_ids, completion_ids) under the current policy."""
+        return self._score(pairs)
+
+    def base_logprobs(
+        self, pairs: Sequence[tuple[Sequence[int], Sequence[int]]]
+    ) -> list[list[float]]:
+        """The same under the frozen base (adapter disabled): the colocated reference."""
+        with self.model.disable_adapter():
+            return self._score(pairs)
+
+    # ------------------------------------------------------------------------ persistence
+
+    def save_adapter(self, directory: Path) -> Path:
+        """Write the adapter (adapter_config.json + adapter_model.safetensors) to `directory`,
+        which must not exist yet; written under a temporary name and renamed, so a reader
+        never sees a half-written adapter. Returns the directory."""
+        directory = Path(directory)
+        if directory.exists():
+            raise FileExistsError(f"{directory} exists; adapter versions are immutable")
+        directory.parent.mkdir(parents=True, exist_ok=True)
+        tmp = directory.with_name(f".tmp-{directory.name}-{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        try:
+            self.model.save_pretrained(tmp)
+            tmp.rename(directory)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        return directory
+
+    def save_checkpoint(self, root: Path, data_position: dict[str, Any] | None = None) -> Path:
+        """Checkpoint adapter, optimizer, step and RNG states under `root` (checkpoint.py)."""
+        return save_checkpoint(
+            root,
+            step=self.step,
+            model=self.model,
+            optimizer=self.optimizer,
+            data_position=data_position,
+        )
+
+    def restore(self, path: Path) -> TrainerState:
+        """Resume from a checkpoint directory; returns its step and data position."""
+        state = load_checkpoint(path, model=self.model, optimizer=self.optimizer)
+        self.step = state.step
+        return state
+
+    def trainable_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, tensor) of the adapter parameters, in optimizer order."""
+        return ((n, p) for n, p in self.model.named_parameters() if p.requires_grad)
