@@ -1,0 +1,196 @@
+"""gRPC clients for the rollout, reward and reference services, with plain dataclasses.
+
+Owns: the caller's side of the contracts in protos/ (proto types stop here), bounded retries
+on UNAVAILABLE (channel service config plus a tenacity retry around whole streaming calls,
+which gRPC's own retry cannot replay), and clear errors when a service stays down.
+Does not own: what the services do. The training loop, `hotloop eval` and the benchmarks
+call services only through these classes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import grpc
+
+from hotloop import grpcutil
+from hotloop.errors import Unavailable
+from hotloop.proto.v1 import common_pb2, reference_pb2, reference_pb2_grpc, reward_pb2, reward_pb2_grpc
+from hotloop.proto.v1 import rollout_pb2, rollout_pb2_grpc
+
+RETRY_ATTEMPTS = 4
+
+
+async def _call(what: str, address: str, fn):
+    """Run a whole call, retrying on UNAVAILABLE (a service restarting) a bounded number of
+    times; then fail with an error that names the service."""
+    from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_exponential
+
+    def unavailable(e: BaseException) -> bool:
+        return isinstance(e, grpc.aio.AioRpcError) and e.code() == grpc.StatusCode.UNAVAILABLE
+
+    try:
+        async for attempt in AsyncRetrying(
+            stop=stop_after_attempt(RETRY_ATTEMPTS),
+            wait=wait_exponential(multiplier=0.2, max=2.0),
+            retry=retry_if_exception(unavailable),
+            reraise=True,
+        ):
+            with attempt:
+                return await fn()
+    except grpc.aio.AioRpcError as e:
+        if e.code() == grpc.StatusCode.UNAVAILABLE:
+            raise Unavailable(
+                f"{what} at {address} is unavailable after {RETRY_ATTEMPTS} attempts: {e.details()}"
+            ) from e
+        raise
+
+
+# ---- rollout ------------------------------------------------------------------------------
+@dataclass
+class Completion:
+    prompt_index: int
+    sample_index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+    policy_version: int
+    prompt_token_ids: list[int] = field(default_factory=list)
+
+
+class RolloutClient:
+    def __init__(self, address: str):
+        self.address = address
+        self.channel = grpcutil.channel(address)
+        self.stub = rollout_pb2_grpc.RolloutStub(self.channel)
+
+    async def generate(
+        self,
+        chats: Sequence[Sequence[dict[str, str]]],
+        n: int = 1,
+        max_tokens: int = 128,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        pin_version: int = 0,
+        return_prompt_ids: bool = True,
+    ) -> list[Completion]:
+        """Sample `n` completions per chat; returned sorted by (prompt, sample)."""
+        req = rollout_pb2.GenerateRequest(
+            prompts=[
+                common_pb2.Prompt(chat=common_pb2.ChatMessages(messages=[
+                    common_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in chat]))
+                for chat in chats
+            ],
+            sampling=common_pb2.SamplingParams(
+                n=n, max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
+            ),
+            pin_version=pin_version,
+            return_prompt_ids=return_prompt_ids,
+        )
+
+        async def run():
+            return [c async for c in self.stub.Generate(req)]
+
+        out = await _call("rollout", self.address, run)
+        comps = [
+            Completion(c.prompt_index, c.sample_index, c.text, list(c.token_ids), list(c.logprobs),
+                       c.finish_reason, c.policy_version, list(c.prompt_token_ids))
+            for c in out
+        ]
+        return sorted(comps, key=lambda c: (c.prompt_index, c.sample_index))
+
+    async def status(self) -> rollout_pb2.RolloutStatus:
+        return await _call("rollout", self.address,
+                           lambda: self.stub.Status(rollout_pb2.StatusRequest(), timeout=10))
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+
+# ---- reward -------------------------------------------------------------------------------
+@dataclass
+class ScoreItem:
+    id: str
+    prompt: str
+    completion: str
+    task_id: str = ""
+    tests: str = ""
+    entry_point: str = ""
+    test_cases: list[str] = field(default_factory=list)
+    extra: dict[str, str] = field(default_factory=dict)
+    scorer: str = ""
+
+
+@dataclass
+class Score:
+    id: str
+    reward: float
+    passed: int
+    failed: int
+    timed_out: bool
+    error: str
+    status: str
+    seconds: float
+
+
+class RewardClient:
+    def __init__(self, address: str):
+        self.address = address
+        self.channel = grpcutil.channel(address)
+        self.stub = reward_pb2_grpc.RewardStub(self.channel)
+
+    async def score(self, items: Sequence[ScoreItem]) -> list[Score]:
+        """Score all items over one bidirectional stream; results in the order of `items`."""
+
+        def requests():
+            for it in items:
+                yield reward_pb2.ScoreRequest(
+                    id=it.id, prompt=it.prompt, completion=it.completion, scorer=it.scorer,
+                    task=reward_pb2.TaskSpec(task_id=it.task_id, tests=it.tests,
+                                             entry_point=it.entry_point,
+                                             test_cases=it.test_cases, extra=it.extra),
+                )
+
+        async def run():
+            return [r async for r in self.stub.Score(requests())]
+
+        results = {r.id: r for r in await _call("reward", self.address, run)}
+        missing = [it.id for it in items if it.id not in results]
+        if missing:
+            raise RuntimeError(f"reward service returned no result for {len(missing)} items, e.g. {missing[:3]}")
+        return [
+            Score(r.id, r.reward, r.passed, r.failed, r.timed_out, r.error, r.status, r.seconds)
+            for r in (results[it.id] for it in items)
+        ]
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+
+# ---- reference ----------------------------------------------------------------------------
+class ReferenceClient:
+    def __init__(self, address: str):
+        self.address = address
+        self.channel = grpcutil.channel(address)
+        self.stub = reference_pb2_grpc.ReferenceStub(self.channel)
+
+    async def logprobs(self, pairs: Sequence[tuple[Sequence[int], Sequence[int]]]) -> list[list[float]]:
+        """Base-model logprobs of each completion given its prompt; in the order of `pairs`."""
+
+        def requests():
+            for i, (p, c) in enumerate(pairs):
+                yield reference_pb2.LogprobsRequest(id=str(i), prompt_ids=list(p), completion_ids=list(c))
+
+        async def run():
+            return [r async for r in self.stub.Logprobs(requests())]
+
+        results = {r.id: list(r.logprobs) for r in await _call("reference", self.address, run)}
+        if len(results) != len(pairs):
+            raise RuntimeError(f"reference returned {len(results)} of {len(pairs)} results")
+        return [results[str(i)] for i in range(len(pairs))]
+
+    async def close(self) -> None:
+        await self.channel.close()

@@ -1,0 +1,335 @@
+"""The GRPO recipe: sample -> score -> reference -> advantages -> LoRA step -> publish.
+
+Reads top to bottom like a recipe (setup, train, evaluate, save). Every stage is a span in
+one trace per step and a number in the step's metrics; nothing here knows about gRPC or
+NATS beyond the clients and the publisher it is given.
+
+Failure policy: a reward or reference service that is down fails the step after bounded
+retries (hotloop.clients), never a silent zero reward; a NaN/inf loss skips the update and
+publishes nothing; everything a resumed run needs is in the checkpoint.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import random
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field
+
+from hotloop.clients import Completion, ReferenceClient, RewardClient, RolloutClient, ScoreItem
+from hotloop.config import Section
+from hotloop.tasks import CodeTask, load_tasks
+
+log = logging.getLogger(__name__)
+STAGES = ("generate", "score", "reference", "train", "publish")
+
+
+class GrpoJobConfig(Section):
+    """The `[grpo]` section: what to train on and how to evaluate (optimizer, loss and
+    LoRA settings live in `[trainer]`)."""
+
+    tasks: str = "builtin"
+    """Training tasks: `builtin`, `humaneval`, or a JSONL path (hotloop/tasks/README.md)."""
+    train_split: str = "train"
+    """Split of `tasks` to train on."""
+    eval_tasks: str = "builtin"
+    """Held-out evaluation tasks (same forms as `tasks`)."""
+    eval_split: str = "heldout"
+    """Split of `eval_tasks` to evaluate on."""
+    eval_limit: int = Field(64, ge=0)
+    """Evaluate on the first N held-out tasks (0: all)."""
+    eval_samples: int = Field(1, ge=1, le=64)
+    """Samples per held-out task. 1: greedy pass@1; more: sampled at `eval_temperature`."""
+    eval_temperature: float = Field(0.6, gt=0)
+    """Sampling temperature for evaluation when eval_samples > 1."""
+    eval_every: int = Field(0, ge=0)
+    """Evaluate every N steps as well as before and after training (0: before and after only)."""
+    sample_temperature: float = Field(1.0, gt=0)
+    """Rollout temperature for training samples. Keep 1.0: the rollout reports
+    temperature-1 logprobs, which the importance ratio compares against."""
+    out_dir: str = "runs"
+    """Run reports and checkpoints go under `<out_dir>/<run_id>/`."""
+    run_id: str = ""
+    """Empty: a timestamp. Reusing an id resumes from its last checkpoint."""
+    seed: int = 0
+    """Task order."""
+
+
+@dataclass
+class StepRecord:
+    step: int
+    version: int
+    reward_mean: float
+    reward_std: float
+    pass_rate: float
+    stage_seconds: dict[str, float]
+    tokens: int
+    skipped: bool = False
+    skip_reason: str = ""
+    train: dict[str, float] = field(default_factory=dict)
+    statuses: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class EvalRecord:
+    step: int
+    version: int
+    tasks: int
+    samples_per_task: int
+    pass_at_1: float
+    ci95: float
+    pass_at_k: dict[str, float] = field(default_factory=dict)
+
+
+def chat(task: CodeTask) -> list[dict[str, str]]:
+    return [{"role": "user", "content": task.prompt}]
+
+
+def score_item(task: CodeTask, c: Completion, i: int) -> ScoreItem:
+    return ScoreItem(
+        id=str(i), prompt=task.prompt, completion=c.text, task_id=task.task_id,
+        tests=task.test_block, entry_point=task.entry_point, test_cases=list(task.tests),
+        extra={"code_prefix": task.prefix} if task.prefix else {},
+    )
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from n samples with c correct (Chen et al., 2021)."""
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
+
+
+async def evaluate(rollout: RolloutClient, reward: RewardClient, tasks: list[CodeTask],
+                   samples: int, temperature: float, max_tokens: int, version: int = 0,
+                   ks: tuple[int, ...] = (1,), step: int = 0) -> EvalRecord:
+    """pass@k of the version the replica serves (or `version` when pinned) on `tasks`."""
+    greedy = samples == 1
+    comps = await rollout.generate(
+        [chat(t) for t in tasks], n=samples, max_tokens=max_tokens,
+        temperature=0.0 if greedy else temperature, seed=1234, pin_version=version,
+    )
+    scores = await reward.score([score_item(tasks[c.prompt_index], c, i) for i, c in enumerate(comps)])
+    correct = [0] * len(tasks)
+    for c, s in zip(comps, scores):
+        correct[c.prompt_index] += int(s.reward >= 1.0)
+    per_task = [pass_at_k(samples, ci, 1) for ci in correct]
+    mean = statistics.fmean(per_task)
+    sd = statistics.pstdev(per_task) if len(per_task) > 1 else 0.0
+    served = comps[0].policy_version if comps else version
+    return EvalRecord(
+        step=step, version=served, tasks=len(tasks), samples_per_task=samples, pass_at_1=mean,
+        ci95=1.96 * sd / math.sqrt(max(1, len(per_task))),
+        pass_at_k={str(k): statistics.fmean(pass_at_k(samples, ci, k) for ci in correct)
+                   for k in ks if k <= samples},
+    )
+
+
+class TaskStream:
+    """Shuffled epochs over the training tasks; its position is part of a checkpoint."""
+
+    def __init__(self, tasks: list[CodeTask], seed: int, epoch: int = 0, offset: int = 0):
+        self.tasks, self.seed, self.epoch, self.offset = tasks, seed, epoch, offset
+
+    def _order(self) -> list[int]:
+        order = list(range(len(self.tasks)))
+        random.Random(self.seed + self.epoch).shuffle(order)
+        return order
+
+    def take(self, k: int) -> list[CodeTask]:
+        out = []
+        while len(out) < k:
+            order = self._order()
+            if self.offset >= len(order):
+                self.epoch, self.offset = self.epoch + 1, 0
+                continue
+            out.append(self.tasks[order[self.offset]])
+            self.offset += 1
+        return out
+
+    def position(self) -> dict:
+        return {"epoch": self.epoch, "offset": self.offset}
+
+
+@dataclass
+class Mesh:
+    """The services a run talks to."""
+
+    rollout: list[RolloutClient]
+    reward: RewardClient
+    reference: ReferenceClient | None
+    publisher: object  # services.trainer.publisher.Publisher
+
+
+async def run(job: GrpoJobConfig, trainer_cfg, model_dir: Path, mesh: Mesh, run_dir: Path,
+              progress: bool = True, on_step=None) -> dict:
+    """Train; returns the summary written to `run_dir/summary.json`."""
+    import torch
+    from opentelemetry import trace
+    from tqdm import tqdm
+
+    from .algorithms import make_algorithm
+    from .batching import Sample
+    from .checkpoint import latest_checkpoint
+    from .policy import LoraPolicy
+
+    tracer = trace.get_tracer("hotloop.trainer")
+    run_dir.mkdir(parents=True, exist_ok=True)
+
+    # ---- setup -------------------------------------------------------------------------
+    train_tasks = load_tasks(job.tasks, job.train_split)
+    heldout = load_tasks(job.eval_tasks, job.eval_split)
+    if job.eval_limit:
+        heldout = heldout[: job.eval_limit]
+    policy = LoraPolicy(trainer_cfg, model_dir)
+    algo = make_algorithm(trainer_cfg)
+    stream = TaskStream(train_tasks, job.seed)
+    start_step, version = 0, 0
+    ckpt_root = run_dir / "checkpoints"
+    if (ckpt := latest_checkpoint(ckpt_root)) is not None:
+        state = policy.restore(ckpt)
+        start_step = state.step
+        stream = TaskStream(train_tasks, job.seed, state.data_position["epoch"], state.data_position["offset"])
+        version = state.data_position.get("version", 0) + 1
+        # Serving must match the restored policy before sampling resumes.
+        await mesh.publisher.publish(version, policy.save_adapter(run_dir / "adapters" / f"v{version}"))
+        log.info("resumed from %s at step %d, published it as version %d", ckpt, start_step, version)
+    rollout = mesh.rollout[0]  # sampling goes to one replica; every replica gets each version
+    metrics_file = open(run_dir / "metrics.jsonl", "a")
+    evals: list[EvalRecord] = []
+    steps: list[StepRecord] = []
+    eval_kw = dict(samples=job.eval_samples, temperature=job.eval_temperature,
+                   max_tokens=trainer_cfg.max_new_tokens)
+
+    async def do_eval(step: int) -> None:
+        with tracer.start_as_current_span("evaluate"):
+            rec = await evaluate(rollout, mesh.reward, heldout, step=step, **eval_kw)
+        evals.append(rec)
+        metrics_file.write(json.dumps({"eval": asdict(rec)}) + "\n")
+        metrics_file.flush()
+        log.info("held-out pass@1 at step %d (v%d): %.3f ± %.3f", step, rec.version, rec.pass_at_1, rec.ci95)
+
+    if heldout:
+        await do_eval(start_step)
+
+    # ---- train -------------------------------------------------------------------------
+    bar = tqdm(range(start_step, trainer_cfg.num_steps), initial=start_step, total=trainer_cfg.num_steps,
+               desc="grpo", unit="step", disable=not progress, dynamic_ncols=True)
+    for step in bar:
+        secs: dict[str, float] = {}
+        with tracer.start_as_current_span("grpo.step", attributes={"step": step}):
+            tasks = stream.take(trainer_cfg.batch_prompts)
+            G = trainer_cfg.group_size
+
+            t = time.perf_counter()
+            with tracer.start_as_current_span("generate"):
+                comps = await rollout.generate(
+                    [chat(tk) for tk in tasks], n=G, max_tokens=trainer_cfg.max_new_tokens,
+                    temperature=job.sample_temperature, seed=job.seed * 100_003 + step,
+                )
+            secs["generate"] = time.perf_counter() - t
+            if len(comps) != len(tasks) * G:
+                raise RuntimeError(f"rollout returned {len(comps)} completions, expected {len(tasks) * G}")
+
+            t = time.perf_counter()
+            with tracer.start_as_current_span("score"):
+                scores = await mesh.reward.score(
+                    [score_item(tasks[c.prompt_index], c, i) for i, c in enumerate(comps)])
+            secs["score"] = time.perf_counter() - t
+
+            t = time.perf_counter()
+            ref = None
+            if trainer_cfg.loss.kl_beta > 0 and mesh.reference is not None:
+                with tracer.start_as_current_span("reference"):
+                    ref = await mesh.reference.logprobs([(c.prompt_token_ids, c.token_ids) for c in comps])
+            secs["reference"] = time.perf_counter() - t
+
+            rewards = torch.tensor([s.reward for s in scores], dtype=torch.float32).view(len(tasks), G)
+            adv = algo.advantages(rewards).view(-1)  # [B*G], zero for groups with equal rewards
+            samples = [
+                Sample(prompt_ids=c.prompt_token_ids, completion_ids=c.token_ids,
+                       old_logprobs=c.logprobs, advantage=float(adv[i]),
+                       ref_logprobs=None if ref is None else ref[i])
+                for i, c in enumerate(comps)
+            ]
+            t = time.perf_counter()
+            with tracer.start_as_current_span("train"):
+                m = await asyncio.to_thread(policy.train_step, samples)
+            secs["train"] = time.perf_counter() - t
+
+            t = time.perf_counter()
+            if m.skipped:
+                log.warning("step %d: update skipped (%s); nothing published", step, m.skip_reason)
+            else:
+                version += 1
+                with tracer.start_as_current_span("publish", attributes={"version": version}):
+                    adapter = policy.save_adapter(run_dir / "adapters" / f"v{version}")
+                    await mesh.publisher.publish(version, adapter)
+            secs["publish"] = time.perf_counter() - t
+
+        statuses: dict[str, int] = {}
+        for s in scores:
+            statuses[s.status] = statuses.get(s.status, 0) + 1
+        rec = StepRecord(
+            step=step + 1, version=version,
+            reward_mean=float(rewards.mean()), reward_std=float(rewards.std()),
+            pass_rate=float((rewards >= 1.0).float().mean()), stage_seconds=secs,
+            tokens=sum(len(c.token_ids) for c in comps), skipped=m.skipped,
+            skip_reason=m.skip_reason or "", train=m.as_dict(), statuses=statuses,
+        )
+        steps.append(rec)
+        metrics_file.write(json.dumps({"step": asdict(rec)}) + "\n")
+        metrics_file.flush()
+        bar.set_postfix_str(
+            f"reward {rec.reward_mean:.2f} pass {rec.pass_rate:.2f} "
+            + " ".join(f"{k[:3]} {v:.1f}s" for k, v in secs.items())
+        )
+        if (step + 1) % trainer_cfg.checkpoint_interval == 0 or step + 1 == trainer_cfg.num_steps:
+            pos = {**stream.position(), "version": version}
+            policy.save_checkpoint(ckpt_root, data_position=pos)
+        if on_step is not None:
+            on_step(rec)
+        if job.eval_every and (step + 1) % job.eval_every == 0 and step + 1 < trainer_cfg.num_steps:
+            await do_eval(step + 1)
+    bar.close()
+
+    # ---- evaluate and save ---------------------------------------------------------------
+    if heldout and (not evals or evals[-1].step != trainer_cfg.num_steps):
+        await do_eval(trainer_cfg.num_steps)
+    metrics_file.close()
+    summary = summarize(steps, evals, job, trainer_cfg)
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+def summarize(steps: list[StepRecord], evals: list[EvalRecord], job: GrpoJobConfig, trainer_cfg) -> dict:
+    stage_totals = {s: sum(r.stage_seconds.get(s, 0.0) for r in steps) for s in STAGES}
+    total = sum(stage_totals.values()) or 1.0
+    samples = sum(trainer_cfg.batch_prompts * trainer_cfg.group_size for _ in steps)
+    return {
+        "steps": len(steps),
+        "samples": samples,
+        "samples_per_s": samples / total,
+        "stage_seconds": {s: v / max(1, len(steps)) for s, v in stage_totals.items()},
+        "stage_share": {s: v / total for s, v in stage_totals.items()},
+        "heldout": {
+            "tasks": evals[0].tasks if evals else 0,
+            "samples_per_task": job.eval_samples,
+            "pass_at_1_base": evals[0].pass_at_1 if evals else None,
+            "pass_at_1_final": evals[-1].pass_at_1 if evals else None,
+            "ci95_base": evals[0].ci95 if evals else None,
+            "ci95_final": evals[-1].ci95 if evals else None,
+            "curve": [asdict(e) for e in evals],
+        },
+        "reward_curve": [r.reward_mean for r in steps],
+        "pass_rate_curve": [r.pass_rate for r in steps],
+        "skipped_steps": [r.step for r in steps if r.skipped],
+    }

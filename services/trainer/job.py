@@ -1,0 +1,73 @@
+"""A training job against a running mesh: clients, publisher, the trainer's own gRPC
+server (Status, FetchAdapter), then the recipe, then the report.
+
+Used by `hotloop train grpo` and `hotloop demo`. Endpoints come from the mesh config
+(`[endpoints]`, filled in by `hotloop up` through the environment or mesh.json).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+from hotloop import models, telemetry
+from hotloop.clients import ReferenceClient, RewardClient, RolloutClient
+from hotloop.config import MeshConfig
+
+from . import grpo, report
+from .config import TrainerConfig
+
+log = logging.getLogger(__name__)
+
+
+async def run_job(mesh_cfg: MeshConfig, job: grpo.GrpoJobConfig, trainer_cfg: TrainerConfig,
+                  config_text: str = "", progress: bool = True) -> tuple[dict, Path]:
+    from .publisher import Publisher
+    from .server import TrainerState, serve
+
+    ep = mesh_cfg.endpoints
+    missing = [n for n, v in (("rollout", ep.rollout), ("reward", ep.reward)) if not v]
+    if missing:
+        raise SystemExit(f"no endpoint for {missing}: start the mesh with `hotloop up` first")
+    if trainer_cfg.loss.kl_beta > 0 and not ep.reference:
+        raise SystemExit("kl_beta > 0 needs the reference service: no endpoint configured")
+    telemetry.setup("trainer", mesh_cfg.telemetry, mesh_cfg.run_dir)
+    model_dir = models.resolve(mesh_cfg.model.name)
+    run_id = job.run_id or time.strftime("%Y%m%d-%H%M%S")
+    run_dir = Path(job.out_dir) / run_id
+
+    bus = None
+    if mesh_cfg.nats.url:
+        from hotloop.bus import Bus
+
+        bus = await Bus.connect(mesh_cfg.nats.url, "trainer", mesh_cfg.nats.connect_timeout_s)
+    publisher = Publisher(list(ep.rollout), mesh_cfg.security.admin_token, run_dir / "store", bus,
+                          mesh_cfg.model.name)
+    state = TrainerState(algorithm=trainer_cfg.algorithm)
+    server, port, _ = await serve(state, publisher, "127.0.0.1:0")
+    log.info("trainer serving Status/FetchAdapter on 127.0.0.1:%d", port)
+
+    def on_step(rec: grpo.StepRecord) -> None:
+        state.step, state.latest_version = rec.step, rec.version
+        state.last_metrics = {"reward_mean": rec.reward_mean, "pass_rate": rec.pass_rate,
+                              **{f"seconds_{k}": v for k, v in rec.stage_seconds.items()}}
+
+    mesh = grpo.Mesh(
+        rollout=[RolloutClient(a) for a in ep.rollout],
+        reward=RewardClient(ep.reward),
+        reference=ReferenceClient(ep.reference) if ep.reference else None,
+        publisher=publisher,
+    )
+    try:
+        summary = await grpo.run(job, trainer_cfg, model_dir, mesh, run_dir, progress, on_step)
+        path = report.write(summary, run_dir, config_text)
+    finally:
+        for c in [*mesh.rollout, mesh.reward, *( [mesh.reference] if mesh.reference else [])]:
+            await c.close()
+        await publisher.close()
+        await server.stop(1)
+        if bus is not None:
+            await bus.close()
+        telemetry.shutdown()
+    return summary, path

@@ -1,0 +1,68 @@
+"""The bus against a real nats-server with JetStream."""
+
+import asyncio
+
+import pytest
+
+from hotloop import bus as hbus
+from hotloop.proto.v1 import bus_pb2, common_pb2
+
+
+async def test_publish_subscribe_carries_trace_context(nats_server):
+    from opentelemetry import trace
+    from opentelemetry.sdk.trace import TracerProvider
+
+    b = await hbus.Bus.connect(nats_server.url, "test")
+    got: asyncio.Queue = asyncio.Queue()
+
+    async def handler(msg, headers):
+        await got.put((msg, headers))
+
+    await b.subscribe(hbus.WEIGHTS_UPDATED, bus_pb2.WeightsUpdated, handler)
+    tracer = TracerProvider().get_tracer("t")
+    with tracer.start_as_current_span("push") as span:
+        await b.publish(hbus.WEIGHTS_UPDATED, bus_pb2.WeightsUpdated(info=common_pb2.VersionInfo(version=7)))
+        trace_id = format(span.get_span_context().trace_id, "032x")
+    msg, headers = await asyncio.wait_for(got.get(), 5)
+    assert msg.info.version == 7
+    assert trace_id in headers["traceparent"]
+    await b.close()
+
+
+async def test_durable_consumer_redelivers_until_acked_and_dead_letters_garbage(nats_server):
+    b = await hbus.Bus.connect(nats_server.url, "test")
+    await b.ensure_streams()
+    await b.js_publish(hbus.FEEDBACK, bus_pb2.FeedbackEvent(response_id="r1", score=1.0))
+    await b.js.publish(hbus.FEEDBACK, b"\xff\xff not a protobuf", headers={hbus.TYPE_HEADER: "hotloop.v1.FeedbackEvent"})
+    await b.js_publish(hbus.FEEDBACK, bus_pb2.TrafficEvent(response_id="wrong-type"))
+    consumer = await b.pull("FEEDBACK", hbus.FEEDBACK, "trainer", bus_pb2.FeedbackEvent, ack_wait_s=1.0)
+    first = await consumer.fetch(10, 2)
+    assert [m.payload.response_id for m in first] == ["r1"]
+    # not acked: comes back after ack_wait (nothing lost if the trainer dies mid-step)
+    await asyncio.sleep(1.5)
+    again = await consumer.fetch(10, 2)
+    assert [m.payload.response_id for m in again] == ["r1"]
+    await again[0].ack()
+    await asyncio.sleep(1.5)
+    assert await consumer.fetch(10, 1) == []
+    dead = await b.pull("DEADLETTER", hbus.FEEDBACK_DEAD, "inspect", bus_pb2.DeadLetter)
+    reasons = [m.payload.reason for m in await dead.fetch(10, 2)]
+    assert len(reasons) == 2
+    assert any("undecodable" in r for r in reasons) and any("TrafficEvent" in r for r in reasons)
+    await b.close()
+
+
+async def test_kv_holds_latest_version_across_reconnects(nats_server):
+    b = await hbus.Bus.connect(nats_server.url, "a")
+    await b.kv_put("latest", common_pb2.VersionInfo(version=3, sha256="ab"))
+    await b.close()
+    b2 = await hbus.Bus.connect(nats_server.url, "b")
+    got = await b2.kv_get("latest", common_pb2.VersionInfo)
+    assert got.version == 3 and got.sha256 == "ab"
+    assert await b2.kv_get("missing", common_pb2.VersionInfo) is None
+    await b2.close()
+
+
+async def test_connect_to_nothing_fails_within_bound():
+    with pytest.raises(Exception):
+        await asyncio.wait_for(hbus.Bus.connect("nats://127.0.0.1:1", "x", timeout_s=1.0), 10)
