@@ -148,7 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
     e = sub.add_parser("eval", help="pass@k of a policy version on held-out tasks or HumanEval")
     _config_args(e)
     e.add_argument("--tasks", default="builtin", help="builtin | humaneval | path/to/tasks.jsonl")
-    e.add_argument("--split", default="heldout")
+    e.add_argument("--split", default="test", help="builtin: train | test | all")
     e.add_argument("--version", type=int, default=0, help="policy version (0: base model)")
     e.add_argument("--samples", type=int, default=4, help="samples per task")
     e.add_argument("--limit", type=int, default=0, help="first N tasks only")

@@ -183,7 +183,7 @@ class Mesh:
                 signal.signal(s, h)
             self.stop()
 
-    def stop(self, grace_s: float = 10.0) -> None:
+    def stop(self, grace_s: float = 30.0) -> None:
         for p in reversed(self.procs):
             if p.popen.poll() is None:
                 p.popen.send_signal(signal.SIGTERM)

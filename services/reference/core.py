@@ -6,8 +6,9 @@ completion-only chunked computation from `hotloop.logprobs`, micro-batched by a 
 budget), and the async path for a bidirectional stream: take whatever requests are waiting,
 up to the token budget, score them off the event loop, yield results in arrival order.
 
-Does not own: gRPC (server.py converts protos and maps `ValueError` to INVALID_ARGUMENT),
-the trainer's policy, or deciding which model is "the base" (config).
+Does not own: gRPC (server.py converts protos; `InvalidRequest`, a `hotloop.errors`
+InvalidArgument, becomes INVALID_ARGUMENT there), the trainer's policy, or deciding which model
+is "the base" (config).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM
 
+from hotloop.errors import InvalidArgument
 from hotloop.logprobs import collate, completion_logprobs, plan_micro_batches
 from hotloop.models import resolve
 from services.reference.config import ReferenceConfig
@@ -31,6 +33,19 @@ from services.reference.config import ReferenceConfig
 Pair = tuple[Sequence[int], Sequence[int]]  # (prompt_ids, completion_ids)
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+class InvalidRequest(InvalidArgument, ValueError):
+    """A request that cannot be scored (empty prompt, token id outside the vocabulary).
+
+    An `InvalidArgument`, so the service edge maps it to INVALID_ARGUMENT with this message,
+    and a `ValueError`, the backend contract's error, so callers catching that keep working.
+    `index` is the request's position in the batch given to the backend, when known.
+    """
+
+    def __init__(self, message: str, index: int | None = None) -> None:
+        super().__init__(message)
+        self.index = index
 
 
 @dataclass(frozen=True)
@@ -56,7 +71,8 @@ class ReferenceBackend(ABC):
     @abstractmethod
     def score(self, pairs: Sequence[Pair]) -> list[list[float]]:
         """Per-token completion logprobs, one list per pair, in the given order. Raises
-        ValueError on a request it cannot score (empty prompt, token id out of vocabulary)."""
+        ValueError on a request it cannot score (empty prompt, token id out of vocabulary);
+        `InvalidRequest` with the pair's `index` lets the core name the request by its id."""
 
 
 class TorchBackend(ReferenceBackend):
@@ -87,10 +103,12 @@ class TorchBackend(ReferenceBackend):
     def _check(self, pairs: Sequence[Pair]) -> None:
         for i, (p, c) in enumerate(pairs):
             if len(p) == 0:
-                raise ValueError(f"request {i}: empty prompt (at least one token is required)")
+                raise InvalidRequest("empty prompt (at least one token is required)", index=i)
             bad = [t for t in (*p, *c) if not 0 <= t < self.vocab_size]
             if bad:
-                raise ValueError(f"request {i}: token ids {bad[:5]} outside [0, {self.vocab_size})")
+                raise InvalidRequest(
+                    f"token ids {bad[:5]} outside the vocabulary [0, {self.vocab_size})", index=i
+                )
 
     @torch.inference_mode()
     def score(self, pairs: Sequence[Pair]) -> list[list[float]]:
@@ -141,10 +159,22 @@ class ReferenceCore:
         self.backend = backend if backend is not None else make_backend(cfg, model_dir)
 
     def logprobs(self, requests: Sequence[LogprobsRequest]) -> list[LogprobsResult]:
-        """Score requests; results come back in request order."""
+        """Score requests; results come back in request order. A request the backend cannot
+        score fails the call with `InvalidRequest` naming that request's id."""
         if not requests:
             return []
-        rows = self.backend.score([(r.prompt_ids, r.completion_ids) for r in requests])
+        try:
+            rows = self.backend.score([(r.prompt_ids, r.completion_ids) for r in requests])
+        except ValueError as e:
+            # The backend contract: ValueError means "this input cannot be scored". Name the
+            # request by its id, which a caller on a stream can match; a batch index is internal.
+            index = getattr(e, "index", None)
+            if index is not None and 0 <= index < len(requests):
+                who = f"request {requests[index].id!r}"
+            else:
+                who = f"a batch of {len(requests)} request(s)"
+            reason = e.args[0] if e.args else str(e)
+            raise InvalidRequest(f"{who}: {reason}", index) from e
         return [LogprobsResult(id=r.id, logprobs=row) for r, row in zip(requests, rows)]
 
     async def stream(

@@ -42,7 +42,7 @@ class GrpoJobConfig(Section):
     """Split of `tasks` to train on."""
     eval_tasks: str = "builtin"
     """Held-out evaluation tasks (same forms as `tasks`)."""
-    eval_split: str = "heldout"
+    eval_split: str = "test"
     """Split of `eval_tasks` to evaluate on."""
     eval_limit: int = Field(64, ge=0)
     """Evaluate on the first N held-out tasks (0: all)."""
@@ -270,9 +270,8 @@ async def run(job: GrpoJobConfig, trainer_cfg, model_dir: Path, mesh: Mesh, run_
                 log.warning("step %d: update skipped (%s); nothing published", step, m.skip_reason)
             else:
                 version += 1
-                with tracer.start_as_current_span("publish", attributes={"version": version}):
-                    adapter = policy.save_adapter(run_dir / "adapters" / f"v{version}")
-                    await mesh.publisher.publish(version, adapter)
+                adapter = policy.save_adapter(run_dir / "adapters" / f"v{version}")
+                await mesh.publisher.publish(version, adapter)  # opens the "publish" span
             secs["publish"] = time.perf_counter() - t
 
         statuses: dict[str, int] = {}

@@ -46,6 +46,7 @@ async def run_job(mesh_cfg: MeshConfig, job: grpo.GrpoJobConfig, trainer_cfg: Tr
                           mesh_cfg.model.name)
     state = TrainerState(algorithm=trainer_cfg.algorithm)
     server, port, _ = await serve(state, publisher, "127.0.0.1:0")
+    publisher.fetch_from = f"127.0.0.1:{port}"  # announced, so a replica that missed a push can fetch
     log.info("trainer serving Status/FetchAdapter on 127.0.0.1:%d", port)
 
     def on_step(rec: grpo.StepRecord) -> None:
