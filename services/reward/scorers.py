@@ -1,0 +1,241 @@
+"""Scorers: one interface, chosen by name from the configuration.
+
+Owns: turning `ScoreInput`s into `ScoreOutput`s for each kind of scorer:
+- `code_tests`: extract the code from the completion, run it against the task's tests in the
+  sandbox pool, reward = fraction of test cases passed;
+- regex rules (e.g. `format`: the completion has a fenced Python block);
+- `python:<module>:<function>`: a user's function, imported at start-up.
+and `build_scorers(config, pool)`, the one place that maps names to scorers.
+Does not own: running code (`pool.py`, `sandbox.py`), request flow (`core.py`).
+
+Failures are outputs, never exceptions: no code -> `no_code`, unparsable code ->
+`syntax_error`, sandbox outcomes -> `timeout`/`oom`/`crash`, a task without tests or a user
+scorer that raises -> `scorer_error` with the reason in `error` (reward 0, but marked, so a
+trainer can tell a broken scorer from a bad sample).
+"""
+
+from __future__ import annotations
+
+import ast
+import asyncio
+import importlib
+import inspect
+import math
+import re
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from .config import BUILTIN_SCORERS, PYTHON_SCORER_PREFIX, RegexRule, RewardConfig
+from .pool import SandboxPool
+from .sandbox import SandboxJob, SandboxResult
+from .types import CODE_PREFIX_KEY, ScoreInput, ScoreOutput, ScoreStatus, TaskSpec
+
+# A fence line, an optional language tag, the body, and the closing fence or the end of the
+# text (a completion cut off by max_tokens often never closes its block).
+_FENCE = re.compile(r"```[ \t]*([A-Za-z0-9_+.-]*)[^\n]*\n(.*?)(?:\n?```|\Z)", re.DOTALL)
+_PYTHON_TAGS = {"", "python", "py", "python3", "py3"}
+_DEFINES_CHECK = re.compile(r"^def\s+check\s*\(", re.MULTILINE)
+
+
+class Scorer(ABC):
+    """Scores a batch; one output per input, same order, never raising for a bad sample."""
+
+    name: str
+
+    @abstractmethod
+    async def score(self, items: Sequence[ScoreInput]) -> list[ScoreOutput]: ...
+
+
+@dataclass(frozen=True)
+class Extracted:
+    code: str | None
+    fenced: bool
+
+
+def extract_code(completion: str, entry_point: str = "") -> Extracted:
+    """The code in a completion: a fenced Python block, else the whole text.
+
+    With several Python blocks, the first one that defines `entry_point` wins (models often
+    add a usage example in a second block), else the first block.
+    """
+    blocks = [m.group(2) for m in _FENCE.finditer(completion) if m.group(1).lower() in _PYTHON_TAGS]
+    if blocks:
+        if entry_point:
+            defines = re.compile(rf"^\s*(?:async\s+)?def\s+{re.escape(entry_point)}\s*\(", re.MULTILINE)
+            for block in blocks:
+                if defines.search(block):
+                    return Extracted(block, fenced=True)
+        return Extracted(blocks[0], fenced=True)
+    return Extracted(completion if completion.strip() else None, fenced=False)
+
+
+def _parse_error(code: str) -> str | None:
+    # ast.parse rather than compile: it does no constant folding, so nothing in the
+    # completion is evaluated in this process.
+    try:
+        ast.parse(code)
+    except (SyntaxError, ValueError, RecursionError, OverflowError) as e:
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def cases_for(task: TaskSpec) -> list[str]:
+    """The cases a task is scored on: each `test_cases` entry, then the `tests` block as one."""
+    cases = list(task.test_cases)
+    if task.tests.strip():
+        block = task.tests
+        if task.entry_point and _DEFINES_CHECK.search(block):
+            block += f"\n\ncheck({task.entry_point})\n"
+        cases.append(block)
+    return cases
+
+
+def _output(item: ScoreInput, start: float, **fields) -> ScoreOutput:
+    return ScoreOutput(id=item.id, seconds=time.perf_counter() - start, **fields)
+
+
+_SANDBOX_STATUS: dict[str, ScoreStatus] = {
+    "ok": "ok", "failed": "ok", "timeout": "timeout", "oom": "oom", "crash": "crash",
+    "error": "scorer_error",
+}
+
+
+class CodeTestsScorer(Scorer):
+    """Runs the completion's code against the task's tests; reward = passed / cases.
+
+    A task with no tests at all is a `scorer_error` for that sample (not a stream failure):
+    the request was malformed, and a zero reward would look like a wrong answer.
+    """
+
+    name = "code_tests"
+
+    def __init__(self, pool: SandboxPool):
+        self._pool = pool
+
+    def prepare(self, item: ScoreInput) -> SandboxJob | ScoreOutput:
+        """The sandbox job for an input, or the output when it never reaches the sandbox."""
+        start = time.perf_counter()
+        task = item.task
+        cases = cases_for(task)
+        if not cases:
+            return _output(item, start, reward=0.0, status="scorer_error",
+                           error=f"task {task.task_id!r} has no tests (set TaskSpec.tests or test_cases)")
+        if task.entry_point and not task.entry_point.isidentifier():
+            return _output(item, start, reward=0.0, status="scorer_error", failed=len(cases),
+                           error=f"entry_point {task.entry_point!r} is not a Python identifier")
+        prefix = task.extra.get(CODE_PREFIX_KEY, "")
+        found = extract_code(item.completion, task.entry_point)
+        if found.code is None:
+            return _output(item, start, reward=0.0, status="no_code", failed=len(cases),
+                           error="the completion is empty")
+        program = f"{prefix}\n{found.code}" if prefix else found.code
+        error = _parse_error(program)
+        if error is not None:
+            if not found.fenced and not prefix:
+                return _output(item, start, reward=0.0, status="no_code", failed=len(cases),
+                               error=f"no ```python block, and the text is not Python ({error})")
+            return _output(item, start, reward=0.0, status="syntax_error", failed=len(cases), error=error)
+        return SandboxJob(program, tuple(cases))
+
+    async def score(self, items: Sequence[ScoreInput]) -> list[ScoreOutput]:
+        prepared = [self.prepare(item) for item in items]
+        jobs = [p for p in prepared if isinstance(p, SandboxJob)]
+        results = iter(await self._pool.run(jobs))
+        out: list[ScoreOutput] = []
+        for item, p in zip(items, prepared):
+            out.append(p if isinstance(p, ScoreOutput) else self._to_output(item, next(results)))
+        return out
+
+    @staticmethod
+    def _to_output(item: ScoreInput, r: SandboxResult) -> ScoreOutput:
+        total = r.passed + r.failed
+        return ScoreOutput(
+            id=item.id, reward=r.passed / total if total else 0.0, passed=r.passed, failed=r.failed,
+            timed_out=r.timed_out, error=r.error, status=_SANDBOX_STATUS[r.status],
+            seconds=r.seconds,  # the run itself; time queued behind other runs is not the sample's
+        )
+
+
+class RegexScorer(Scorer):
+    """A rule: one reward when the pattern is found in the completion, another when not."""
+
+    def __init__(self, name: str, rule: RegexRule):
+        self.name = name
+        self._rule = rule
+        self._pattern = re.compile(rule.pattern, re.DOTALL if rule.dotall else 0)
+
+    async def score(self, items: Sequence[ScoreInput]) -> list[ScoreOutput]:
+        out = []
+        for item in items:
+            start = time.perf_counter()
+            hit = self._pattern.search(item.completion) is not None
+            out.append(_output(
+                item, start, reward=self._rule.match_reward if hit else self._rule.miss_reward,
+                passed=int(hit), failed=int(not hit),
+                error="" if hit else f"pattern {self._rule.pattern!r} not found",
+            ))
+        return out
+
+
+class PythonScorer(Scorer):
+    """A user's function `fn(item: ScoreInput) -> float` (sync or async), by import path.
+
+    Sync functions run in a worker thread so a slow one does not stall other requests. What
+    the function raises, or a result that is not a finite number, becomes a `scorer_error`
+    output carrying the error text.
+    """
+
+    def __init__(self, name: str, fn: Callable):
+        self.name = name
+        self._fn = fn
+        self._is_async = inspect.iscoroutinefunction(fn)
+
+    @classmethod
+    def load(cls, name: str) -> "PythonScorer":
+        """`python:<module>:<function>`; import errors surface at start-up, not per request."""
+        _, module, attr = name.split(":")
+        fn = getattr(importlib.import_module(module), attr, None)
+        if not callable(fn):
+            raise ValueError(f"scorer {name!r}: {module}.{attr} is missing or not callable")
+        return cls(name, fn)
+
+    async def score(self, items: Sequence[ScoreInput]) -> list[ScoreOutput]:
+        return list(await asyncio.gather(*(self._score_one(item) for item in items)))
+
+    async def _score_one(self, item: ScoreInput) -> ScoreOutput:
+        start = time.perf_counter()
+        try:
+            value = await self._fn(item) if self._is_async else await asyncio.to_thread(self._fn, item)
+        except Exception as e:  # the user's scorer failed: recorded on the sample, not raised
+            return _output(item, start, reward=0.0, status="scorer_error",
+                           error=f"{self.name} raised {type(e).__name__}: {e}")
+        # bool is an int: a rule function may return True/False
+        if not isinstance(value, (int, float)) or not math.isfinite(value):
+            return _output(item, start, reward=0.0, status="scorer_error",
+                           error=f"{self.name} returned {value!r}; expected a finite number")
+        return _output(item, start, reward=float(value))
+
+
+def build_scorers(
+    config: RewardConfig, make_pool: Callable[[], SandboxPool]
+) -> tuple[dict[str, Scorer], SandboxPool | None]:
+    """Every scorer the configuration enables, by name, and the sandbox pool if one is needed.
+
+    User functions are imported before the pool starts, so a bad import path fails start-up
+    without leaving a pool (threads, cgroups, a Ray instance) behind.
+    """
+    scorers: dict[str, Scorer] = {}
+    for name in config.scorers:
+        if name in config.rules:
+            scorers[name] = RegexScorer(name, config.rules[name])
+        elif name.startswith(PYTHON_SCORER_PREFIX):
+            scorers[name] = PythonScorer.load(name)
+        elif name not in BUILTIN_SCORERS:  # RewardConfig validates names; reaching this is a bug
+            raise ValueError(f"unknown scorer {name!r}")
+    pool = None
+    if "code_tests" in config.scorers:
+        pool = make_pool()
+        scorers["code_tests"] = CodeTestsScorer(pool)
+    return scorers, pool

@@ -1,0 +1,426 @@
+"""The sandbox: normal outcomes, hostile code contained, isolation detection.
+
+Each hostile test checks containment from the outside (the host file, process, server or
+secret the code went for) and that the sample is reported as not passing.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from services.reward import sandbox as sandbox_mod
+from services.reward.config import SandboxConfig
+from services.reward.sandbox import IsolationUnavailable, Sandbox, SandboxJob
+
+from .conftest import LIMITS
+
+ADD = "def add(a, b):\n    return a + b\n"
+ADD_CASES = ("assert add(1, 2) == 3", "assert add(-1, 1) == 0", "assert add(2, 2) == 4")
+
+
+def _marker_processes(marker: str) -> list[int]:
+    """Host pids whose command line contains `marker`."""
+    found = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                cmdline = Path(f"/proc/{name}/cmdline").read_bytes()
+            except OSError:
+                continue
+            if marker.encode() in cmdline:
+                found.append(int(name))
+    return found
+
+
+# ---- normal outcomes ----------------------------------------------------------------------
+
+
+def test_passing_code_is_ok(full_sandbox):
+    r = full_sandbox.run(SandboxJob(ADD, ADD_CASES))
+    assert (r.status, r.passed, r.failed, r.timed_out, r.exit_code) == ("ok", 3, 0, False, 0)
+
+
+def test_cases_are_counted_separately(full_sandbox):
+    r = full_sandbox.run(SandboxJob("def add(a, b):\n    return a * b\n", ADD_CASES))
+    # 1*2 != 3, -1*1 != 0, 2*2 == 4
+    assert (r.status, r.passed, r.failed) == ("failed", 1, 2)
+    assert r.error.startswith("test case 0: AssertionError")
+
+
+def test_code_that_raises_while_loading_fails_every_case(full_sandbox):
+    r = full_sandbox.run(SandboxJob(ADD + "print(undefined_name)\n", ADD_CASES))
+    assert (r.status, r.passed, r.failed) == ("failed", 0, 3)
+    assert "NameError" in r.error and "loading" in r.error
+
+
+def test_a_case_that_does_not_compile_fails_alone(full_sandbox):
+    r = full_sandbox.run(SandboxJob(ADD, ("assert add(1, 1) == 2", "assert add(1,", "assert add(0, 0) == 0")))
+    assert (r.status, r.passed, r.failed) == ("failed", 2, 1)
+    assert "does not compile" in r.error
+
+
+def test_stdout_and_stderr_tails_are_kept(full_sandbox):
+    r = full_sandbox.run(SandboxJob("import sys\nprint('hello out')\nprint('hello err', file=sys.stderr)\n", ()))
+    assert r.status == "ok"
+    assert "hello out" in r.stdout and "hello err" in r.stderr
+
+
+def test_each_run_gets_a_fresh_empty_working_directory(full_sandbox):
+    first = full_sandbox.run(SandboxJob("open('left_behind.txt', 'w').write('x')\n", ("assert True",)))
+    assert first.status == "ok"
+    second = full_sandbox.run(SandboxJob("import os\n", ("assert os.listdir('.') == [], os.listdir('.')",)))
+    assert second.status == "ok", second.error
+
+
+def test_run_directories_are_removed(tmp_path):
+    with Sandbox(SandboxConfig(work_root=str(tmp_path), **LIMITS)) as sb:
+        assert sb.run(SandboxJob(ADD, ADD_CASES)).status == "ok"
+        assert list(tmp_path.iterdir()) == []
+
+
+def test_cgroups_are_removed_after_close():
+    sb = Sandbox(SandboxConfig(**LIMITS))
+    if not sb.report.cgroups:
+        sb.close()
+        pytest.skip("no cgroups on this host")
+    parents = list(sb._plan.cgroups.parents.values())
+    assert sb.run(SandboxJob(ADD, ADD_CASES)).status == "ok"
+    assert [d for p in parents for d in os.listdir(p) if d.startswith("run-")] == []
+    sb.close()
+    assert not any(os.path.exists(p) for p in parents)
+
+
+def test_groups_left_by_a_dead_service_are_removed():
+    sb = Sandbox(SandboxConfig(**LIMITS))
+    try:
+        if not sb.report.cgroups:
+            pytest.skip("no cgroups on this host")
+        dead = subprocess.Popen(["true"])
+        dead.wait()  # a pid that no longer exists
+        stale = [os.path.join(os.path.dirname(p), f"hotloop-sbx-{dead.pid}-abcdef")
+                 for p in sb._plan.cgroups.parents.values()]
+        for path in stale:
+            os.mkdir(path)
+            os.mkdir(os.path.join(path, "run-0123"))
+    finally:
+        sb.close()
+    with Sandbox(SandboxConfig(**LIMITS)):
+        assert [p for p in stale if os.path.exists(p)] == []
+
+
+# ---- hostile code -------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(30)
+def test_infinite_loop_times_out(short_sandbox):
+    start = time.monotonic()
+    r = short_sandbox.run(SandboxJob(ADD + "while True:\n    pass\n", ADD_CASES))
+    assert (r.status, r.timed_out, r.passed) == ("timeout", True, 0)
+    assert time.monotonic() - start < 1.0 + 5
+
+
+@pytest.mark.timeout(60)
+def test_cpu_limit_stops_a_loop_before_a_generous_wall_clock():
+    with Sandbox(SandboxConfig(**{**LIMITS, "cpu_seconds": 1, "wall_seconds": 30.0})) as sb:
+        start = time.monotonic()
+        r = sb.run(SandboxJob(ADD + "while True:\n    pass\n", ADD_CASES))
+        # Ignoring SIGXCPU only buys the hard limit's extra second, then SIGKILL.
+        stubborn = sb.run(SandboxJob(
+            "import signal\nsignal.signal(signal.SIGXCPU, signal.SIG_IGN)\nwhile True:\n    pass\n", ADD_CASES))
+    assert (r.status, r.timed_out, r.passed) == ("timeout", True, 0)
+    assert "CPU limit" in r.error and r.cpu_seconds >= 0.8, r
+    assert (stubborn.status, stubborn.exit_code) == ("timeout", -signal.SIGKILL), stubborn
+    assert "CPU limit" in stubborn.error
+    assert time.monotonic() - start < 25
+
+
+@pytest.mark.timeout(30)
+def test_sleep_hits_the_wall_clock_limit(short_sandbox):
+    start = time.monotonic()
+    r = short_sandbox.run(SandboxJob("import time\ntime.sleep(60)\n" + ADD, ADD_CASES))
+    assert (r.status, r.timed_out, r.passed) == ("timeout", True, 0)
+    assert "wall-clock" in r.error
+    assert time.monotonic() - start < 1.0 + 5
+
+
+@pytest.mark.parametrize("bomb", [
+    "x = bytearray(10 ** 10)\n",  # one huge allocation
+    "chunks = []\nwhile True:\n    chunks.append(bytearray(10 << 20))\n",  # gradual growth
+])
+def test_memory_bomb_is_oom(full_sandbox, bomb):
+    r = full_sandbox.run(SandboxJob(bomb + ADD, ADD_CASES))
+    assert (r.status, r.passed) == ("oom", 0)
+
+
+@pytest.mark.timeout(30)
+def test_memory_bomb_over_several_processes_hits_the_cgroup(full_sandbox):
+    # Each process stays under RLIMIT_AS (256 MB); together they exceed the run's memory cgroup.
+    code = (
+        "import os\n"
+        "for _ in range(4):\n"
+        "    if os.fork() == 0:\n"
+        "        b = bytearray(150 << 20)\n"
+        "        for i in range(0, len(b), 4096):\n"
+        "            b[i] = 1\n"
+        "        os._exit(0)\n"
+        "for _ in range(4):\n"
+        "    os.wait()\n"
+    )
+    r = full_sandbox.run(SandboxJob(code + ADD, ADD_CASES))
+    assert (r.status, r.passed) == ("oom", 0), r
+    assert "memory limit" in r.error
+
+
+@pytest.mark.timeout(60)
+def test_fork_bomb_is_contained_and_leaves_nothing_behind(short_sandbox):
+    marker = f"7{secrets.randbelow(10**8)}.25"
+    code = (
+        "import os\n"
+        "i = 0\n"
+        "while True:\n"
+        "    i += 1\n"
+        "    try:\n"
+        "        pid = os.fork()\n"
+        "    except OSError:\n"
+        "        continue\n"
+        "    if pid == 0 and i % 3 == 0:\n"
+        f"        os.execv('/bin/sleep', ['sleep', '{marker}'])\n"
+    )
+    start = time.monotonic()
+    r = short_sandbox.run(SandboxJob(code + ADD, ADD_CASES))
+    assert r.status in ("timeout", "crash") and r.passed == 0
+    assert time.monotonic() - start < 1.0 + 15
+    assert _marker_processes(marker) == []
+
+
+def test_background_processes_are_killed_even_after_setsid(full_sandbox):
+    marker = f"8{secrets.randbelow(10**8)}.5"
+    code = (
+        "import os\n"
+        "if os.fork() == 0:\n"
+        "    os.setsid()\n"
+        "    if os.fork() == 0:\n"
+        f"        os.execv('/bin/sleep', ['sleep', '{marker}'])\n"
+        "    os._exit(0)\n"
+        "os.wait()\n" + ADD
+    )
+    r = full_sandbox.run(SandboxJob(code, ADD_CASES))
+    assert r.status == "ok"  # the sample itself is fine; what it left running is not kept
+    assert _marker_processes(marker) == []
+
+
+def test_big_file_write_is_stopped(full_sandbox):
+    r = full_sandbox.run(SandboxJob("open('big', 'wb').write(b'x' * (64 << 20))\n" + ADD, ADD_CASES))
+    assert r.status in ("crash", "failed", "oom") and r.passed == 0
+    assert r.status != "ok"
+
+
+def test_many_files_cannot_fill_the_host_disk(full_sandbox):
+    before = shutil.disk_usage("/").used
+    code = (
+        "n = 0\n"
+        "try:\n"
+        "    while n < 200:\n"
+        "        open(f'f{n}', 'wb').write(b'x' * (3 << 20))\n"
+        "        n += 1\n"
+        "except OSError:\n"
+        "    pass\n"
+        "assert n < 200, n\n" + ADD
+    )
+    r = full_sandbox.run(SandboxJob(code, ADD_CASES))
+    # Every file is under RLIMIT_FSIZE; the private tmpfs (4 MB) stops them, not the host disk.
+    assert r.status == "ok", r.error
+    assert shutil.disk_usage("/").used - before < 100 << 20
+
+
+def test_writing_outside_its_directory_fails(full_sandbox, tmp_path):
+    token = secrets.token_hex(6)
+    targets = [
+        str(tmp_path / f"escape-{token}"),
+        f"/tmp/escape-{token}",
+        f"/var/tmp/escape-{token}",
+        f"/dev/shm/escape-{token}",
+        str(Path(__file__).parent / f"escape-{token}"),
+        f"/escape-{token}",
+    ]
+    # One case per target: a case passes when the write fails inside the sandbox.
+    cases = tuple(
+        f"try:\n    open({t!r}, 'w').write('x')\n    wrote = True\nexcept OSError:\n    wrote = False\n"
+        f"assert not wrote or {t!r}.startswith(('/tmp/', '/var/tmp/', '/dev/shm/'))"
+        for t in targets
+    )
+    r = full_sandbox.run(SandboxJob("", cases))
+    assert r.status == "ok", r.error
+    # Private tmpfs writes may succeed inside; nothing may appear on the host.
+    assert [t for t in targets if os.path.exists(t)] == []
+
+
+def test_reading_secrets_outside_the_sandbox_fails(full_sandbox, tmp_path):
+    secret = f"s3cret-{secrets.token_hex(8)}"
+    secret_file = tmp_path / "secret.txt"
+    secret_file.write_text(secret)
+    secret_file.chmod(0o600)
+    probes = (
+        f"try:\n    data = open({str(secret_file)!r}).read()\nexcept OSError:\n    data = None\nassert data is None",
+        "try:\n    data = open('/etc/shadow').read()\nexcept OSError:\n    data = None\nassert data is None",
+        "try:\n    data = os.listdir('/root')\nexcept OSError:\n    data = []\nassert '.bashrc' not in data",
+    )
+    r = full_sandbox.run(SandboxJob("import os\n", probes))
+    assert (r.status, r.passed) == ("ok", 3), r.error
+    # A sample that tries to print the secret gets nothing out.
+    leak = full_sandbox.run(SandboxJob(f"print(open({str(secret_file)!r}).read())\n" + ADD, ADD_CASES))
+    assert leak.status == "failed" and leak.passed == 0
+    assert secret not in leak.stdout + leak.stderr + leak.error
+
+
+def test_network_is_unreachable(full_sandbox):
+    connections: list = []
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        port = server.getsockname()[1]
+        server.settimeout(0.2)
+        stop = threading.Event()
+
+        def accept():
+            while not stop.is_set():
+                try:
+                    connections.append(server.accept()[0])
+                except TimeoutError:
+                    pass
+
+        t = threading.Thread(target=accept, daemon=True)
+        t.start()
+        probe = (
+            "import socket\ntry:\n"
+            f"    socket.create_connection(('127.0.0.1', {port}), timeout=1).close()\n"
+            "    reached = True\nexcept OSError:\n    reached = False\nassert not reached"
+        )
+        r = full_sandbox.run(SandboxJob("", (probe,)))
+        hostile = full_sandbox.run(SandboxJob(
+            f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=1).sendall(b'hi')\n" + ADD,
+            ADD_CASES,
+        ))
+        time.sleep(0.3)
+        stop.set()
+        t.join()
+    assert (r.status, r.passed) == ("ok", 1), r.error
+    assert hostile.status == "failed" and hostile.passed == 0
+    assert connections == []
+
+
+def test_environment_secrets_are_not_visible(full_sandbox, monkeypatch):
+    secret = f"env-secret-{secrets.token_hex(8)}"
+    monkeypatch.setenv("HOTLOOP_TEST_SECRET", secret)
+    probe = (
+        "import os\n"
+        f"assert {secret!r} not in repr(dict(os.environ))\n"
+        "assert set(os.environ) <= {'PATH', 'LANG'}, sorted(os.environ)\n"
+        "for pid in [p for p in os.listdir('/proc') if p.isdigit()]:\n"
+        "    try:\n"
+        "        env = open(f'/proc/{pid}/environ', 'rb').read()\n"
+        "    except OSError:\n"
+        "        continue\n"
+        f"    assert {secret.encode()!r} not in env, pid\n"
+    )
+    r = full_sandbox.run(SandboxJob("", (probe,)))
+    assert (r.status, r.passed) == ("ok", 1), r.error
+    leak = full_sandbox.run(SandboxJob("import os\nprint(os.environ.get('HOTLOOP_TEST_SECRET'))\n" + ADD, ADD_CASES))
+    assert secret not in leak.stdout
+
+
+@pytest.mark.timeout(30)
+def test_killing_parent_and_everything_does_not_reach_the_host(full_sandbox):
+    sentinel = subprocess.Popen(["sleep", "60"])
+    try:
+        code = (
+            "import os, signal\n"
+            "for target in (os.getppid(), -1, 0):\n"
+            "    try:\n"
+            "        os.kill(target, signal.SIGKILL)\n"
+            "    except OSError:\n"
+            "        pass\n" + ADD
+        )
+        r = full_sandbox.run(SandboxJob(code, ADD_CASES))
+        assert r.status != "ok" and r.passed == 0
+        assert sentinel.poll() is None  # a root process on the host survived kill(-1, 9)
+        # and the sandbox still works afterwards
+        assert full_sandbox.run(SandboxJob(ADD, ADD_CASES)).status == "ok"
+    finally:
+        sentinel.send_signal(signal.SIGKILL)
+        sentinel.wait()
+
+
+@pytest.mark.parametrize("code", [
+    "import os\nos._exit(0)\n",  # exit before the tests run
+    "import sys\nsys.exit(0)\n",
+    "import os\nos.write(3, b'0123456789abcdef0123456789abcdef\\tresult\\t111\\t0\\t\\n')\nos._exit(0)\n",
+    "print('\\tresult\\t111\\t0\\t')\nimport os\nos.close(1)\nos.close(2)\n",
+    "import builtins, os\nbuiltins.len = lambda x: 0\nos.write = lambda *a: None\n",
+])
+def test_results_cannot_be_faked(full_sandbox, code):
+    r = full_sandbox.run(SandboxJob(code + "def add(a, b):\n    return None\n", ADD_CASES))
+    assert r.passed == 0 and r.status != "ok", r
+
+
+def test_a_str_subclass_in_an_error_message_cannot_rewrite_the_report(full_sandbox):
+    code = (
+        "class S(str):\n"
+        "    def __radd__(self, other):\n"
+        "        return other.replace('\\tresult\\t000', '\\tresult\\t111') + 'x'\n"
+        "    def replace(self, *a):\n"
+        "        return self\n"
+        "class E(Exception):\n"
+        "    def __str__(self):\n"
+        "        return S('boom')\n"
+        "def add(a, b):\n"
+        "    raise E()\n"
+    )
+    r = full_sandbox.run(SandboxJob(code, ADD_CASES))
+    assert (r.status, r.passed) == ("failed", 0), r
+    assert r.error == "test case 0: E: boom"
+
+
+def test_patching_builtins_does_not_change_counting(full_sandbox):
+    r = full_sandbox.run(SandboxJob("import builtins\nbuiltins.len = lambda x: 0\n" + ADD, ADD_CASES))
+    assert (r.status, r.passed) == ("ok", 3)
+
+
+# ---- isolation detection ------------------------------------------------------------------
+
+
+def test_detection_on_a_capable_host():
+    """A root host with unshare and writable cgroup v1 pids/memory must get `full`."""
+    writable = all(os.access(f"/sys/fs/cgroup/{c}", os.W_OK) for c in ("pids", "memory"))
+    if not (os.geteuid() == 0 and shutil.which("unshare") and writable):
+        pytest.skip("not a root host with unshare and writable cgroup v1")
+    with Sandbox(SandboxConfig(isolation="process", **LIMITS)) as sb:
+        assert sb.report.level == "full", sb.report.notes
+        assert sb.report.namespaces and sb.report.cgroups and sb.report.uid == 65534
+        assert "/root" in sb.report.hidden_paths
+
+
+def test_missing_unshare_fails_startup_when_namespaces_are_required(monkeypatch):
+    real_which = shutil.which
+    monkeypatch.setattr(sandbox_mod.shutil, "which", lambda name: None if name == "unshare" else real_which(name))
+    with pytest.raises(IsolationUnavailable, match="unshare"):
+        Sandbox(SandboxConfig(isolation="namespaces", **LIMITS))
+
+
+def test_weaker_level_is_used_and_reported_when_accepted(monkeypatch):
+    real_which = shutil.which
+    monkeypatch.setattr(sandbox_mod.shutil, "which", lambda name: None if name == "unshare" else real_which(name))
+    with Sandbox(SandboxConfig(isolation="process", **{**LIMITS, "wall_seconds": 1.0})) as sb:
+        assert sb.report.level == "process" and not sb.report.namespaces
+        assert any("unshare" in note for note in sb.report.notes)
+        assert sb.run(SandboxJob(ADD, ADD_CASES)).status == "ok"
+        timeout = sb.run(SandboxJob("import time\ntime.sleep(60)\n", ADD_CASES))
+        assert timeout.status == "timeout"
