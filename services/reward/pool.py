@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from .config import RewardConfig, SandboxConfig
+from .config import ISOLATION_ORDER, RewardConfig, SandboxConfig
 from .sandbox import IsolationReport, IsolationUnavailable, Sandbox, SandboxJob, SandboxResult
 
 log = logging.getLogger(__name__)
@@ -124,7 +124,8 @@ class RayPool(SandboxPool):
         except Exception:
             self._shutdown()
             raise
-        self.isolation = reports[0]
+        # On a cluster the actors may land on different hosts: report the weakest.
+        self.isolation = min(reports, key=lambda r: ISOLATION_ORDER.index(r.level))
         self._idle: asyncio.Queue = asyncio.Queue()
         for a in self._actors:
             self._idle.put_nowait(a)
