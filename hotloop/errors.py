@@ -42,4 +42,7 @@ class Unavailable(RecoverableError):
 
 
 class FatalError(HotloopError):
-    """The process cannot continue (engine died, model missing)."""
+    """The process cannot continue (engine died, model missing). Callers see UNAVAILABLE
+    (another replica may serve them); the service's watchdog then stops the process."""
+
+    code = "UNAVAILABLE"

@@ -12,6 +12,7 @@ import asyncio
 import json
 import logging
 import os
+import signal
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +28,9 @@ class Running:
     port: int
     health: Any
     cleanups: list[Callable[[], Any]] = field(default_factory=list)
+    check: Callable[[], None] | None = None
+    """Raises `FatalError` when the service can no longer serve (polled every 2 s): the
+    process then stops with exit code 1, so `hotloop up` reports which service died and why."""
 
 
 def parse_args(name: str) -> argparse.Namespace:
@@ -68,5 +72,26 @@ async def _main(name, mesh, cfg, build, port_file) -> None:
                 await res
         telemetry.shutdown()
 
+    failed: list[str] = []
+    watchdog = asyncio.create_task(_watch(running, failed, log))
     await serve_until_signal(running.server, running.health, on_stop=cleanup)
+    watchdog.cancel()
     log.info("stopped")
+    if failed:
+        raise SystemExit(f"{name}: {failed[0]}")
+
+
+async def _watch(running: Running, failed: list[str], log) -> None:
+    from hotloop.errors import FatalError
+
+    if running.check is None:
+        return
+    while True:
+        await asyncio.sleep(2.0)
+        try:
+            running.check()
+        except FatalError as e:
+            log.error("fatal: %s; stopping", e)
+            failed.append(str(e))
+            os.kill(os.getpid(), signal.SIGTERM)  # the same orderly path as Ctrl-C
+            return

@@ -44,7 +44,7 @@ async def build(mesh: MeshConfig, cfg: RolloutConfig) -> service.Running:
     await core.start()
     server, port, health = await serve(core, f"{cfg.host}:{cfg.port}", mesh.security.admin_token)
     core_holder["addr"] = f"{cfg.host}:{port}"
-    running = service.Running(server, port, health, [core.stop])
+    running = service.Running(server, port, health, [core.stop], check=core.check_engine)
     if bus is not None:
         running.cleanups.append(bus.close)
     return running

