@@ -35,6 +35,7 @@ kv_cache_gib = 1
 eval_limit = 4
 out_dir = "{tmp_path / 'runs'}"
 run_id = "e2e"
+skip_uniform_groups = false  # random tiny model: every reward is 0; train anyway
 [trainer]
 batch_prompts = 2
 group_size = 4

@@ -61,6 +61,11 @@ class GrpoJobConfig(Section):
     """Empty: a timestamp. Reusing an id resumes from its last checkpoint."""
     seed: int = 0
     """Task order."""
+    skip_uniform_groups: bool = True
+    """Leave out groups whose samples all got the same reward (their advantage is zero, so
+    they add no policy gradient; only their KL term is lost). Saves their reference and
+    training compute, which dominates a step on a CPU (DAPO's dynamic sampling, without
+    resampling). A step where every group is uniform trains nothing and publishes nothing."""
 
 
 @dataclass
@@ -99,6 +104,13 @@ def score_item(task: CodeTask, c: Completion, i: int) -> ScoreItem:
         tests=task.test_block, entry_point=task.entry_point, test_cases=list(task.tests),
         extra={"code_prefix": task.prefix} if task.prefix else {},
     )
+
+
+def informative(rewards) -> list[int]:
+    """Flat indices of samples in groups whose rewards differ. rewards: [B, G]."""
+    B, G = rewards.shape
+    varied = (rewards.max(dim=1).values > rewards.min(dim=1).values).tolist()  # [B]
+    return [i for i in range(B * G) if varied[i // G]]
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -245,29 +257,36 @@ async def run(job: GrpoJobConfig, trainer_cfg, model_dir: Path, mesh: Mesh, run_
                     [score_item(tasks[c.prompt_index], c, i) for i, c in enumerate(comps)])
             secs["score"] = time.perf_counter() - t
 
-            t = time.perf_counter()
-            ref = None
-            if trainer_cfg.loss.kl_beta > 0 and mesh.reference is not None:
-                with tracer.start_as_current_span("reference"):
-                    ref = await mesh.reference.logprobs([(c.prompt_token_ids, c.token_ids) for c in comps])
-            secs["reference"] = time.perf_counter() - t
-
             rewards = torch.tensor([s.reward for s in scores], dtype=torch.float32).view(len(tasks), G)
             adv = algo.advantages(rewards).view(-1)  # [B*G], zero for groups with equal rewards
+            keep = informative(rewards) if job.skip_uniform_groups else list(range(len(comps)))
+
+            t = time.perf_counter()
+            ref = None
+            if trainer_cfg.loss.kl_beta > 0 and mesh.reference is not None and keep:
+                with tracer.start_as_current_span("reference"):
+                    ref = await mesh.reference.logprobs(
+                        [(comps[i].prompt_token_ids, comps[i].token_ids) for i in keep])
+            secs["reference"] = time.perf_counter() - t
+
             samples = [
-                Sample(prompt_ids=c.prompt_token_ids, completion_ids=c.token_ids,
-                       old_logprobs=c.logprobs, advantage=float(adv[i]),
-                       ref_logprobs=None if ref is None else ref[i])
-                for i, c in enumerate(comps)
+                Sample(prompt_ids=comps[i].prompt_token_ids, completion_ids=comps[i].token_ids,
+                       old_logprobs=comps[i].logprobs, advantage=float(adv[i]),
+                       ref_logprobs=None if ref is None else ref[j])
+                for j, i in enumerate(keep)
             ]
             t = time.perf_counter()
-            with tracer.start_as_current_span("train"):
-                m = await asyncio.to_thread(policy.train_step, samples)
+            if samples:
+                with tracer.start_as_current_span("train"):
+                    m = await asyncio.to_thread(policy.train_step, samples)
+                skipped, why = m.skipped, m.skip_reason or ""
+            else:
+                m, skipped, why = None, True, "every group got uniform rewards: no signal"
             secs["train"] = time.perf_counter() - t
 
             t = time.perf_counter()
-            if m.skipped:
-                log.warning("step %d: update skipped (%s); nothing published", step, m.skip_reason)
+            if skipped:
+                log.warning("step %d: no update (%s); nothing published", step, why)
             else:
                 version += 1
                 adapter = policy.save_adapter(run_dir / "adapters" / f"v{version}")
@@ -281,8 +300,9 @@ async def run(job: GrpoJobConfig, trainer_cfg, model_dir: Path, mesh: Mesh, run_
             step=step + 1, version=version,
             reward_mean=float(rewards.mean()), reward_std=float(rewards.std()),
             pass_rate=float((rewards >= 1.0).float().mean()), stage_seconds=secs,
-            tokens=sum(len(c.token_ids) for c in comps), skipped=m.skipped,
-            skip_reason=m.skip_reason or "", train=m.as_dict(), statuses=statuses,
+            tokens=sum(len(c.token_ids) for c in comps), skipped=skipped, skip_reason=why,
+            train={**(m.as_dict() if m is not None else {}), "trained_samples": len(samples)},
+            statuses=statuses,
         )
         steps.append(rec)
         metrics_file.write(json.dumps({"step": asdict(rec)}) + "\n")
