@@ -34,6 +34,18 @@ class Version:
     created_at: float = field(default_factory=time.time)
 
 
+def version_to_proto(v: Version):
+    """The wire form (hotloop.v1.VersionInfo) used by the rollout, trainer and bus messages."""
+    from hotloop.proto.v1 import common_pb2
+
+    return common_pb2.VersionInfo(version=v.version, sha256=v.sha256, bytes=v.bytes,
+                                  base_model=v.base_model, created_at=v.created_at)
+
+
+def version_from_proto(p) -> Version:
+    return Version(p.version, p.sha256, p.bytes, p.base_model, p.created_at)
+
+
 def pack(adapter_dir: str | Path) -> bytes:
     """A deterministic tar (fixed order, zero mtimes, no owners) of the two adapter files."""
     adapter_dir = Path(adapter_dir)

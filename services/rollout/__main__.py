@@ -14,7 +14,9 @@ async def build(mesh: MeshConfig, cfg: RolloutConfig) -> service.Running:
     from hotloop.adapters import Version
 
     from .core import RolloutCore
-    from .server import serve, version_to_proto
+    from hotloop.adapters import version_to_proto
+
+    from .server import serve
 
     model_dir = models.resolve(mesh.model.name)
     bus = None

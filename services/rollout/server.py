@@ -6,7 +6,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from hotloop.adapters import Version
+from hotloop.adapters import Version, version_from_proto, version_to_proto
 from hotloop.errors import InvalidArgument
 from hotloop.grpcutil import create_server, map_errors
 from hotloop.proto.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
@@ -15,17 +15,6 @@ from .core import CompletionOut, GenerateInput, PromptIn, RolloutCore, Sampling
 
 SERVICE = rollout_pb2.DESCRIPTOR.services_by_name["Rollout"].full_name
 ADMIN_METHODS = [f"/{SERVICE}/PushAdapter"]
-
-
-def version_to_proto(v: Version) -> common_pb2.VersionInfo:
-    return common_pb2.VersionInfo(
-        version=v.version, sha256=v.sha256, bytes=v.bytes, base_model=v.base_model,
-        created_at=v.created_at,
-    )
-
-
-def version_from_proto(p: common_pb2.VersionInfo) -> Version:
-    return Version(p.version, p.sha256, p.bytes, p.base_model, p.created_at)
 
 
 def _prompt(p: common_pb2.Prompt) -> PromptIn:

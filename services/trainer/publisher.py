@@ -38,7 +38,7 @@ from tenacity import (
 )
 
 from hotloop import adapters, grpcutil
-from hotloop.adapters import Version
+from hotloop.adapters import Version, version_to_proto
 from hotloop.bus import WEIGHTS_UPDATED, Bus
 from hotloop.errors import FailedPrecondition, InvalidArgument, NotFound
 from hotloop.proto.v1 import bus_pb2, common_pb2, rollout_pb2, rollout_pb2_grpc
@@ -47,17 +47,6 @@ log = logging.getLogger(__name__)
 _tracer = trace.get_tracer(__name__)
 
 LATEST_KEY = "latest"
-
-
-def version_to_proto(v: Version) -> common_pb2.VersionInfo:
-    return common_pb2.VersionInfo(
-        version=v.version, sha256=v.sha256, bytes=v.bytes, base_model=v.base_model,
-        created_at=v.created_at,
-    )
-
-
-def version_from_proto(p: common_pb2.VersionInfo) -> Version:
-    return Version(p.version, p.sha256, p.bytes, p.base_model, p.created_at)
 
 
 # ---- the durable store -----------------------------------------------------------------------

@@ -15,10 +15,11 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from hotloop.adapters import version_to_proto
 from hotloop.grpcutil import CHUNK_BYTES, create_server, map_errors
 from hotloop.proto.v1 import trainer_pb2, trainer_pb2_grpc
 
-from .publisher import Publisher, VersionStore, version_to_proto
+from .publisher import Publisher, VersionStore
 
 SERVICE = trainer_pb2.DESCRIPTOR.services_by_name["Trainer"].full_name
 
