@@ -126,6 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
     br.add_argument("--n", type=int, default=8)
     br.add_argument("--max-tokens", type=int, default=128)
     br.add_argument("--repeats", type=int, default=3)
+    br.add_argument("--lora-slot", action="store_true",
+                    help="also measure vLLM LoRA slots (very slow on the CPU backend)")
     br.add_argument("--json", help="write results here")
     bh = bsub.add_parser("hot-update", help="push-to-first-token latency of new versions under load")
     bh.add_argument("--model", default="smollm2-135m-instruct")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import signal
 from pathlib import Path
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "demo.toml"
@@ -22,6 +23,11 @@ def main(args) -> int:
     config_path = args.config or str(DEFAULT_CONFIG)
     mesh_cfg, _, _ = load_job_configs(config_path, args.set)
     mesh = Mesh(mesh_cfg, config_path, args.set, ["reference", "reward", "rollout"])
+
+    def _terminate(signum, frame):  # SIGTERM stops the mesh in order, like Ctrl-C
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, _terminate)
     print("[demo] starting the mesh (NATS, reference, reward, rollout with vLLM)...", flush=True)
     with mesh:
         os.environ.update(mesh.info.env())

@@ -69,6 +69,20 @@ class MeshInfo:
         return e
 
 
+def _die_with_parent() -> None:
+    """In the child, before exec: get SIGTERM when the launcher dies, even by SIGKILL, so a
+    killed `hotloop up` or demo never leaves services (and their vLLM engines) running.
+    Services run in their own session so that Ctrl-C reaches only the launcher, which stops
+    them in order."""
+    import ctypes
+
+    PR_SET_PDEATHSIG = 1
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:  # not glibc Linux: the launcher's own stop() remains the only guard
+        pass
+
+
 def _tail(path: Path, lines: int = 25) -> str:
     try:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
@@ -103,7 +117,8 @@ class Mesh:
         if not token_file.exists():
             token_file.write_text(secrets.token_hex(24))
         token_file.chmod(0o600)
-        self.nats = NatsServer(self.run_dir / "nats", self.run_dir / "logs" / "nats.log").start()
+        self.nats = NatsServer(self.run_dir / "nats", self.run_dir / "logs" / "nats.log").start(
+            preexec_fn=_die_with_parent)
         self.say(f"nats-server (JetStream) on {self.nats.url}")
         self.info = MeshInfo(str(self.run_dir), self.nats.url, {}, str(token_file), self.config_path)
         try:
@@ -133,7 +148,7 @@ class Mesh:
             env = {**os.environ, **self.info.env(), "PYTHONUNBUFFERED": "1"}
             with open(log_path, "ab") as log:
                 popen = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                         start_new_session=True)
+                                         start_new_session=True, preexec_fn=_die_with_parent)
             proc = Proc(name, popen, log_path)
             self.procs.append(proc)
             started.append((proc, port_file))

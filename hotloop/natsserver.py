@@ -36,7 +36,7 @@ class NatsServer:
     def url(self) -> str:
         return f"nats://127.0.0.1:{self.port}"
 
-    def start(self, timeout_s: float = 10.0) -> "NatsServer":
+    def start(self, timeout_s: float = 10.0, preexec_fn=None) -> "NatsServer":
         self.store_dir.mkdir(parents=True, exist_ok=True)
         ports_dir = self.store_dir / "ports"
         shutil.rmtree(ports_dir, ignore_errors=True)
@@ -46,7 +46,7 @@ class NatsServer:
         self.proc = subprocess.Popen(
             [binary(), "-a", "127.0.0.1", "-p", "-1", "-js", "-sd", str(self.store_dir / "js"),
              "--ports_file_dir", str(ports_dir)],
-            stdout=log, stderr=subprocess.STDOUT,
+            stdout=log, stderr=subprocess.STDOUT, preexec_fn=preexec_fn,
         )
         log.close()
         deadline = time.monotonic() + timeout_s
