@@ -36,26 +36,26 @@ def cmd_models(args) -> int:
 
 def cmd_up(args) -> int:
     from hotloop import config
-    from hotloop.launcher import ALL_SERVICES, Mesh
+    from hotloop.launcher import ALL_SERVICES, Mesh, available
 
     mesh_cfg = config.load_mesh(config.raw_config(args.config, args.set))
-    services = args.services.split(",") if args.services else ALL_SERVICES
-    services = [s for s in services if _service_available(s)]
-    mesh = Mesh(mesh_cfg, args.config, args.set, services)
+    # Explicitly named services must all exist; the default is every one that does.
+    services = args.services.split(",") if args.services else [s for s in ALL_SERVICES if available(s)]
+    try:
+        mesh = Mesh(mesh_cfg, args.config, args.set, services)
+    except ValueError as e:
+        print(f"hotloop up: {e}", file=sys.stderr)
+        return 2
     info = mesh.start()
     print(f"[hotloop up] mesh is up: {info.endpoints}; mesh file {info.run_dir}/mesh.json. Ctrl-C stops it.",
           flush=True)
     return mesh.watch()
 
 
-def _service_available(name: str) -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec(f"services.{name}.__main__") is not None
-
-
 def cmd_serve(args) -> int:
-    if not _service_available(args.service):
+    from hotloop.launcher import available
+
+    if not available(args.service):
         print(f"service {args.service!r} is not available", file=sys.stderr)
         return 2
     os.execv(sys.executable, [sys.executable, "-m", f"services.{args.service}", *args.rest])

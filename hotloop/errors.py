@@ -31,10 +31,6 @@ class FailedPrecondition(RecoverableError):
     code = "FAILED_PRECONDITION"
 
 
-class ResourceExhausted(RecoverableError):
-    code = "RESOURCE_EXHAUSTED"
-
-
 class Unavailable(RecoverableError):
     """A dependency is down or the service is shutting down; the caller may retry."""
 

@@ -69,6 +69,13 @@ class MeshInfo:
         return e
 
 
+def available(name: str) -> bool:
+    """Whether `services/<name>` exists as a runnable service in this checkout."""
+    import importlib.util
+
+    return importlib.util.find_spec(f"services.{name}.__main__") is not None
+
+
 def _die_with_parent() -> None:
     """In the child, before exec: get SIGTERM when the launcher dies, even by SIGKILL, so a
     killed `hotloop up` or demo never leaves services (and their vLLM engines) running.
@@ -96,6 +103,10 @@ class Mesh:
         unknown = set(services) - set(ALL_SERVICES)
         if unknown:
             raise ValueError(f"unknown services {sorted(unknown)}; known: {ALL_SERVICES}")
+        unbuilt = [s for s in services if not available(s)]
+        if unbuilt:
+            raise ValueError(f"services {unbuilt} are not implemented yet (their protos exist); "
+                             f"available: {[s for s in ALL_SERVICES if available(s)]}")
         self.cfg = mesh_cfg
         self.config_path = config_path
         self.overrides = overrides
