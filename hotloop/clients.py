@@ -192,5 +192,9 @@ class ReferenceClient:
             raise RuntimeError(f"reference returned {len(results)} of {len(pairs)} results")
         return [results[str(i)] for i in range(len(pairs))]
 
+    async def status(self) -> reference_pb2.ReferenceStatus:
+        return await _call("reference", self.address,
+                           lambda: self.stub.Status(reference_pb2.ReferenceStatusRequest(), timeout=10))
+
     async def close(self) -> None:
         await self.channel.close()

@@ -23,8 +23,8 @@ class ReferenceConfig(BaseModel):
     """Scoring engine. "torch": HF model, completion-only chunked logprobs (the trainer's own
     code, so both agree by construction). A "vllm" backend (prompt_logprobs, engine built
     without LoRA) plugs in at `core.make_backend`."""
-    dtype: Literal["bfloat16", "float32"] = "bfloat16"
-    """Compute dtype; use the trainer's, or the KL picks up the bf16/fp32 gap (~1e-2 per token
+    dtype: Literal["auto", "bfloat16", "float32"] = "auto"
+    """Compute dtype (`auto` as for the trainer: bf16 only where native); use the trainer's, or the KL picks up the bf16/fp32 gap (~1e-2 per token
     on logprobs) as if it were policy drift."""
     token_budget: int = Field(4096, ge=16)
     """Padded tokens (rows x longest prompt+completion) per forward pass; also the most tokens

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import AsyncIterable, AsyncIterator, Sequence
@@ -32,6 +33,7 @@ from services.reference.config import ReferenceConfig
 
 Pair = tuple[Sequence[int], Sequence[int]]  # (prompt_ids, completion_ids)
 
+log = logging.getLogger(__name__)
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
@@ -155,7 +157,13 @@ class ReferenceCore:
         backend: ReferenceBackend | None = None,
         model_dir: Path | None = None,
     ) -> None:
-        self.cfg = cfg
+        from hotloop.hardware import describe, resolve_dtype
+
+        # `auto` becomes a concrete dtype once, here, so the backend, Status and the trainer's
+        # start-up check all see the same one.
+        dtype = resolve_dtype(cfg.dtype)
+        log.info(describe("reference", cfg.dtype, dtype))
+        self.cfg = cfg = cfg.model_copy(update={"dtype": dtype})
         self.backend = backend if backend is not None else make_backend(cfg, model_dir)
 
     def logprobs(self, requests: Sequence[LogprobsRequest]) -> list[LogprobsResult]:

@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator
 import grpc
 
 from hotloop.grpcutil import create_server, map_errors
-from hotloop.proto.v1 import reference_pb2, reference_pb2_grpc
+from hotloop.proto.v1 import common_pb2, reference_pb2, reference_pb2_grpc
 
 from .core import LogprobsRequest, LogprobsResult, ReferenceCore
 
@@ -57,6 +57,14 @@ class ReferenceServicer(reference_pb2_grpc.ReferenceServicer):
 
         async for res in self._core.stream(requests()):
             yield result_to_proto(res)
+
+    async def Status(self, request, context) -> reference_pb2.ReferenceStatus:
+        from hotloop.hardware import runtime_info
+
+        return reference_pb2.ReferenceStatus(
+            model=self._core.cfg.model,
+            runtime=common_pb2.RuntimeInfo(**runtime_info(self._core.cfg.dtype)),
+        )
 
 
 async def serve(core: ReferenceCore, address: str) -> tuple[grpc.aio.Server, int, object]:

@@ -208,7 +208,7 @@ class RolloutCore:
         cfg: RolloutConfig,
         model_dir: Path,
         base_model: str,
-        dtype: str = "bfloat16",
+        dtype: str = "auto",
         max_model_len: int = 2048,
         storage_dir: Path | None = None,
         on_loaded: Callable[[Version, float], Awaitable[None]] | None = None,
@@ -216,7 +216,10 @@ class RolloutCore:
         self.cfg = cfg
         self.model_dir = Path(model_dir)
         self.base_model = base_model
-        self.dtype = dtype
+        from hotloop.hardware import describe, resolve_dtype
+
+        self.dtype = resolve_dtype(dtype)  # `auto` -> a concrete dtype, once
+        log.info(describe("rollout", dtype, self.dtype))
         self.max_model_len = max_model_len
         self.storage = Path(storage_dir or cfg.storage_dir or f".hotloop/rollout-{os.getpid()}")
         self.on_loaded = on_loaded

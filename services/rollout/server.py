@@ -9,6 +9,7 @@ import grpc
 from hotloop.adapters import Version, version_from_proto, version_to_proto
 from hotloop.errors import InvalidArgument
 from hotloop.grpcutil import create_server, map_errors
+from hotloop.hardware import runtime_info
 from hotloop.proto.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 
 from .core import CompletionOut, GenerateInput, PromptIn, RolloutCore, Sampling
@@ -90,6 +91,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
             running_requests=self.core.running(),
             update_mode=self.core.mode,
             engine=self.core.engine_name,
+            runtime=common_pb2.RuntimeInfo(**runtime_info(self.core.dtype)),
         )
 
 

@@ -104,8 +104,9 @@ class TrainerConfig(_Strict):
     logprob_chunk_tokens: int = Field(512, ge=1)
     """Completion positions per output-head chunk (each chunk holds a [chunk, vocab] fp32
     block)."""
-    dtype: Literal["bfloat16", "float32"] = "bfloat16"
-    """Compute dtype. bfloat16 stores the frozen base in bf16 and runs under CPU/CUDA autocast;
+    dtype: Literal["auto", "bfloat16", "float32"] = "auto"
+    """Compute dtype. `auto`: bf16 where the hardware computes it natively, else fp32
+    (`hotloop.hardware.resolve_dtype`; on an AVX2-only CPU bf16 is 40x slower). bfloat16 stores the frozen base in bf16 and runs under CPU/CUDA autocast;
     the LoRA weights, optimizer state and log-softmax stay float32."""
     torch_threads: int | None = Field(None, ge=1)
     """torch intra-op threads (None: torch's default). vLLM on the same host competes for the

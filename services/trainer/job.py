@@ -21,6 +21,47 @@ from .config import TrainerConfig
 log = logging.getLogger(__name__)
 
 
+async def check_dtype(trainer_cfg: TrainerConfig, reference: ReferenceClient | None) -> str:
+    """The trainer's resolved dtype, after checking that the reference computes in the same
+    one: bf16 and fp32 logprobs differ by ~1e-2 per token, which the KL term would read as
+    policy drift. A mismatch stops the job before any step."""
+    from hotloop.hardware import resolve_dtype
+
+    dtype = resolve_dtype(trainer_cfg.dtype)
+    if reference is not None and trainer_cfg.loss.kl_beta > 0:
+        theirs = (await reference.status()).runtime.dtype
+        if theirs and theirs != dtype:
+            raise SystemExit(
+                f"the reference service computes in {theirs} but the trainer in {dtype} "
+                f"(configured {trainer_cfg.dtype!r}): set [reference] dtype and [trainer] dtype "
+                f"to the same value (\"auto\" resolves identically on one host)")
+    return dtype
+
+
+async def effective_config(mesh_cfg: MeshConfig, job: grpo.GrpoJobConfig, trainer_cfg: TrainerConfig,
+                           dtype: str, mesh: grpo.Mesh) -> dict:
+    """What actually ran: every section after file, environment and `--set` overrides, with
+    the automatic choices resolved (dtypes, update mode) as the services report them. The
+    report shows this, not the TOML file it started from. Secrets are left out."""
+    from hotloop.hardware import cpu_capability
+
+    ro = await mesh.rollout[0].status()
+    shared = mesh_cfg.model_dump(mode="json", exclude={"security", "endpoints"})
+    shared["model"]["dtype"] = ro.runtime.dtype or shared["model"]["dtype"]
+    out = {
+        **shared,
+        "rollout": {"update_mode": ro.update_mode, "swap": ro.swap, "engine": ro.engine,
+                    "dtype": ro.runtime.dtype, "cpu": ro.runtime.cpu},
+        "grpo": job.model_dump(mode="json"),
+        "trainer": trainer_cfg.model_copy(update={"dtype": dtype}).model_dump(mode="json"),
+        "host": {"cpu": str(cpu_capability())},
+    }
+    if mesh.reference is not None:
+        rs = await mesh.reference.status()
+        out["reference"] = {"dtype": rs.runtime.dtype, "cpu": rs.runtime.cpu}
+    return out
+
+
 async def run_job(mesh_cfg: MeshConfig, job: grpo.GrpoJobConfig, trainer_cfg: TrainerConfig,
                   config_text: str = "", progress: bool = True) -> tuple[dict, Path]:
     from .publisher import Publisher
@@ -42,9 +83,11 @@ async def run_job(mesh_cfg: MeshConfig, job: grpo.GrpoJobConfig, trainer_cfg: Tr
         from hotloop.bus import Bus
 
         bus = await Bus.connect(mesh_cfg.nats.url, "trainer", mesh_cfg.nats.connect_timeout_s)
+    reference = ReferenceClient(ep.reference) if ep.reference else None
+    dtype = await check_dtype(trainer_cfg, reference)
     publisher = Publisher(list(ep.rollout), mesh_cfg.security.admin_token, run_dir / "store", bus,
                           mesh_cfg.model.name)
-    state = TrainerState(algorithm=trainer_cfg.algorithm)
+    state = TrainerState(algorithm=trainer_cfg.algorithm, dtype=dtype)
     server, port, _ = await serve(state, publisher, "127.0.0.1:0")
     publisher.fetch_from = f"127.0.0.1:{port}"  # announced, so a replica that missed a push can fetch
     log.info("trainer serving Status/FetchAdapter on 127.0.0.1:%d", port)
@@ -57,11 +100,13 @@ async def run_job(mesh_cfg: MeshConfig, job: grpo.GrpoJobConfig, trainer_cfg: Tr
     mesh = grpo.Mesh(
         rollout=[RolloutClient(a) for a in ep.rollout],
         reward=RewardClient(ep.reward),
-        reference=ReferenceClient(ep.reference) if ep.reference else None,
+        reference=reference,
         publisher=publisher,
     )
     try:
+        effective = await effective_config(mesh_cfg, job, trainer_cfg, dtype, mesh)
         summary = await grpo.run(job, trainer_cfg, model_dir, mesh, run_dir, progress, on_step)
+        summary["config"] = effective
         path = report.write(summary, run_dir, config_text)
     finally:
         for c in [*mesh.rollout, mesh.reward, *( [mesh.reference] if mesh.reference else [])]:

@@ -13,6 +13,7 @@ result (`StepMetrics.skipped`), not an exception, because one bad batch should n
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import os
 import random
@@ -37,6 +38,7 @@ from services.trainer.config import TrainerConfig
 
 __all__ = ["LoraPolicy", "Sample", "StepMetrics"]
 
+log = logging.getLogger(__name__)
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
@@ -67,7 +69,12 @@ class LoraPolicy:
     """Base model + LoRA adapter + AdamW. Not thread-safe: one caller drives it."""
 
     def __init__(self, cfg: TrainerConfig, model_dir: Path | None = None) -> None:
-        self.cfg = cfg
+        from hotloop.hardware import describe, resolve_dtype
+
+        # `auto` becomes a concrete dtype once, here; everything below reads self.cfg.dtype.
+        dtype = resolve_dtype(cfg.dtype)
+        log.info(describe("trainer", cfg.dtype, dtype))
+        self.cfg = cfg = cfg.model_copy(update={"dtype": dtype})
         if cfg.torch_threads is not None:
             torch.set_num_threads(cfg.torch_threads)
         if cfg.flush_denormal:

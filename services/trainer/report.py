@@ -79,8 +79,12 @@ def write(summary: dict, run_dir: Path, config_text: str = "") -> Path:
     lines += [""] + [f"![{p}]({p})" for p in plots]
     if summary["skipped_steps"]:
         lines += ["", f"Skipped updates (non-finite loss or gradient): steps {summary['skipped_steps']}"]
-    if config_text:
-        lines += ["", "## Configuration", "", "```toml", config_text.strip(), "```"]
+    if summary.get("config"):
+        # The effective configuration (after overrides and automatic choices), not the file.
+        lines += ["", "## Configuration that ran", "", "```json",
+                  json.dumps(summary["config"], indent=2), "```"]
+    elif config_text:
+        lines += ["", "## Configuration file", "", "```toml", config_text.strip(), "```"]
     path = run_dir / "report.md"
     path.write_text("\n".join(lines) + "\n")
     return path

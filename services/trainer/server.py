@@ -17,7 +17,8 @@ import grpc
 
 from hotloop.adapters import version_to_proto
 from hotloop.grpcutil import CHUNK_BYTES, create_server, map_errors
-from hotloop.proto.v1 import trainer_pb2, trainer_pb2_grpc
+from hotloop.hardware import runtime_info
+from hotloop.proto.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
 
 from .publisher import Publisher, VersionStore
 
@@ -34,6 +35,7 @@ class TrainerState:
     step: int = 0  # optimizer steps applied
     latest_version: int = 0  # last version published (0: the base model)
     last_metrics: dict[str, float] = field(default_factory=dict)  # StepMetrics.as_dict()
+    dtype: str = ""  # the policy's resolved compute dtype
 
 
 class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
@@ -48,6 +50,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         return trainer_pb2.TrainerStatus(
             algorithm=p.algorithm, step=p.step, latest_version=p.latest_version,
             last_metrics={k: float(v) for k, v in p.last_metrics.items()},
+            runtime=common_pb2.RuntimeInfo(**runtime_info(p.dtype)) if p.dtype else None,
         )
 
     @map_errors

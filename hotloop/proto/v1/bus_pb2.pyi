@@ -26,36 +26,48 @@ class AdapterLoaded(_message.Message):
     def __init__(self, replica: _Optional[str] = ..., info: _Optional[_Union[_common_pb2.VersionInfo, _Mapping]] = ..., load_ms: _Optional[float] = ...) -> None: ...
 
 class FeedbackEvent(_message.Message):
-    __slots__ = ("response_id", "score", "label", "text", "user", "received_at")
+    __slots__ = ("response_id", "score", "label", "text", "user", "received_at", "choice")
     RESPONSE_ID_FIELD_NUMBER: _ClassVar[int]
     SCORE_FIELD_NUMBER: _ClassVar[int]
     LABEL_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     USER_FIELD_NUMBER: _ClassVar[int]
     RECEIVED_AT_FIELD_NUMBER: _ClassVar[int]
+    CHOICE_FIELD_NUMBER: _ClassVar[int]
     response_id: str
     score: float
     label: str
     text: str
     user: str
     received_at: float
-    def __init__(self, response_id: _Optional[str] = ..., score: _Optional[float] = ..., label: _Optional[str] = ..., text: _Optional[str] = ..., user: _Optional[str] = ..., received_at: _Optional[float] = ...) -> None: ...
+    choice: int
+    def __init__(self, response_id: _Optional[str] = ..., score: _Optional[float] = ..., label: _Optional[str] = ..., text: _Optional[str] = ..., user: _Optional[str] = ..., received_at: _Optional[float] = ..., choice: _Optional[int] = ...) -> None: ...
 
 class TrafficEvent(_message.Message):
-    __slots__ = ("response_id", "prompt_ids", "completion_ids", "logprobs", "policy_version", "served_at")
+    __slots__ = ("response_id", "prompt_ids", "completion_ids", "logprobs", "policy_version", "served_at", "version_spans", "user", "choice", "temperature", "finish_reason")
     RESPONSE_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     SERVED_AT_FIELD_NUMBER: _ClassVar[int]
+    VERSION_SPANS_FIELD_NUMBER: _ClassVar[int]
+    USER_FIELD_NUMBER: _ClassVar[int]
+    CHOICE_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     response_id: str
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     completion_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedScalarFieldContainer[float]
     policy_version: int
     served_at: float
-    def __init__(self, response_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., completion_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., policy_version: _Optional[int] = ..., served_at: _Optional[float] = ...) -> None: ...
+    version_spans: _containers.RepeatedCompositeFieldContainer[_common_pb2.VersionSpan]
+    user: str
+    choice: int
+    temperature: float
+    finish_reason: str
+    def __init__(self, response_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., completion_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., policy_version: _Optional[int] = ..., served_at: _Optional[float] = ..., version_spans: _Optional[_Iterable[_Union[_common_pb2.VersionSpan, _Mapping]]] = ..., user: _Optional[str] = ..., choice: _Optional[int] = ..., temperature: _Optional[float] = ..., finish_reason: _Optional[str] = ...) -> None: ...
 
 class DeadLetter(_message.Message):
     __slots__ = ("subject", "payload", "reason")

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dhotloop/proto/v1/common.proto\x12\nhotloop.v1\"\xb0\x01\n\x0eSamplingParams\x12\t\n\x01n\x18\x01 \x01(\r\x12\x12\n\nmax_tokens\x18\x02 \x01(\r\x12\x18\n\x0btemperature\x18\x03 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x05 \x01(\x05\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x02\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\tB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seed\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"u\n\x06Prompt\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x14.hotloop.v1.TokenIdsH\x00\x12(\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x18.hotloop.v1.ChatMessagesH\x00\x42\x06\n\x04kind\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"9\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.hotloop.v1.ChatMessage\"e\n\x0bVersionInfo\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x0e\n\x06sha256\x18\x02 \x01(\t\x12\r\n\x05\x62ytes\x18\x03 \x01(\x04\x12\x12\n\nbase_model\x18\x04 \x01(\t\x12\x12\n\ncreated_at\x18\x05 \x01(\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dhotloop/proto/v1/common.proto\x12\nhotloop.v1\"\xc6\x01\n\x0eSamplingParams\x12\t\n\x01n\x18\x01 \x01(\r\x12\x12\n\nmax_tokens\x18\x02 \x01(\r\x12\x18\n\x0btemperature\x18\x03 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x05 \x01(\x05\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x02\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x14\n\x0ctop_logprobs\x18\x08 \x01(\rB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seed\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"u\n\x06Prompt\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x14.hotloop.v1.TokenIdsH\x00\x12(\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x18.hotloop.v1.ChatMessagesH\x00\x42\x06\n\x04kind\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"9\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.hotloop.v1.ChatMessage\"e\n\x0bVersionInfo\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x0e\n\x06sha256\x18\x02 \x01(\t\x12\r\n\x05\x62ytes\x18\x03 \x01(\x04\x12\x12\n\nbase_model\x18\x04 \x01(\t\x12\x12\n\ncreated_at\x18\x05 \x01(\x01\"3\n\x0bVersionSpan\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x13\n\x0b\x66irst_token\x18\x02 \x01(\r\"9\n\x0bRuntimeInfo\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\x0b\n\x03\x63pu\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\tb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,15 +32,19 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'hotloop.proto.v1.common_pb2
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS']._serialized_start=46
-  _globals['_SAMPLINGPARAMS']._serialized_end=222
-  _globals['_CHATMESSAGE']._serialized_start=224
-  _globals['_CHATMESSAGE']._serialized_end=268
-  _globals['_PROMPT']._serialized_start=270
-  _globals['_PROMPT']._serialized_end=387
-  _globals['_TOKENIDS']._serialized_start=389
-  _globals['_TOKENIDS']._serialized_end=412
-  _globals['_CHATMESSAGES']._serialized_start=414
-  _globals['_CHATMESSAGES']._serialized_end=471
-  _globals['_VERSIONINFO']._serialized_start=473
-  _globals['_VERSIONINFO']._serialized_end=574
+  _globals['_SAMPLINGPARAMS']._serialized_end=244
+  _globals['_CHATMESSAGE']._serialized_start=246
+  _globals['_CHATMESSAGE']._serialized_end=290
+  _globals['_PROMPT']._serialized_start=292
+  _globals['_PROMPT']._serialized_end=409
+  _globals['_TOKENIDS']._serialized_start=411
+  _globals['_TOKENIDS']._serialized_end=434
+  _globals['_CHATMESSAGES']._serialized_start=436
+  _globals['_CHATMESSAGES']._serialized_end=493
+  _globals['_VERSIONINFO']._serialized_start=495
+  _globals['_VERSIONINFO']._serialized_end=596
+  _globals['_VERSIONSPAN']._serialized_start=598
+  _globals['_VERSIONSPAN']._serialized_end=649
+  _globals['_RUNTIMEINFO']._serialized_start=651
+  _globals['_RUNTIMEINFO']._serialized_end=708
 # @@protoc_insertion_point(module_scope)

@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class SamplingParams(_message.Message):
-    __slots__ = ("n", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop")
+    __slots__ = ("n", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "top_logprobs")
     N_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
@@ -15,6 +15,7 @@ class SamplingParams(_message.Message):
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     STOP_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     n: int
     max_tokens: int
     temperature: float
@@ -22,7 +23,8 @@ class SamplingParams(_message.Message):
     top_k: int
     seed: int
     stop: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, n: _Optional[int] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ...) -> None: ...
+    top_logprobs: int
+    def __init__(self, n: _Optional[int] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., top_logprobs: _Optional[int] = ...) -> None: ...
 
 class ChatMessage(_message.Message):
     __slots__ = ("role", "content")
@@ -67,3 +69,21 @@ class VersionInfo(_message.Message):
     base_model: str
     created_at: float
     def __init__(self, version: _Optional[int] = ..., sha256: _Optional[str] = ..., bytes: _Optional[int] = ..., base_model: _Optional[str] = ..., created_at: _Optional[float] = ...) -> None: ...
+
+class VersionSpan(_message.Message):
+    __slots__ = ("version", "first_token")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    first_token: int
+    def __init__(self, version: _Optional[int] = ..., first_token: _Optional[int] = ...) -> None: ...
+
+class RuntimeInfo(_message.Message):
+    __slots__ = ("dtype", "cpu", "device")
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    CPU_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    dtype: str
+    cpu: str
+    device: str
+    def __init__(self, dtype: _Optional[str] = ..., cpu: _Optional[str] = ..., device: _Optional[str] = ...) -> None: ...

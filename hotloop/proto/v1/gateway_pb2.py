@@ -25,21 +25,21 @@ _sym_db = _symbol_database.Default()
 from hotloop.proto.v1 import common_pb2 as hotloop_dot_proto_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ehotloop/proto/v1/gateway.proto\x12\nhotloop.v1\x1a\x1dhotloop/proto/v1/common.proto\"~\n\x13UserGenerateRequest\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.hotloop.v1.ChatMessage\x12\x12\n\nmax_tokens\x18\x02 \x01(\r\x12\x18\n\x0btemperature\x18\x03 \x01(\x02H\x00\x88\x01\x01\x42\x0e\n\x0c_temperature\"f\n\x11UserGenerateChunk\x12\r\n\x05\x64\x65lta\x18\x01 \x01(\t\x12\x13\n\x0bresponse_id\x18\x02 \x01(\t\x12\x16\n\x0epolicy_version\x18\x03 \x01(\x04\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\"Z\n\x08\x46\x65\x65\x64\x62\x61\x63k\x12\x13\n\x0bresponse_id\x18\x01 \x01(\t\x12\x12\n\x05score\x18\x02 \x01(\x01H\x00\x88\x01\x01\x12\r\n\x05label\x18\x03 \x01(\t\x12\x0c\n\x04text\x18\x04 \x01(\tB\x08\n\x06_score\"/\n\x0b\x46\x65\x65\x64\x62\x61\x63kAck\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t2\x98\x01\n\x07Gateway\x12L\n\x08Generate\x12\x1f.hotloop.v1.UserGenerateRequest\x1a\x1d.hotloop.v1.UserGenerateChunk0\x01\x12?\n\x0eSubmitFeedback\x12\x14.hotloop.v1.Feedback\x1a\x17.hotloop.v1.FeedbackAckb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ehotloop/proto/v1/gateway.proto\x12\nhotloop.v1\x1a\x1dhotloop/proto/v1/common.proto\"\xb9\x01\n\x13UserGenerateRequest\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.hotloop.v1.ChatMessage\x12\x12\n\nmax_tokens\x18\x02 \x01(\r\x12\x18\n\x0btemperature\x18\x03 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x02H\x01\x88\x01\x01\x12\x0c\n\x04stop\x18\x05 \x03(\t\x12\r\n\x05model\x18\x06 \x01(\tB\x0e\n\x0c_temperatureB\x08\n\x06_top_p\"\x98\x01\n\x11UserGenerateChunk\x12\r\n\x05\x64\x65lta\x18\x01 \x01(\t\x12\x13\n\x0bresponse_id\x18\x02 \x01(\t\x12\x16\n\x0epolicy_version\x18\x03 \x01(\x04\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x15\n\rprompt_tokens\x18\x05 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x06 \x01(\r\"j\n\x08\x46\x65\x65\x64\x62\x61\x63k\x12\x13\n\x0bresponse_id\x18\x01 \x01(\t\x12\x12\n\x05score\x18\x02 \x01(\x01H\x00\x88\x01\x01\x12\r\n\x05label\x18\x03 \x01(\t\x12\x0c\n\x04text\x18\x04 \x01(\t\x12\x0e\n\x06\x63hoice\x18\x05 \x01(\rB\x08\n\x06_score\"/\n\x0b\x46\x65\x65\x64\x62\x61\x63kAck\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t2\x98\x01\n\x07Gateway\x12L\n\x08Generate\x12\x1f.hotloop.v1.UserGenerateRequest\x1a\x1d.hotloop.v1.UserGenerateChunk0\x01\x12?\n\x0eSubmitFeedback\x12\x14.hotloop.v1.Feedback\x1a\x17.hotloop.v1.FeedbackAckb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'hotloop.proto.v1.gateway_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_USERGENERATEREQUEST']._serialized_start=77
-  _globals['_USERGENERATEREQUEST']._serialized_end=203
-  _globals['_USERGENERATECHUNK']._serialized_start=205
-  _globals['_USERGENERATECHUNK']._serialized_end=307
-  _globals['_FEEDBACK']._serialized_start=309
-  _globals['_FEEDBACK']._serialized_end=399
-  _globals['_FEEDBACKACK']._serialized_start=401
-  _globals['_FEEDBACKACK']._serialized_end=448
-  _globals['_GATEWAY']._serialized_start=451
-  _globals['_GATEWAY']._serialized_end=603
+  _globals['_USERGENERATEREQUEST']._serialized_start=78
+  _globals['_USERGENERATEREQUEST']._serialized_end=263
+  _globals['_USERGENERATECHUNK']._serialized_start=266
+  _globals['_USERGENERATECHUNK']._serialized_end=418
+  _globals['_FEEDBACK']._serialized_start=420
+  _globals['_FEEDBACK']._serialized_end=526
+  _globals['_FEEDBACKACK']._serialized_start=528
+  _globals['_FEEDBACKACK']._serialized_end=575
+  _globals['_GATEWAY']._serialized_start=578
+  _globals['_GATEWAY']._serialized_end=730
 # @@protoc_insertion_point(module_scope)

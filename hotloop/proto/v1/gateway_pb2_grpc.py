@@ -26,7 +26,9 @@ if _version_not_supported:
 
 
 class GatewayStub:
-    """Missing associated documentation comment in .proto file."""
+    """Every call needs a user API key as `authorization: Bearer <key>` metadata, else
+    UNAUTHENTICATED.
+    """
 
     def __init__(self, channel):
         """Constructor.
@@ -47,10 +49,13 @@ class GatewayStub:
 
 
 class GatewayServicer:
-    """Missing associated documentation comment in .proto file."""
+    """Every call needs a user API key as `authorization: Bearer <key>` metadata, else
+    UNAUTHENTICATED.
+    """
 
     def Generate(self, request, context):
-        """Streams text deltas; the last message carries the response id and the policy version.
+        """Streams text deltas as the engine produces them. Every chunk carries the response id and
+        the version that produced its tokens; the last one carries finish_reason and usage.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -84,7 +89,9 @@ def add_GatewayServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class Gateway:
-    """Missing associated documentation comment in .proto file."""
+    """Every call needs a user API key as `authorization: Bearer <key>` metadata, else
+    UNAUTHENTICATED.
+    """
 
     @staticmethod
     def Generate(request,

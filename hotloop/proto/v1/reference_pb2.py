@@ -22,19 +22,24 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
+from hotloop.proto.v1 import common_pb2 as hotloop_dot_proto_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n hotloop/proto/v1/reference.proto\x12\nhotloop.v1\"I\n\x0fLogprobsRequest\x12\n\n\x02id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\r\x12\x16\n\x0e\x63ompletion_ids\x18\x03 \x03(\r\".\n\x0eLogprobsResult\x12\n\n\x02id\x18\x01 \x01(\t\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x32T\n\tReference\x12G\n\x08Logprobs\x12\x1b.hotloop.v1.LogprobsRequest\x1a\x1a.hotloop.v1.LogprobsResult(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n hotloop/proto/v1/reference.proto\x12\nhotloop.v1\x1a\x1dhotloop/proto/v1/common.proto\"\x18\n\x16ReferenceStatusRequest\"J\n\x0fReferenceStatus\x12\r\n\x05model\x18\x01 \x01(\t\x12(\n\x07runtime\x18\x02 \x01(\x0b\x32\x17.hotloop.v1.RuntimeInfo\"I\n\x0fLogprobsRequest\x12\n\n\x02id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\r\x12\x16\n\x0e\x63ompletion_ids\x18\x03 \x03(\r\".\n\x0eLogprobsResult\x12\n\n\x02id\x18\x01 \x01(\t\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x32\x9f\x01\n\tReference\x12G\n\x08Logprobs\x12\x1b.hotloop.v1.LogprobsRequest\x1a\x1a.hotloop.v1.LogprobsResult(\x01\x30\x01\x12I\n\x06Status\x12\".hotloop.v1.ReferenceStatusRequest\x1a\x1b.hotloop.v1.ReferenceStatusb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'hotloop.proto.v1.reference_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_LOGPROBSREQUEST']._serialized_start=48
-  _globals['_LOGPROBSREQUEST']._serialized_end=121
-  _globals['_LOGPROBSRESULT']._serialized_start=123
-  _globals['_LOGPROBSRESULT']._serialized_end=169
-  _globals['_REFERENCE']._serialized_start=171
-  _globals['_REFERENCE']._serialized_end=255
+  _globals['_REFERENCESTATUSREQUEST']._serialized_start=79
+  _globals['_REFERENCESTATUSREQUEST']._serialized_end=103
+  _globals['_REFERENCESTATUS']._serialized_start=105
+  _globals['_REFERENCESTATUS']._serialized_end=179
+  _globals['_LOGPROBSREQUEST']._serialized_start=181
+  _globals['_LOGPROBSREQUEST']._serialized_end=254
+  _globals['_LOGPROBSRESULT']._serialized_start=256
+  _globals['_LOGPROBSRESULT']._serialized_end=302
+  _globals['_REFERENCE']._serialized_start=305
+  _globals['_REFERENCE']._serialized_end=464
 # @@protoc_insertion_point(module_scope)

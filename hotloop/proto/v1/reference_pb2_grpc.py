@@ -39,6 +39,11 @@ class ReferenceStub:
                 request_serializer=hotloop_dot_proto_dot_v1_dot_reference__pb2.LogprobsRequest.SerializeToString,
                 response_deserializer=hotloop_dot_proto_dot_v1_dot_reference__pb2.LogprobsResult.FromString,
                 _registered_method=True)
+        self.Status = channel.unary_unary(
+                '/hotloop.v1.Reference/Status',
+                request_serializer=hotloop_dot_proto_dot_v1_dot_reference__pb2.ReferenceStatusRequest.SerializeToString,
+                response_deserializer=hotloop_dot_proto_dot_v1_dot_reference__pb2.ReferenceStatus.FromString,
+                _registered_method=True)
 
 
 class ReferenceServicer:
@@ -50,6 +55,13 @@ class ReferenceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Status(self, request, context):
+        """The model and the resolved dtype, which the trainer checks against its own at start-up.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ReferenceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -57,6 +69,11 @@ def add_ReferenceServicer_to_server(servicer, server):
                     servicer.Logprobs,
                     request_deserializer=hotloop_dot_proto_dot_v1_dot_reference__pb2.LogprobsRequest.FromString,
                     response_serializer=hotloop_dot_proto_dot_v1_dot_reference__pb2.LogprobsResult.SerializeToString,
+            ),
+            'Status': grpc.unary_unary_rpc_method_handler(
+                    servicer.Status,
+                    request_deserializer=hotloop_dot_proto_dot_v1_dot_reference__pb2.ReferenceStatusRequest.FromString,
+                    response_serializer=hotloop_dot_proto_dot_v1_dot_reference__pb2.ReferenceStatus.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -86,6 +103,33 @@ class Reference:
             '/hotloop.v1.Reference/Logprobs',
             hotloop_dot_proto_dot_v1_dot_reference__pb2.LogprobsRequest.SerializeToString,
             hotloop_dot_proto_dot_v1_dot_reference__pb2.LogprobsResult.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Status(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hotloop.v1.Reference/Status',
+            hotloop_dot_proto_dot_v1_dot_reference__pb2.ReferenceStatusRequest.SerializeToString,
+            hotloop_dot_proto_dot_v1_dot_reference__pb2.ReferenceStatus.FromString,
             options,
             channel_credentials,
             insecure,

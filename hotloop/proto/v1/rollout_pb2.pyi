@@ -8,21 +8,35 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompts", "sampling", "pin_version", "return_prompt_ids", "request_id")
+    __slots__ = ("prompts", "sampling", "pin_version", "return_prompt_ids", "request_id", "stream", "priority")
     PROMPTS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     PIN_VERSION_FIELD_NUMBER: _ClassVar[int]
     RETURN_PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    STREAM_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
     prompts: _containers.RepeatedCompositeFieldContainer[_common_pb2.Prompt]
     sampling: _common_pb2.SamplingParams
     pin_version: int
     return_prompt_ids: bool
     request_id: str
-    def __init__(self, prompts: _Optional[_Iterable[_Union[_common_pb2.Prompt, _Mapping]]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., pin_version: _Optional[int] = ..., return_prompt_ids: _Optional[bool] = ..., request_id: _Optional[str] = ...) -> None: ...
+    stream: bool
+    priority: int
+    def __init__(self, prompts: _Optional[_Iterable[_Union[_common_pb2.Prompt, _Mapping]]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., pin_version: _Optional[int] = ..., return_prompt_ids: _Optional[bool] = ..., request_id: _Optional[str] = ..., stream: _Optional[bool] = ..., priority: _Optional[int] = ...) -> None: ...
+
+class TopLogprobs(_message.Message):
+    __slots__ = ("token_ids", "logprobs", "tokens")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    logprobs: _containers.RepeatedScalarFieldContainer[float]
+    tokens: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., tokens: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Completion(_message.Message):
-    __slots__ = ("prompt_index", "sample_index", "text", "token_ids", "logprobs", "finish_reason", "policy_version", "prompt_token_ids")
+    __slots__ = ("prompt_index", "sample_index", "text", "token_ids", "logprobs", "finish_reason", "policy_version", "prompt_token_ids", "final", "version_spans", "top_logprobs", "token_texts", "num_prompt_tokens")
     PROMPT_INDEX_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_INDEX_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -31,6 +45,11 @@ class Completion(_message.Message):
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    FINAL_FIELD_NUMBER: _ClassVar[int]
+    VERSION_SPANS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_TEXTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     prompt_index: int
     sample_index: int
     text: str
@@ -39,7 +58,12 @@ class Completion(_message.Message):
     finish_reason: str
     policy_version: int
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, prompt_index: _Optional[int] = ..., sample_index: _Optional[int] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[str] = ..., policy_version: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    final: bool
+    version_spans: _containers.RepeatedCompositeFieldContainer[_common_pb2.VersionSpan]
+    top_logprobs: _containers.RepeatedCompositeFieldContainer[TopLogprobs]
+    token_texts: _containers.RepeatedScalarFieldContainer[str]
+    num_prompt_tokens: int
+    def __init__(self, prompt_index: _Optional[int] = ..., sample_index: _Optional[int] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[str] = ..., policy_version: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., final: _Optional[bool] = ..., version_spans: _Optional[_Iterable[_Union[_common_pb2.VersionSpan, _Mapping]]] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ..., token_texts: _Optional[_Iterable[str]] = ..., num_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class AdapterChunk(_message.Message):
     __slots__ = ("header", "data")
@@ -74,17 +98,21 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class RolloutStatus(_message.Message):
-    __slots__ = ("model", "latest_version", "versions", "running_requests", "update_mode", "engine")
+    __slots__ = ("model", "latest_version", "versions", "running_requests", "update_mode", "engine", "runtime", "swap")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     LATEST_VERSION_FIELD_NUMBER: _ClassVar[int]
     VERSIONS_FIELD_NUMBER: _ClassVar[int]
     RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     UPDATE_MODE_FIELD_NUMBER: _ClassVar[int]
     ENGINE_FIELD_NUMBER: _ClassVar[int]
+    RUNTIME_FIELD_NUMBER: _ClassVar[int]
+    SWAP_FIELD_NUMBER: _ClassVar[int]
     model: str
     latest_version: int
     versions: _containers.RepeatedCompositeFieldContainer[_common_pb2.VersionInfo]
     running_requests: int
     update_mode: str
     engine: str
-    def __init__(self, model: _Optional[str] = ..., latest_version: _Optional[int] = ..., versions: _Optional[_Iterable[_Union[_common_pb2.VersionInfo, _Mapping]]] = ..., running_requests: _Optional[int] = ..., update_mode: _Optional[str] = ..., engine: _Optional[str] = ...) -> None: ...
+    runtime: _common_pb2.RuntimeInfo
+    swap: str
+    def __init__(self, model: _Optional[str] = ..., latest_version: _Optional[int] = ..., versions: _Optional[_Iterable[_Union[_common_pb2.VersionInfo, _Mapping]]] = ..., running_requests: _Optional[int] = ..., update_mode: _Optional[str] = ..., engine: _Optional[str] = ..., runtime: _Optional[_Union[_common_pb2.RuntimeInfo, _Mapping]] = ..., swap: _Optional[str] = ...) -> None: ...

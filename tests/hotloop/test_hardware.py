@@ -1,0 +1,72 @@
+"""The dtype choice: one function, stubbed at its edge (CPU flags, CUDA, the caps)."""
+
+from __future__ import annotations
+
+import pytest
+
+from hotloop.hardware import cpu_capability, cpu_flags, resolve_dtype
+
+SAPPHIRE = {"avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile"}
+COOPER = {"avx2", "avx512f", "avx512_bf16"}
+ZEN3 = {"avx2", "fma", "sse4_2"}
+SKYLAKE = {"avx2", "avx512f"}
+
+
+@pytest.mark.parametrize(
+    ("flags", "cuda", "want"),
+    [
+        (SAPPHIRE, False, "bfloat16"),  # AMX-BF16
+        (COOPER, False, "bfloat16"),  # AVX512-BF16 without AMX
+        (ZEN3, False, "float32"),  # AVX2 only: bf16 is emulated, ~100x slower matmuls
+        (SKYLAKE, False, "float32"),  # AVX-512 without bf16 units
+        (ZEN3, True, "bfloat16"),  # CUDA decides, whatever the host CPU
+        (set(), False, "float32"),  # no /proc/cpuinfo (macOS, some containers)
+    ],
+)
+def test_auto_is_bf16_only_where_native(flags, cuda, want) -> None:
+    cpu = cpu_capability(flags, environ={})
+    assert resolve_dtype("auto", cuda=cuda, cpu=cpu) == want
+
+
+def test_explicit_dtypes_pass_through_and_unknown_ones_fail() -> None:
+    cpu = cpu_capability(ZEN3, environ={})
+    assert resolve_dtype("bfloat16", cuda=False, cpu=cpu) == "bfloat16"  # warned, not changed
+    assert resolve_dtype("float32", cuda=False, cpu=cpu) == "float32"
+    with pytest.raises(ValueError, match="unknown dtype"):
+        resolve_dtype("float16", cuda=False, cpu=cpu)
+
+
+@pytest.mark.parametrize(
+    "environ",
+    [{"ATEN_CPU_CAPABILITY": "avx2"}, {"ONEDNN_MAX_CPU_ISA": "AVX2"},
+     {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}],
+)
+def test_caps_make_an_avx512_host_choose_like_an_avx2_one(environ) -> None:
+    cpu = cpu_capability(SAPPHIRE, environ=environ)
+    assert cpu.native_bf16 == () and cpu.capped_by
+    assert cpu.isa == "avx2"
+    assert resolve_dtype("auto", cuda=False, cpu=cpu) == "float32"
+    assert "capped by" in str(cpu)
+
+
+def test_capability_string_names_the_bf16_units() -> None:
+    assert str(cpu_capability(SAPPHIRE, environ={})) == "avx512 amx_bf16 avx512_bf16"
+    assert str(cpu_capability(ZEN3, environ={})) == "avx2"
+
+
+def test_cpu_flags_reads_the_flags_line() -> None:
+    text = "processor\t: 0\nflags\t\t: fpu avx2 avx512f amx_bf16\nbugs\t: none\n"
+    assert cpu_flags(text) == {"fpu", "avx2", "avx512f", "amx_bf16"}
+    assert cpu_flags("processor: 0\n") == frozenset()
+
+
+def test_shipped_configs_default_to_auto() -> None:
+    import tomllib
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    for path in sorted((root / "configs").glob("*.toml")):
+        tree = tomllib.loads(path.read_text())
+        for section in ("model", "trainer", "reference"):
+            got = tree.get(section, {}).get("dtype", "auto")
+            assert got == "auto", f"{path.name} [{section}] dtype = {got!r}"
