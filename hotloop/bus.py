@@ -27,8 +27,14 @@ WEIGHTS_UPDATED = "hotloop.weights.updated"
 ROLLOUT_LOADED = "hotloop.rollout.loaded"
 FEEDBACK = "hotloop.feedback"
 FEEDBACK_DEAD = "hotloop.feedback.dead"
-TRAFFIC = "hotloop.traffic"
-STREAMS = {"FEEDBACK": [FEEDBACK], "TRAFFIC": [TRAFFIC], "DEADLETTER": [FEEDBACK_DEAD]}
+TRAFFIC = "hotloop.traffic"  # + ".<response_id>.<choice>": one subject per served choice
+DEAD = FEEDBACK_DEAD  # malformed feedback and traffic alike land here, with the reason
+STREAMS = {"FEEDBACK": [FEEDBACK], "TRAFFIC": [f"{TRAFFIC}.>"], "DEADLETTER": [FEEDBACK_DEAD]}
+# JetStream drops a second message with the same Nats-Msg-Id inside this window: the gateway
+# gives each feedback the id "<response_id>:<choice>:<user>", so a repeat is deduplicated.
+FEEDBACK_DEDUP_WINDOW_S = 24 * 3600.0
+TRAFFIC_MAX_AGE_S = 24 * 3600.0
+"""Served exchanges older than this are dropped from TRAFFIC; feedback on them is refused."""
 VERSIONS_BUCKET = "hotloop-versions"
 TYPE_HEADER = "hotloop-type"
 
@@ -37,6 +43,20 @@ M = TypeVar("M", bound=Message)
 
 class BusError(RuntimeError):
     pass
+
+
+def traffic_subject(response_id: str, choice: int = 0) -> str:
+    """The subject of one served choice. Keying traffic by subject makes the feedback join a
+    direct lookup (`Bus.traffic`), durable and independent of consumer position."""
+    if not response_id or any(c in response_id for c in ". *>\t\r\n"):
+        raise BusError(f"response id {response_id!r} cannot be a subject token")
+    return f"{TRAFFIC}.{response_id}.{choice}"
+
+
+@dataclass
+class Published:
+    seq: int
+    duplicate: bool  # JetStream already held a message with this id: nothing was stored
 
 
 @dataclass
@@ -95,19 +115,42 @@ class Bus:
 
     async def js_publish(self, subject: str, msg: Message) -> int:
         """Durable publish to a JetStream stream; returns the stream sequence once stored."""
-        ack = await self.js.publish(subject, msg.SerializeToString(), headers=self._headers(msg))
-        return ack.seq
+        return (await self.js_publish_once(subject, msg)).seq
+
+    async def js_publish_once(self, subject: str, msg: Message, msg_id: str = "") -> Published:
+        """Durable publish; with `msg_id`, a repeat inside the stream's duplicate window is
+        not stored again and comes back with `duplicate=True`."""
+        headers = self._headers(msg)
+        if msg_id:
+            headers["Nats-Msg-Id"] = msg_id
+        ack = await self.js.publish(subject, msg.SerializeToString(), headers=headers)
+        return Published(ack.seq, bool(getattr(ack, "duplicate", False)))
+
+    async def traffic(self, response_id: str, choice: int = 0):
+        """The TRAFFIC record of one served choice, or None (never served, or aged out)."""
+        from nats.js.errors import NotFoundError
+
+        from hotloop.proto.v1 import bus_pb2
+
+        try:
+            raw = await self.js.get_last_msg("TRAFFIC", traffic_subject(response_id, choice))
+        except NotFoundError:
+            return None
+        return decode(bus_pb2.TrafficEvent, raw.data, dict(raw.headers or {}))
 
     # ---- streams and KV ------------------------------------------------------------------
     async def ensure_streams(self) -> None:
         from nats.js.api import StreamConfig
 
+        extra = {"FEEDBACK": {"duplicate_window": FEEDBACK_DEDUP_WINDOW_S},
+                 "TRAFFIC": {"max_age": TRAFFIC_MAX_AGE_S}}
         for name, subjects in STREAMS.items():
+            cfg = StreamConfig(name=name, subjects=subjects, **extra.get(name, {}))
             try:
-                await self.js.add_stream(StreamConfig(name=name, subjects=subjects))
+                await self.js.add_stream(cfg)
             except Exception as e:  # already exists with the same config is fine
                 if "already in use" not in str(e):
-                    await self.js.update_stream(StreamConfig(name=name, subjects=subjects))
+                    await self.js.update_stream(cfg)
 
     async def kv(self):
         if self._kv is None:

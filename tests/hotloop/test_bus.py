@@ -66,3 +66,26 @@ async def test_kv_holds_latest_version_across_reconnects(nats_server):
 async def test_connect_to_nothing_fails_within_bound():
     with pytest.raises(Exception):
         await asyncio.wait_for(hbus.Bus.connect("nats://127.0.0.1:1", "x", timeout_s=1.0), 10)
+
+
+async def test_feedback_ids_deduplicate_and_traffic_is_looked_up_by_response(nats_server):
+    b = await hbus.Bus.connect(nats_server.url, "test")
+    await b.ensure_streams()
+    fb = bus_pb2.FeedbackEvent(response_id="abc", score=1.0, user="k1")
+    first = await b.js_publish_once(hbus.FEEDBACK, fb, msg_id="abc:0:k1")
+    again = await b.js_publish_once(hbus.FEEDBACK, fb, msg_id="abc:0:k1")
+    other = await b.js_publish_once(hbus.FEEDBACK, fb, msg_id="abc:0:k2")
+    assert not first.duplicate and again.duplicate and not other.duplicate
+    assert again.seq == first.seq
+    consumer = await b.pull("FEEDBACK", hbus.FEEDBACK, "t", bus_pb2.FeedbackEvent)
+    assert len(await consumer.fetch(10, 1)) == 2
+
+    for choice in (0, 1):
+        await b.js_publish(hbus.traffic_subject("abc", choice),
+                           bus_pb2.TrafficEvent(response_id="abc", choice=choice, completion_ids=[choice + 5]))
+    got = await b.traffic("abc", 1)
+    assert got is not None and list(got.completion_ids) == [6]
+    assert await b.traffic("missing", 0) is None
+    with pytest.raises(hbus.BusError):
+        hbus.traffic_subject("a.b", 0)
+    await b.close()
