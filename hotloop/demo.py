@@ -6,10 +6,10 @@ processes, the small CPU model. The report lands under `runs/<run id>/`.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import signal
+import time
 from pathlib import Path
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "demo.toml"
@@ -17,6 +17,7 @@ DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "demo.toml
 
 def main(args) -> int:
     from hotloop.launcher import Mesh
+    from hotloop.service import run_interruptible
     from hotloop.train import load_job_configs
 
     logging.basicConfig(level=os.environ.get("HOTLOOP_LOG_LEVEL", "WARNING"))
@@ -24,7 +25,7 @@ def main(args) -> int:
     mesh_cfg, _, _ = load_job_configs(config_path, args.set)
     mesh = Mesh(mesh_cfg, config_path, args.set, ["reference", "reward", "rollout"])
 
-    def _terminate(signum, frame):  # SIGTERM stops the mesh in order, like Ctrl-C
+    def _terminate(signum, frame):  # SIGTERM during start-up stops the mesh, like Ctrl-C
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, _terminate)
@@ -32,11 +33,19 @@ def main(args) -> int:
     with mesh:
         os.environ.update(mesh.info.env())
         mesh_cfg, job, trainer_cfg = load_job_configs(config_path, args.set)
+        if not job.run_id:  # fixed here so that an interrupted run can name itself for resume
+            job = job.model_copy(update={"run_id": time.strftime("%Y%m%d-%H%M%S")})
         from services.trainer.job import run_job
 
         print(f"[demo] GRPO: {trainer_cfg.num_steps} steps x {trainer_cfg.batch_prompts} prompts x "
               f"{trainer_cfg.group_size} samples; held-out eval before and after", flush=True)
-        summary, report = asyncio.run(run_job(mesh_cfg, job, trainer_cfg, Path(config_path).read_text()))
+        result, interrupted = run_interruptible(
+            run_job(mesh_cfg, job, trainer_cfg, Path(config_path).read_text()))
+        if interrupted:
+            print("[demo] interrupted; stopping the mesh. Resume with:\n"
+                  f"  hotloop demo --set grpo.run_id={job.run_id}", flush=True)
+            return 130
+        summary, report = result
     h = summary["heldout"]
     print(f"[demo] held-out pass@1: base {h['pass_at_1_base']:.3f} -> final {h['pass_at_1_final']:.3f} "
           f"({h['tasks']} tasks); {summary['samples_per_s']:.2f} samples/s")

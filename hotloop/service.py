@@ -95,3 +95,39 @@ async def _watch(running: Running, failed: list[str], log) -> None:
             failed.append(str(e))
             os.kill(os.getpid(), signal.SIGTERM)  # the same orderly path as Ctrl-C
             return
+
+
+def run_interruptible(main: Awaitable[Any]) -> tuple[Any, bool]:
+    """Run a job's coroutine; the first SIGINT or SIGTERM cancels it (a job checkpoints on
+    cancellation), a second one is the default Ctrl-C. Returns (result, interrupted).
+
+    Why not KeyboardInterrupt: `asyncio.run` then waits in `shutdown_default_executor` for a
+    training step running in a worker thread, which took minutes on slow CPUs; cancellation
+    reaches the job at its next await and lets it stop its thread cooperatively.
+    """
+
+    async def _run():
+        task = asyncio.ensure_future(main)
+        loop = asyncio.get_running_loop()
+        signals = (signal.SIGINT, signal.SIGTERM)
+
+        def _cancel() -> None:
+            print("\n[hotloop] stopping: finishing the current micro-batch, then checkpointing "
+                  "(Ctrl-C again to force)", flush=True)
+            task.cancel()
+            for s in signals:  # a second signal gets Python's default behaviour
+                loop.remove_signal_handler(s)
+
+        for s in signals:
+            loop.add_signal_handler(s, _cancel)
+        try:
+            return await task, False
+        except asyncio.CancelledError:
+            if task.cancelled() or not task.done():
+                return None, True
+            raise
+        finally:
+            for s in signals:
+                loop.remove_signal_handler(s)
+
+    return asyncio.run(_run())

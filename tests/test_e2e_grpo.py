@@ -73,6 +73,13 @@ kl_beta = 0.04
     data = json.loads((tmp_path / "runs/e2e/report.json").read_text())
     assert set(data["stage_seconds"]) == {"generate", "score", "reference", "train", "publish"}
     assert data["heldout"]["tasks"] == 4 and data["heldout"]["pass_at_1_base"] is not None
+    ran = data["config"]  # the effective configuration, with automatic choices resolved
+    assert ran["trainer"]["num_steps"] == 2 and ran["grpo"]["run_id"] == "e2e"
+    assert ran["trainer"]["dtype"] in ("bfloat16", "float32")
+    assert ran["model"]["dtype"] == ran["rollout"]["dtype"] == ran["trainer"]["dtype"]
+    assert ran["reference"]["dtype"] == ran["trainer"]["dtype"]
+    assert ran["rollout"]["update_mode"] in ("merged", "lora") and ran["host"]["cpu"]
+    assert "admin_token" not in json.dumps(ran)
     for png in ("learning.png", "stages.png"):
         assert (tmp_path / "runs/e2e" / png).stat().st_size > 1000
     assert (tmp_path / "runs/e2e/checkpoints").is_dir()

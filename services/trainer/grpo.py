@@ -12,11 +12,13 @@ publishes nothing; everything a resumed run needs is in the checkpoint.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import math
 import random
 import statistics
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -191,7 +193,7 @@ async def run(job: GrpoJobConfig, trainer_cfg, model_dir: Path, mesh: Mesh, run_
     from .algorithms import make_algorithm
     from .batching import Sample
     from .checkpoint import latest_checkpoint
-    from .policy import LoraPolicy
+    from .policy import Interrupted, LoraPolicy
 
     tracer = trace.get_tracer("hotloop.trainer")
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -235,89 +237,118 @@ async def run(job: GrpoJobConfig, trainer_cfg, model_dir: Path, mesh: Mesh, run_
     # ---- train -------------------------------------------------------------------------
     bar = tqdm(range(start_step, trainer_cfg.num_steps), initial=start_step, total=trainer_cfg.num_steps,
                desc="grpo", unit="step", disable=not progress, dynamic_ncols=True)
-    for step in bar:
-        secs: dict[str, float] = {}
-        with tracer.start_as_current_span("grpo.step", attributes={"step": step}):
-            tasks = stream.take(trainer_cfg.batch_prompts)
-            G = trainer_cfg.group_size
+    stop = threading.Event()  # set on cancellation: the train thread stops within a micro-batch
+    train_job: asyncio.Future | None = None
 
-            t = time.perf_counter()
-            with tracer.start_as_current_span("generate"):
-                comps = await rollout.generate(
-                    [chat(tk) for tk in tasks], n=G, max_tokens=trainer_cfg.max_new_tokens,
-                    temperature=job.sample_temperature, seed=job.seed * 100_003 + step,
-                )
-            secs["generate"] = time.perf_counter() - t
-            if len(comps) != len(tasks) * G:
-                raise RuntimeError(f"rollout returned {len(comps)} completions, expected {len(tasks) * G}")
+    async def _join_train_thread() -> None:
+        """A cancelled await leaves the worker thread running; wait for it (it sees `stop`
+        before its next micro-batch) so the checkpoint never races an optimizer step."""
+        if train_job is not None and not train_job.done():
+            with contextlib.suppress(Interrupted):
+                await train_job
+    resume_at = ({**stream.position(), "version": version}, policy.step)
+    try:
+        for step in bar:
+            secs: dict[str, float] = {}
+            resume_at = ({**stream.position(), "version": version}, policy.step)
+            with tracer.start_as_current_span("grpo.step", attributes={"step": step}):
+                tasks = stream.take(trainer_cfg.batch_prompts)
+                G = trainer_cfg.group_size
 
-            t = time.perf_counter()
-            with tracer.start_as_current_span("score"):
-                scores = await mesh.reward.score(
-                    [score_item(tasks[c.prompt_index], c, i) for i, c in enumerate(comps)])
-            secs["score"] = time.perf_counter() - t
+                t = time.perf_counter()
+                with tracer.start_as_current_span("generate"):
+                    comps = await rollout.generate(
+                        [chat(tk) for tk in tasks], n=G, max_tokens=trainer_cfg.max_new_tokens,
+                        temperature=job.sample_temperature, seed=job.seed * 100_003 + step,
+                    )
+                secs["generate"] = time.perf_counter() - t
+                if len(comps) != len(tasks) * G:
+                    raise RuntimeError(f"rollout returned {len(comps)} completions, expected {len(tasks) * G}")
 
-            rewards = torch.tensor([s.reward for s in scores], dtype=torch.float32).view(len(tasks), G)
-            adv = algo.advantages(rewards).view(-1)  # [B*G], zero for groups with equal rewards
-            keep = informative(rewards) if job.skip_uniform_groups else list(range(len(comps)))
+                t = time.perf_counter()
+                with tracer.start_as_current_span("score"):
+                    scores = await mesh.reward.score(
+                        [score_item(tasks[c.prompt_index], c, i) for i, c in enumerate(comps)])
+                secs["score"] = time.perf_counter() - t
 
-            t = time.perf_counter()
-            ref = None
-            if trainer_cfg.loss.kl_beta > 0 and mesh.reference is not None and keep:
-                with tracer.start_as_current_span("reference"):
-                    ref = await mesh.reference.logprobs(
-                        [(comps[i].prompt_token_ids, comps[i].token_ids) for i in keep])
-            secs["reference"] = time.perf_counter() - t
+                rewards = torch.tensor([s.reward for s in scores], dtype=torch.float32).view(len(tasks), G)
+                adv = algo.advantages(rewards).view(-1)  # [B*G], zero for groups with equal rewards
+                keep = informative(rewards) if job.skip_uniform_groups else list(range(len(comps)))
 
-            samples = [
-                Sample(prompt_ids=comps[i].prompt_token_ids, completion_ids=comps[i].token_ids,
-                       old_logprobs=comps[i].logprobs, advantage=float(adv[i]),
-                       ref_logprobs=None if ref is None else ref[j])
-                for j, i in enumerate(keep)
-            ]
-            t = time.perf_counter()
-            if samples:
-                with tracer.start_as_current_span("train"):
-                    m = await asyncio.to_thread(policy.train_step, samples)
-                skipped, why = m.skipped, m.skip_reason or ""
-            else:
-                m, skipped, why = None, True, "every group got uniform rewards: no signal"
-            secs["train"] = time.perf_counter() - t
+                t = time.perf_counter()
+                ref = None
+                if trainer_cfg.loss.kl_beta > 0 and mesh.reference is not None and keep:
+                    with tracer.start_as_current_span("reference"):
+                        ref = await mesh.reference.logprobs(
+                            [(comps[i].prompt_token_ids, comps[i].token_ids) for i in keep])
+                secs["reference"] = time.perf_counter() - t
 
-            t = time.perf_counter()
-            if skipped:
-                log.warning("step %d: no update (%s); nothing published", step, why)
-            else:
-                version += 1
-                adapter = policy.save_adapter(run_dir / "adapters" / f"v{version}")
-                await mesh.publisher.publish(version, adapter)  # opens the "publish" span
-            secs["publish"] = time.perf_counter() - t
+                samples = [
+                    Sample(prompt_ids=comps[i].prompt_token_ids, completion_ids=comps[i].token_ids,
+                           old_logprobs=comps[i].logprobs, advantage=float(adv[i]),
+                           ref_logprobs=None if ref is None else ref[j])
+                    for j, i in enumerate(keep)
+                ]
+                t = time.perf_counter()
+                if samples:
+                    with tracer.start_as_current_span("train"):
+                        train_job = asyncio.ensure_future(
+                            asyncio.to_thread(policy.train_step, samples, stop.is_set))
+                        m = await asyncio.shield(train_job)
+                    skipped, why = m.skipped, m.skip_reason or ""
+                else:
+                    m, skipped, why = None, True, "every group got uniform rewards: no signal"
+                secs["train"] = time.perf_counter() - t
 
-        statuses: dict[str, int] = {}
-        for s in scores:
-            statuses[s.status] = statuses.get(s.status, 0) + 1
-        rec = StepRecord(
-            step=step + 1, version=version,
-            reward_mean=float(rewards.mean()), reward_std=float(rewards.std()),
-            pass_rate=float((rewards >= 1.0).float().mean()), stage_seconds=secs,
-            tokens=sum(len(c.token_ids) for c in comps), skipped=skipped, skip_reason=why,
-            train={**(m.as_dict() if m is not None else {}), "trained_samples": len(samples)},
-            statuses=statuses,
-        )
-        steps.append(rec)
-        metrics_file.write(json.dumps({"step": asdict(rec)}) + "\n")
+                t = time.perf_counter()
+                if skipped:
+                    log.warning("step %d: no update (%s); nothing published", step, why)
+                else:
+                    version += 1
+                    adapter = policy.save_adapter(run_dir / "adapters" / f"v{version}")
+                    await mesh.publisher.publish(version, adapter)  # opens the "publish" span
+                secs["publish"] = time.perf_counter() - t
+
+            statuses: dict[str, int] = {}
+            for s in scores:
+                statuses[s.status] = statuses.get(s.status, 0) + 1
+            rec = StepRecord(
+                step=step + 1, version=version,
+                reward_mean=float(rewards.mean()), reward_std=float(rewards.std()),
+                pass_rate=float((rewards >= 1.0).float().mean()), stage_seconds=secs,
+                tokens=sum(len(c.token_ids) for c in comps), skipped=skipped, skip_reason=why,
+                train={**(m.as_dict() if m is not None else {}), "trained_samples": len(samples)},
+                statuses=statuses,
+            )
+            steps.append(rec)
+            metrics_file.write(json.dumps({"step": asdict(rec)}) + "\n")
+            metrics_file.flush()
+            bar.set_postfix_str(
+                f"reward {rec.reward_mean:.2f} pass {rec.pass_rate:.2f} "
+                + " ".join(f"{k[:3]} {v:.1f}s" for k, v in secs.items())
+            )
+            if (step + 1) % trainer_cfg.checkpoint_interval == 0 or step + 1 == trainer_cfg.num_steps:
+                pos = {**stream.position(), "version": version}
+                policy.save_checkpoint(ckpt_root, data_position=pos)
+            if on_step is not None:
+                on_step(rec)
+            if job.eval_every and (step + 1) % job.eval_every == 0 and step + 1 < trainer_cfg.num_steps:
+                await do_eval(step + 1)
+    except asyncio.CancelledError:
+        # Ctrl-C / SIGTERM: stop the train thread, then checkpoint the last completed state
+        # (cheap: adapter + optimizer) so `run_id` resumes exactly where this run stopped.
+        stop.set()
+        await _join_train_thread()
+        position, trained = resume_at
+        if policy.step > trained:  # the interrupted step still applied its update
+            position = {**stream.position(), "version": version}
+        last = latest_checkpoint(ckpt_root)
+        if last is None or not last.name.endswith(f"{policy.step:08d}"):  # else: already saved
+            policy.save_checkpoint(ckpt_root, data_position=position)
+        log.warning("interrupted after step %d; checkpoint under %s", policy.step, ckpt_root)
+        raise
+    finally:
         metrics_file.flush()
-        bar.set_postfix_str(
-            f"reward {rec.reward_mean:.2f} pass {rec.pass_rate:.2f} "
-            + " ".join(f"{k[:3]} {v:.1f}s" for k, v in secs.items())
-        )
-        if (step + 1) % trainer_cfg.checkpoint_interval == 0 or step + 1 == trainer_cfg.num_steps:
-            pos = {**stream.position(), "version": version}
-            policy.save_checkpoint(ckpt_root, data_position=pos)
-        if on_step is not None:
-            on_step(rec)
-        if job.eval_every and (step + 1) % job.eval_every == 0 and step + 1 < trainer_cfg.num_steps:
-            await do_eval(step + 1)
     bar.close()
 
     # ---- evaluate and save ---------------------------------------------------------------

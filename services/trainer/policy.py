@@ -19,7 +19,7 @@ import os
 import random
 import shutil
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -63,6 +63,10 @@ class StepMetrics:
         d = {k: float(v) for k, v in asdict(self).items() if isinstance(v, (int, float, bool))}
         d.update(self.extra)
         return d
+
+
+class Interrupted(Exception):
+    """`train_step` was asked to stop before it applied its update (nothing changed)."""
 
 
 class LoraPolicy:
@@ -117,8 +121,13 @@ class LoraPolicy:
         device = next(iter(self._params)).device.type
         return torch.autocast(device_type=device, dtype=torch.bfloat16)
 
-    def train_step(self, samples: Sequence[Sample]) -> StepMetrics:
+    def train_step(self, samples: Sequence[Sample],
+                   should_stop: Callable[[], bool] | None = None) -> StepMetrics:
         """One optimizer update on `samples` (an empty list is an error).
+
+        `should_stop` is polled before each micro-batch and before the update: a run that is
+        asked to stop (Ctrl-C) then raises `Interrupted` within one micro-batch with the
+        policy unchanged, instead of finishing a step that can take minutes on a slow CPU.
 
         The loss of each micro-batch is divided by the whole batch's normalizer
         (`loss_normalizer`), so the accumulated gradient equals the full-batch gradient no
@@ -158,6 +167,7 @@ class LoraPolicy:
         total = 0.0
         sums: dict[str, float] = {}
         for mb in micro:
+            self._check_stop(should_stop)
             with self._autocast():
                 out = completion_logprobs(
                     self.model,
@@ -191,10 +201,16 @@ class LoraPolicy:
         if not math.isfinite(grad_norm):
             self.optimizer.zero_grad(set_to_none=True)
             return result(total, grad_norm, extra, "non-finite gradient")
+        self._check_stop(should_stop)
         # Gradients stay on the parameters until the next step zeroes them (inspectable).
         self.optimizer.step()
         self.step += 1
         return result(total, grad_norm, extra, None)
+
+    def _check_stop(self, should_stop: Callable[[], bool] | None) -> None:
+        if should_stop is not None and should_stop():
+            self.optimizer.zero_grad(set_to_none=True)
+            raise Interrupted("stop requested; the update was not applied")
 
     # ----------------------------------------------------------------------------- scoring
 

@@ -163,3 +163,27 @@ def test_latest_checkpoint_ignores_partial_writes(tmp_path) -> None:
     (tmp_path / "step-00000010").mkdir()
     (tmp_path / ".tmp-step-00000020-123").mkdir()
     assert latest_checkpoint(tmp_path) == tmp_path / "step-00000010"
+
+
+def test_a_stop_request_interrupts_the_step_before_its_update(make_cfg, random_pairs) -> None:
+    from services.trainer.policy import Interrupted
+
+    # a token budget of 32 splits the batch into several micro-batches
+    policy = LoraPolicy(make_cfg(micro_batch_tokens=32))
+    _perturb_adapter(policy)
+    samples = _samples(policy, random_pairs(6, seed=3), [1.0, -1.0] * 3)
+    before = _params(policy)
+    polls = []
+
+    def stop_on_second_poll() -> bool:
+        polls.append(1)
+        return len(polls) >= 2  # after the first micro-batch's backward
+
+    with pytest.raises(Interrupted):
+        policy.train_step(samples, should_stop=stop_on_second_poll)
+    assert policy.step == 0 and len(polls) == 2
+    for n, p in policy.trainable_parameters():
+        assert torch.equal(p, before[n]), n
+        assert p.grad is None, n  # no half-accumulated gradient leaks into the next step
+    m = policy.train_step(samples, should_stop=lambda: False)
+    assert not m.skipped and policy.step == 1
