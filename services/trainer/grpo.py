@@ -52,6 +52,10 @@ class GrpoJobConfig(Section):
     """Samples per held-out task. 1: greedy pass@1; more: sampled at `eval_temperature`."""
     eval_temperature: float = Field(0.6, gt=0)
     """Sampling temperature for evaluation when eval_samples > 1."""
+    train_budget_s: float = Field(0.0, ge=0.0)
+    """Stop taking steps once another step would end past this many seconds of training
+    (0: no limit; num_steps still caps the run). The run then checkpoints and evaluates as
+    usual. This is how `make demo` fits its 15 minutes on CPUs of different speed."""
     eval_every: int = Field(0, ge=0)
     """Evaluate every N steps as well as before and after training (0: before and after only)."""
     sample_temperature: float = Field(1.0, gt=0)
@@ -237,6 +241,8 @@ async def run(job: GrpoJobConfig, trainer_cfg, model_dir: Path, mesh: Mesh, run_
     # ---- train -------------------------------------------------------------------------
     bar = tqdm(range(start_step, trainer_cfg.num_steps), initial=start_step, total=trainer_cfg.num_steps,
                desc="grpo", unit="step", disable=not progress, dynamic_ncols=True)
+    train_t0 = time.monotonic()
+    done_step = start_step
     stop = threading.Event()  # set on cancellation: the train thread stops within a micro-batch
     train_job: asyncio.Future | None = None
 
@@ -332,8 +338,16 @@ async def run(job: GrpoJobConfig, trainer_cfg, model_dir: Path, mesh: Mesh, run_
                 policy.save_checkpoint(ckpt_root, data_position=pos)
             if on_step is not None:
                 on_step(rec)
+            done_step = step + 1
             if job.eval_every and (step + 1) % job.eval_every == 0 and step + 1 < trainer_cfg.num_steps:
                 await do_eval(step + 1)
+            took = time.monotonic() - train_t0
+            if job.train_budget_s and took + took / len(steps) > job.train_budget_s:
+                if (step + 1) % trainer_cfg.checkpoint_interval and step + 1 != trainer_cfg.num_steps:
+                    policy.save_checkpoint(ckpt_root, data_position={**stream.position(), "version": version})
+                log.warning("training budget of %.0f s reached after %d steps (%.0f s); evaluating",
+                            job.train_budget_s, step + 1, took)
+                break
     except asyncio.CancelledError:
         # Ctrl-C / SIGTERM: stop the train thread, then checkpoint the last completed state
         # (cheap: adapter + optimizer) so `run_id` resumes exactly where this run stopped.
@@ -352,8 +366,8 @@ async def run(job: GrpoJobConfig, trainer_cfg, model_dir: Path, mesh: Mesh, run_
     bar.close()
 
     # ---- evaluate and save ---------------------------------------------------------------
-    if heldout and (not evals or evals[-1].step != trainer_cfg.num_steps):
-        await do_eval(trainer_cfg.num_steps)
+    if heldout and (not evals or evals[-1].step != done_step):
+        await do_eval(done_step)
     metrics_file.close()
     summary = summarize(steps, evals, job, trainer_cfg)
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
