@@ -59,7 +59,12 @@ class SecurityConfig(Section):
     admin_token: str = ""
     """Bearer token required on admin RPCs (PushAdapter). Empty: admin RPCs are refused."""
     user_tokens: list[str] = []
-    """Bearer tokens accepted by the gateway for user traffic. Empty: the gateway refuses users."""
+    """API keys the gateway accepts for user traffic, each `key` or `id:key`. The id (given, or
+    `key-` + the first 8 hex digits of the key's sha256) is what traffic and feedback record,
+    never the key. With no keys here nor in `user_tokens_file`, the gateway refuses to start."""
+    user_tokens_file: str = ""
+    """A file of further API keys, one per line as above (blank lines and `#` comments are
+    skipped). `hotloop up` generates one in the run directory (mode 0600)."""
 
 
 class Endpoints(Section):

@@ -42,3 +42,15 @@ class FatalError(HotloopError):
     (another replica may serve them); the service's watchdog then stops the process."""
 
     code = "UNAVAILABLE"
+
+
+class Unauthenticated(RecoverableError):
+    """The caller presented no credential, or one this service does not accept."""
+
+    code = "UNAUTHENTICATED"
+
+
+class DeadlineExceeded(RecoverableError):
+    """The request ran past its deadline; whatever it started upstream was cancelled."""
+
+    code = "DEADLINE_EXCEEDED"

@@ -1,0 +1,125 @@
+"""The gateway's side of the bus: the traffic fork and durable feedback.
+
+Owns: turning served choices and feedback into `bus_pb2` events with the message ids of
+bus.proto, the bounded queue and background task that publish traffic (a full queue drops
+and counts, so a slow or absent bus never slows a user), the synchronous, acked feedback
+publish, and reading a served choice back from TRAFFIC.
+Does not own: deciding what is valid feedback (core.py) or the streams (hotloop.bus).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+
+from hotloop.bus import FEEDBACK, Bus, traffic_subject
+from hotloop.errors import Unavailable
+from hotloop.proto.v1 import bus_pb2, common_pb2
+
+from .types import ServedChoice
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TrafficCounters:
+    forked: int = 0  # queued for publishing
+    published: int = 0  # stored by JetStream
+    dropped: int = 0  # queue full: never published
+    publish_errors: int = 0  # JetStream did not take it (logged; not retried)
+
+
+def traffic_event(s: ServedChoice) -> bus_pb2.TrafficEvent:
+    return bus_pb2.TrafficEvent(
+        response_id=s.response_id, prompt_ids=s.prompt_ids, completion_ids=s.completion_ids,
+        logprobs=s.logprobs,
+        policy_version=s.version_spans[0][0] if s.version_spans else 0,
+        served_at=s.served_at,
+        version_spans=[common_pb2.VersionSpan(version=v, first_token=f) for v, f in s.version_spans],
+        user=s.user, choice=s.choice, temperature=s.temperature, finish_reason=s.finish_reason,
+    )
+
+
+def served_from_event(e: bus_pb2.TrafficEvent) -> ServedChoice:
+    return ServedChoice(
+        response_id=e.response_id, choice=e.choice, user=e.user, prompt_ids=list(e.prompt_ids),
+        completion_ids=list(e.completion_ids), logprobs=list(e.logprobs),
+        version_spans=[(s.version, s.first_token) for s in e.version_spans],
+        temperature=e.temperature, finish_reason=e.finish_reason, served_at=e.served_at,
+    )
+
+
+class BusEvents:
+    def __init__(self, bus: Bus, queue_size: int):
+        self._bus = bus
+        self._queue: asyncio.Queue[ServedChoice] = asyncio.Queue(maxsize=queue_size)
+        self._task: asyncio.Task | None = None
+        self.counters = TrafficCounters()
+
+    async def start(self) -> None:
+        await self._bus.ensure_streams()
+        self._task = asyncio.create_task(self._publish_forever())
+
+    async def close(self, drain_s: float = 5.0) -> None:
+        """Publish what is queued (for at most `drain_s`), then stop."""
+        if self._task is None:
+            return
+        try:
+            await asyncio.wait_for(self._queue.join(), drain_s)
+        except TimeoutError:
+            log.warning("%d traffic events not published at shutdown", self._queue.qsize())
+        self._task.cancel()
+        await asyncio.gather(self._task, return_exceptions=True)
+        self._task = None
+
+    @property
+    def queued(self) -> int:
+        return self._queue.qsize()
+
+    def fork(self, served: ServedChoice) -> bool:
+        """Queue one served choice for TRAFFIC without waiting; False when it was dropped."""
+        try:
+            self._queue.put_nowait(served)
+        except asyncio.QueueFull:
+            self.counters.dropped += 1
+            return False
+        self.counters.forked += 1
+        return True
+
+    async def _publish_forever(self) -> None:
+        while True:
+            s = await self._queue.get()
+            try:
+                await self._bus.js_publish_once(
+                    traffic_subject(s.response_id, s.choice), traffic_event(s),
+                    msg_id=f"{s.response_id}:{s.choice}",
+                )
+                self.counters.published += 1
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # one lost record must not stop the fork
+                self.counters.publish_errors += 1
+                log.warning("traffic %s:%d not published: %s", s.response_id, s.choice, e)
+            finally:
+                self._queue.task_done()
+
+    async def publish_feedback(self, response_id: str, choice: int, user: str, score: float,
+                               label: str, text: str, received_at: float) -> bool:
+        """Publish and wait for JetStream's ack; True when it was a duplicate (same response,
+        choice and user inside the duplicate window). Unavailable when the bus did not ack."""
+        event = bus_pb2.FeedbackEvent(response_id=response_id, score=score, label=label, text=text,
+                                      user=user, received_at=received_at, choice=choice)
+        try:
+            published = await self._bus.js_publish_once(
+                FEEDBACK, event, msg_id=f"{response_id}:{choice}:{user}")
+        except Exception as e:
+            raise Unavailable(f"feedback was not stored (the bus did not acknowledge it): {e}") from e
+        return published.duplicate
+
+    async def traffic(self, response_id: str, choice: int) -> ServedChoice | None:
+        try:
+            event = await self._bus.traffic(response_id, choice)
+        except Exception as e:
+            raise Unavailable(f"could not look up response {response_id} on the bus: {e}") from e
+        return None if event is None else served_from_event(event)

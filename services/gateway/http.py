@@ -1,0 +1,477 @@
+"""OpenAI-compatible HTTP edge of the gateway (FastAPI), served by uvicorn in the service's loop.
+
+Owns: the OpenAI wire format (`/v1/chat/completions`, `/v1/completions`, streaming as SSE
+`data: …` events ending in `data: [DONE]`, `/v1/models`), OpenAI's error shape
+`{"error": {"message", "type", "param", "code"}}` for every refusal, and hotloop's additions:
+`X-Hotloop-Response-Id` / `X-Hotloop-Policy-Version` headers and a `policy_version` field in
+every body and chunk, `POST /v1/feedback`, `/v1/hotloop/status` and `/metrics`.
+Does not own: any decision (core.py); this module only converts.
+
+A failure after the stream started cannot change the status code: it is sent as one
+`data: {"error": …}` event and the stream closes without `[DONE]` (the openai client raises
+`APIError` on it), so a truncated answer never looks complete.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from hotloop.errors import (
+    DeadlineExceeded,
+    FailedPrecondition,
+    FatalError,
+    HotloopError,
+    InvalidArgument,
+    NotFound,
+    Unauthenticated,
+    Unavailable,
+)
+
+from .core import BadRequest, GatewayCore, Generation
+from .types import Delta, FeedbackIn, GenerateIn, Message
+
+log = logging.getLogger(__name__)
+
+RESPONSE_ID_HEADER = "X-Hotloop-Response-Id"
+POLICY_VERSION_HEADER = "X-Hotloop-Policy-Version"
+
+
+# ---- the OpenAI wire format (only what the gateway reads; other fields are ignored) --------
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class ContentPart(_Body):
+    type: str
+    text: str | None = None
+
+
+class ChatMessageBody(_Body):
+    role: str
+    content: str | list[ContentPart] | None = None
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class ChatRequest(_Body):
+    model: str
+    messages: list[ChatMessageBody]
+    n: int = 1
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: str | list[str] | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+
+
+class CompletionRequest(_Body):
+    model: str
+    prompt: str | list[str] | list[int] | list[list[int]]
+    n: int = 1
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: str | list[str] | None = None
+    logprobs: int | None = None
+    echo: bool = False
+    best_of: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+
+
+class FeedbackBody(_Body):
+    response_id: str
+    score: float | None = None
+    label: str = ""
+    text: str = ""
+    choice: int = 0
+
+
+# ---- errors ----------------------------------------------------------------------------
+_STATUS: list[tuple[type[HotloopError], int, str, str | None]] = [
+    # (error, HTTP status, OpenAI type, OpenAI code); first match wins
+    (Unauthenticated, 401, "invalid_request_error", "invalid_api_key"),
+    (NotFound, 404, "invalid_request_error", "model_not_found"),
+    (InvalidArgument, 400, "invalid_request_error", None),
+    (FailedPrecondition, 400, "invalid_request_error", "failed_precondition"),
+    (DeadlineExceeded, 504, "server_error", "timeout"),
+    (Unavailable, 503, "server_error", "service_unavailable"),
+    (FatalError, 503, "server_error", "service_unavailable"),
+]
+
+
+def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def error_of(e: HotloopError) -> tuple[int, dict]:
+    for cls, status, type_, code in _STATUS:
+        if isinstance(e, cls):
+            return status, error_body(str(e), type_, getattr(e, "param", None), code)
+    return 500, error_body(str(e), "server_error")
+
+
+def _error_response(status: int, body: dict) -> JSONResponse:
+    headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def _param(loc: tuple) -> str | None:
+    parts = [str(p) for p in loc if p != "body"]
+    return ".".join(parts) or None
+
+
+# ---- conversion ------------------------------------------------------------------------
+def _stop(stop: str | list[str] | None) -> list[str]:
+    if stop is None:
+        return []
+    return [stop] if isinstance(stop, str) else list(stop)
+
+
+def _content(i: int, m: ChatMessageBody) -> str:
+    if m.content is None:
+        raise BadRequest(f"messages[{i}].content is missing", f"messages[{i}].content")
+    if isinstance(m.content, str):
+        return m.content
+    if any(p.type != "text" or p.text is None for p in m.content):
+        raise BadRequest(f"messages[{i}].content: only text parts are supported", f"messages[{i}].content")
+    return "".join(p.text for p in m.content)
+
+
+def chat_input(body: ChatRequest) -> GenerateIn:
+    return GenerateIn(
+        messages=[Message(m.role, _content(i, m)) for i, m in enumerate(body.messages)],
+        model=body.model, n=body.n,
+        max_tokens=body.max_completion_tokens or body.max_tokens or 0,
+        temperature=1.0 if body.temperature is None else body.temperature,
+        top_p=1.0 if body.top_p is None else body.top_p,
+        stop=_stop(body.stop), logprobs=bool(body.logprobs), top_logprobs=body.top_logprobs or 0,
+    )
+
+
+def completion_input(body: CompletionRequest) -> GenerateIn:
+    if body.echo:
+        raise BadRequest("echo is not supported", "echo")
+    if body.best_of not in (None, body.n):
+        raise BadRequest("best_of is not supported (use n)", "best_of")
+    prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
+    if any(not isinstance(p, str) for p in prompts):
+        raise BadRequest("token-id prompts are not supported: send text", "prompt")
+    return GenerateIn(
+        prompts=list(prompts), model=body.model, n=body.n, max_tokens=body.max_tokens or 0,
+        temperature=1.0 if body.temperature is None else body.temperature,
+        top_p=1.0 if body.top_p is None else body.top_p, stop=_stop(body.stop),
+        logprobs=body.logprobs is not None, top_logprobs=body.logprobs or 0,
+    )
+
+
+def _bytes(s: str) -> list[int]:
+    return list(s.encode("utf-8", errors="replace"))
+
+
+def chat_logprobs(d: Delta) -> dict | None:
+    if d.logprobs is None:
+        return None
+    return {"content": [
+        {"token": t.token, "logprob": t.logprob, "bytes": _bytes(t.token),
+         "top_logprobs": [{"token": a, "logprob": lp, "bytes": _bytes(a)} for a, lp in t.top]}
+        for t in d.logprobs
+    ], "refusal": None}
+
+
+class _Offsets:
+    """Text offsets of completion tokens, across the chunks of each choice."""
+
+    def __init__(self):
+        self._at: dict[int, int] = {}
+
+    def logprobs(self, d: Delta, top_k: int) -> dict | None:
+        if d.logprobs is None:
+            return None
+        start = self._at.get(d.choice, 0)
+        offsets = []
+        for t in d.logprobs:
+            offsets.append(start)
+            start += len(t.token)
+        self._at[d.choice] = start
+        return {
+            "tokens": [t.token for t in d.logprobs],
+            "token_logprobs": [t.logprob for t in d.logprobs],
+            "top_logprobs": [dict(t.top) for t in d.logprobs] if top_k else None,
+            "text_offset": offsets,
+        }
+
+
+def _usage(g: Generation) -> dict:
+    u = g.usage
+    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
+            "total_tokens": u.total_tokens}
+
+
+@dataclass
+class _Api:
+    """How one endpoint renders: chat or legacy completions."""
+
+    object: str
+    chunk_object: str
+    chunk_choice: Callable[[Delta, bool], dict]  # (delta, first of its choice) -> choice dict
+    whole_choice: Callable[[int, list[Delta]], dict]
+
+
+def _chat_api() -> _Api:
+    def chunk_choice(d: Delta, first: bool) -> dict:
+        delta: dict[str, Any] = {"content": d.text}
+        if first:
+            delta = {"role": "assistant", **delta}
+        return {"index": d.choice, "delta": delta, "logprobs": chat_logprobs(d),
+                "finish_reason": d.finish_reason or None}
+
+    def whole_choice(i: int, ds: list[Delta]) -> dict:
+        lps = [chat_logprobs(d) for d in ds]
+        return {
+            "index": i,
+            "message": {"role": "assistant", "content": "".join(d.text for d in ds)},
+            "logprobs": None if not ds or lps[0] is None else
+            {"content": [t for lp in lps for t in lp["content"]], "refusal": None},
+            "finish_reason": ds[-1].finish_reason if ds else None,
+            "policy_version": ds[-1].policy_version if ds else None,
+        }
+
+    return _Api("chat.completion", "chat.completion.chunk", chunk_choice, whole_choice)
+
+
+def _completion_api(top_k: int) -> _Api:
+    offsets = _Offsets()
+
+    def chunk_choice(d: Delta, first: bool) -> dict:
+        return {"index": d.choice, "text": d.text, "logprobs": offsets.logprobs(d, top_k),
+                "finish_reason": d.finish_reason or None}
+
+    def whole_choice(i: int, ds: list[Delta]) -> dict:
+        lps = [offsets.logprobs(d, top_k) for d in ds]
+        merged = None
+        if ds and lps[0] is not None:
+            merged = {k: [x for lp in lps for x in lp[k]] for k in ("tokens", "token_logprobs", "text_offset")}
+            merged["top_logprobs"] = [x for lp in lps for x in lp["top_logprobs"]] if top_k else None
+        return {"index": i, "text": "".join(d.text for d in ds), "logprobs": merged,
+                "finish_reason": ds[-1].finish_reason if ds else None,
+                "policy_version": ds[-1].policy_version if ds else None}
+
+    return _Api("text_completion", "text_completion", chunk_choice, whole_choice)
+
+
+def _headers(g: Generation) -> dict[str, str]:
+    return {RESPONSE_ID_HEADER: g.response_id, POLICY_VERSION_HEADER: str(g.policy_version)}
+
+
+def _sse(data: dict | str) -> bytes:
+    return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n".encode()
+
+
+async def _whole(g: Generation, api: _Api) -> JSONResponse:
+    by_choice: dict[int, list[Delta]] = {i: [] for i in range(g.choices)}
+    try:
+        async for d in g:
+            by_choice[d.choice].append(d)
+    except HotloopError as e:
+        status, body = error_of(e)
+        return JSONResponse(body, status_code=status, headers=_headers(g))
+    body = {
+        "id": g.response_id, "object": api.object, "created": g.created, "model": g.model,
+        "choices": [api.whole_choice(i, ds) for i, ds in by_choice.items()],
+        "usage": _usage(g), "policy_version": g.policy_version, "system_fingerprint": None,
+    }
+    return JSONResponse(body, headers=_headers(g))
+
+
+async def _stream(g: Generation, api: _Api, include_usage: bool) -> AsyncIterator[bytes]:
+    started: set[int] = set()
+    base = {"id": g.response_id, "object": api.chunk_object, "created": g.created, "model": g.model,
+            "system_fingerprint": None}
+    try:
+        async for d in g:
+            first = d.choice not in started
+            started.add(d.choice)
+            yield _sse({**base, "choices": [api.chunk_choice(d, first)],
+                        "policy_version": d.policy_version})
+        if include_usage:
+            yield _sse({**base, "choices": [], "usage": _usage(g), "policy_version": g.policy_version})
+        yield _sse("[DONE]")
+    except HotloopError as e:
+        _, body = error_of(e)
+        yield _sse(body)  # and close without [DONE]: see the module docstring
+    finally:
+        await g.aclose()
+
+
+async def _respond(g: Generation, api: _Api, stream: bool, include_usage: bool):
+    if stream:
+        return StreamingResponse(_stream(g, api, include_usage), media_type="text/event-stream",
+                                 headers={**_headers(g), "Cache-Control": "no-cache"})
+    return await _whole(g, api)
+
+
+def _prometheus(status: dict) -> str:
+    lines = []
+    for name, value in status["counters"].items():
+        lines += [f"# TYPE hotloop_gateway_{name}_total counter", f"hotloop_gateway_{name}_total {value}"]
+    lines += ["# TYPE hotloop_gateway_in_flight gauge", f"hotloop_gateway_in_flight {status['in_flight']}",
+              "# TYPE hotloop_gateway_traffic_queued gauge",
+              f"hotloop_gateway_traffic_queued {status['traffic_queued']}",
+              "# TYPE hotloop_gateway_replica_healthy gauge"]
+    for r in status["replicas"]:
+        lines.append(f'hotloop_gateway_replica_healthy{{address="{r["address"]}"}} {int(r["healthy"])}')
+    return "\n".join(lines) + "\n"
+
+
+# ---- the app ---------------------------------------------------------------------------
+def build_app(core: GatewayCore) -> FastAPI:
+    app = FastAPI(title="hotloop gateway", docs_url=None, redoc_url=None, openapi_url=None)
+    max_body = core.cfg.max_request_bytes
+
+    @app.exception_handler(HotloopError)
+    async def _hotloop_error(request: Request, e: HotloopError):
+        return _error_response(*error_of(e))
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, e: RequestValidationError):
+        errs = e.errors()
+        first = errs[0] if errs else {}
+        if first.get("type") == "json_invalid":
+            return _error_response(400, error_body("the request body is not valid JSON", "invalid_request_error"))
+        param = _param(tuple(first.get("loc", ())))
+        msg = f"{param or 'body'}: {first.get('msg', 'invalid')}"
+        return _error_response(400, error_body(msg, "invalid_request_error", param))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, e: StarletteHTTPException):
+        return _error_response(e.status_code, error_body(str(e.detail), "invalid_request_error"))
+
+    @app.middleware("http")
+    async def _limit_body(request: Request, call_next):
+        # Refuse before reading: an oversized body is never buffered.
+        length = request.headers.get("content-length")
+        if length is not None and (not length.isdigit() or int(length) > max_body):
+            return _error_response(413, error_body(
+                f"the request body exceeds {max_body} bytes", "invalid_request_error"))
+        return await call_next(request)
+
+    def user(request: Request) -> str:
+        return core.authenticate(request.headers.get("authorization"))
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/metrics", response_class=PlainTextResponse)
+    async def metrics():
+        return _prometheus(core.status())
+
+    @app.get("/v1/hotloop/status")
+    async def status(key: str = Depends(user)):
+        return core.status()
+
+    def model_card() -> dict:
+        return {"id": core.served_model, "object": "model", "created": 0, "owned_by": "hotloop"}
+
+    @app.get("/v1/models")
+    async def models(key: str = Depends(user)):
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str, key: str = Depends(user)):
+        if model != core.served_model:
+            raise NotFound(f"the model {model!r} does not exist; this gateway serves {core.served_model!r}")
+        return model_card()
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatRequest, key: str = Depends(user)):
+        g = await core.generate(chat_input(body), key)
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return await _respond(g, _chat_api(), body.stream, include_usage)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, key: str = Depends(user)):
+        g = await core.generate(completion_input(body), key)
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        api = _completion_api(body.logprobs or 0)
+        return await _respond(g, api, body.stream, include_usage)
+
+    @app.post("/v1/feedback")
+    async def feedback(body: FeedbackBody, key: str = Depends(user)):
+        r = await core.submit_feedback(
+            FeedbackIn(body.response_id, body.score, body.label, body.text, body.choice), key)
+        if not r.accepted:
+            status = 404 if r.outcome == "unknown_response" else 400
+            code: Literal["unknown_response", "invalid_feedback"] = (
+                "unknown_response" if status == 404 else "invalid_feedback")
+            return _error_response(status, error_body(r.reason, "invalid_request_error", None, code))
+        return {"accepted": True, "reason": r.reason, "response_id": body.response_id,
+                "choice": body.choice}
+
+    return app
+
+
+# ---- serving ---------------------------------------------------------------------------
+class _Server:
+    """uvicorn inside the service's own event loop, beside the gRPC server."""
+
+    def __init__(self, app: FastAPI, host: str, port: int):
+        import uvicorn
+
+        class Server(uvicorn.Server):
+            @contextlib.contextmanager
+            def capture_signals(self):
+                # hotloop.service owns SIGINT/SIGTERM and stops this server in its cleanup
+                yield
+
+        self._server = Server(uvicorn.Config(
+            app, host=host, port=port, log_level="warning", access_log=False, lifespan="off",
+            timeout_graceful_shutdown=5,
+        ))
+        self._task: asyncio.Task | None = None
+        self.port = 0
+
+    async def start(self) -> int:
+        self._task = asyncio.create_task(self._server.serve())
+        while not self._server.started:
+            if self._task.done():
+                try:
+                    self._task.result()
+                except BaseException as e:  # uvicorn exits the process on a bind failure
+                    raise FatalError(f"the HTTP server did not start: {e!r}") from None
+                raise FatalError("the HTTP server stopped during start-up")
+            await asyncio.sleep(0.01)
+        self.port = self._server.servers[0].sockets[0].getsockname()[1]
+        return self.port
+
+    async def stop(self) -> None:
+        if self._task is None:
+            return
+        self._server.should_exit = True
+        await asyncio.gather(self._task, return_exceptions=True)
+        self._task = None
+
+
+async def serve_http(core: GatewayCore, host: str, port: int) -> _Server:
+    server = _Server(build_app(core), host, port)
+    await server.start()
+    return server

@@ -1,0 +1,97 @@
+"""User API keys: loading, the id each key is known by, and checking a presented key.
+
+Owns: parsing `key` / `id:key` entries (config list and key file), keeping only sha256 digests
+in memory, and mapping a presented bearer token to its key id. The id, never the key, is what
+traffic and feedback carry.
+Does not own: where the token comes from (HTTP header, gRPC metadata) or what a caller may do.
+
+Lookup is a dict access on the presented key's sha256: its timing depends on the digest, which
+a caller cannot steer towards a stored one, so it leaks nothing useful about stored keys.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections.abc import Iterable
+from pathlib import Path
+
+from hotloop.errors import Unauthenticated
+
+_ID = re.compile(r"^[A-Za-z0-9_.@-]{1,64}$")  # no ':' — feedback ids are "<rid>:<choice>:<id>"
+
+
+class KeyConfigError(ValueError):
+    """A key entry cannot be used (start-up error, with the entry's position, never the key)."""
+
+
+def _digest(key: str) -> bytes:
+    return hashlib.sha256(key.encode()).digest()
+
+
+def default_id(key: str) -> str:
+    """The id of a key given without one: 32 bits of its hash identify it in logs and events
+    without revealing it."""
+    return "key-" + hashlib.sha256(key.encode()).hexdigest()[:8]
+
+
+def parse_entries(entries: Iterable[tuple[str, str]]) -> dict[bytes, str]:
+    """(where, entry) pairs -> {sha256(key): id}. An entry with a ':' is `id:key`."""
+    out: dict[bytes, str] = {}
+    ids: dict[str, str] = {}
+    for where, entry in entries:
+        if ":" in entry:
+            key_id, key = entry.split(":", 1)
+            if not _ID.match(key_id):
+                raise KeyConfigError(f"{where}: key id {key_id!r} must be 1-64 of [A-Za-z0-9_.@-]")
+        else:
+            key_id, key = default_id(entry), entry
+        if len(key) < 8 or key != key.strip():
+            raise KeyConfigError(f"{where}: a key must be at least 8 characters, without surrounding spaces")
+        d = _digest(key)
+        if d in out:
+            raise KeyConfigError(f"{where}: the same key is listed twice")
+        if key_id in ids:
+            raise KeyConfigError(f"{where}: key id {key_id!r} is already used by {ids[key_id]}")
+        out[d] = key_id
+        ids[key_id] = where
+    return out
+
+
+def load_keys(tokens: Iterable[str], tokens_file: str = "") -> dict[bytes, str]:
+    """The keys of `[security] user_tokens` and `user_tokens_file` together."""
+    entries = [(f"user_tokens[{i}]", t) for i, t in enumerate(tokens)]
+    if tokens_file:
+        path = Path(tokens_file)
+        if not path.is_file():
+            raise KeyConfigError(f"user_tokens_file {path} does not exist")
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            line = line.strip()
+            if line and not line.startswith("#"):
+                entries.append((f"{path}:{n}", line))
+    return parse_entries(entries)
+
+
+class KeyRing:
+    def __init__(self, digests: dict[bytes, str]):
+        if not digests:
+            raise KeyConfigError(
+                "no user API keys configured: set [security] user_tokens or user_tokens_file "
+                "(`hotloop up` generates a key file in the run directory)"
+            )
+        self._by_digest = dict(digests)
+
+    def __len__(self) -> int:
+        return len(self._by_digest)
+
+    def authenticate(self, authorization: str | None) -> str:
+        """`Bearer <key>` -> the key's id; else Unauthenticated (the reason names no key)."""
+        if not authorization:
+            raise Unauthenticated("missing API key: send `Authorization: Bearer <key>`")
+        scheme, _, key = authorization.strip().partition(" ")
+        if scheme.lower() != "bearer" or not key.strip():
+            raise Unauthenticated("malformed Authorization header: expected `Bearer <key>`")
+        key_id = self._by_digest.get(_digest(key.strip()))
+        if key_id is None:
+            raise Unauthenticated("invalid API key")
+        return key_id

@@ -1,0 +1,76 @@
+"""Starting a real gateway (gRPC and HTTP on port 0) against given replicas and a real NATS."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+
+from hotloop import grpcutil
+from hotloop.bus import Bus
+from hotloop.proto.v1 import gateway_pb2_grpc
+
+KEY = "sk-test-alice-0123456789"
+OTHER_KEY = "sk-test-bob-0123456789"
+ANON_KEY = "sk-test-anonymous-key"
+KEYS = [f"alice:{KEY}", f"bob:{OTHER_KEY}", ANON_KEY]
+
+
+@dataclass
+class Gateway:
+    core: object
+    server: object
+    http: object
+    bus: Bus
+    grpc_address: str
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.http.port}/v1"
+
+    def openai(self, key: str = KEY, **kw):
+        import openai
+
+        return openai.AsyncOpenAI(base_url=self.base_url, api_key=key, max_retries=0, **kw)
+
+    def stub(self):
+        ch = grpcutil.channel(self.grpc_address)
+        return ch, gateway_pb2_grpc.GatewayStub(ch)
+
+    async def stop(self) -> None:
+        await self.http.stop()
+        await self.server.stop(0)
+        await self.core.close()
+        await self.bus.close()
+
+
+async def start_gateway(replicas: list[str], nats_url: str, served_model: str = "tiny",
+                        keys: list[str] = KEYS, **cfg) -> Gateway:
+    from services.gateway.config import GatewayConfig
+    from services.gateway.core import GatewayCore
+    from services.gateway.events import BusEvents
+    from services.gateway.http import serve_http
+    from services.gateway.keys import KeyRing, load_keys
+    from services.gateway.routing import Router
+    from services.gateway.server import serve
+    from services.gateway.upstream import GrpcReplica
+
+    config = GatewayConfig(**{"health_interval_s": 0.2, "health_timeout_s": 0.5, **cfg})
+    bus = await Bus.connect(nats_url, "gateway-test")
+    router = Router([GrpcReplica(a) for a in replicas], config.routing,
+                    config.health_interval_s, config.health_timeout_s)
+    core = GatewayCore(config, KeyRing(load_keys(keys)), router, BusEvents(bus, config.traffic_queue),
+                       served_model)
+    await core.start()
+    server, port, _ = await serve(core, "127.0.0.1:0")
+    http = await serve_http(core, "127.0.0.1", 0)
+    return Gateway(core, server, http, bus, f"127.0.0.1:{port}")
+
+
+@pytest.fixture(scope="module")
+def nats_module(tmp_path_factory):
+    """One NATS per module (the shared `nats_server` fixture is per test)."""
+    from hotloop.natsserver import NatsServer
+
+    with NatsServer(tmp_path_factory.mktemp("nats")) as server:
+        yield server
