@@ -1,8 +1,9 @@
 """`hotloop up`: a whole mesh on one machine, as local processes on loopback.
 
 Owns: starting a NATS server (JetStream, store under the run directory), generating the admin
-token, starting each service as `python -m services.<name>` with its log file, waiting until
-each is healthy, writing `<run_dir>/mesh.json` (how clients find the mesh), and stopping
+token and the gateway's user API key file, starting each service as `python -m services.<name>`
+with its log file, waiting until each is healthy, writing `<run_dir>/mesh.json` (how clients
+find the mesh, including the gateway's HTTP URL), and stopping
 everything in order on Ctrl-C or when one process dies (saying which and why).
 Does not own: any service's logic; services get their endpoints through the environment.
 """
@@ -46,9 +47,21 @@ class MeshInfo:
     admin_token_file: str
     config_path: str | None = None
     pids: dict[str, int] = field(default_factory=dict)
+    user_keys_file: str = ""
+    """The gateway's API keys (`[security] user_tokens_file`), one `id:key` per line."""
+    gateway_url: str = ""
+    """The gateway's OpenAI-compatible base URL (`http://host:port/v1`), when it runs."""
 
     def admin_token(self) -> str:
         return Path(self.admin_token_file).read_text().strip()
+
+    def user_key(self) -> str:
+        """The first API key of the key file (what a local client such as a demo uses)."""
+        for line in Path(self.user_keys_file).read_text().splitlines():
+            line = line.strip()
+            if line and not line.startswith("#"):
+                return line.split(":", 1)[1] if ":" in line else line
+        raise ValueError(f"{self.user_keys_file} holds no key")
 
     @classmethod
     def load(cls, run_dir: str | Path) -> "MeshInfo":
@@ -64,6 +77,8 @@ class MeshInfo:
             "HOTLOOP__SECURITY__ADMIN_TOKEN": self.admin_token(),
             "HOTLOOP__RUN_DIR": self.run_dir,
         }
+        if self.user_keys_file:
+            e["HOTLOOP__SECURITY__USER_TOKENS_FILE"] = self.user_keys_file
         for name, addr in self.endpoints.items():
             e[f"HOTLOOP__ENDPOINTS__{name.upper()}"] = json.dumps(addr) if isinstance(addr, list) else addr
         return e
@@ -131,7 +146,8 @@ class Mesh:
         self.nats = NatsServer(self.run_dir / "nats", self.run_dir / "logs" / "nats.log").start(
             preexec_fn=_die_with_parent)
         self.say(f"nats-server (JetStream) on {self.nats.url}")
-        self.info = MeshInfo(str(self.run_dir), self.nats.url, {}, str(token_file), self.config_path)
+        self.info = MeshInfo(str(self.run_dir), self.nats.url, {}, str(token_file), self.config_path,
+                             user_keys_file=self._user_keys_file())
         try:
             # reference, reward and rollout do not need each other: start them together
             first = [s for s in self.services if s != "gateway"]
@@ -145,6 +161,18 @@ class Mesh:
         (self.run_dir / MESH_FILE).write_text(json.dumps(self.info.__dict__, indent=2))
         return self.info
 
+    def _user_keys_file(self) -> str:
+        """The configured key file, else one generated in the run directory (mode 0600, kept
+        across restarts like the admin token) so the gateway never starts without keys."""
+        if self.cfg.security.user_tokens_file or "gateway" not in self.services:
+            return self.cfg.security.user_tokens_file
+        path = self.run_dir / "user-keys"
+        if not path.exists():
+            path.touch(mode=0o600)
+            path.write_text(f"local:sk-hotloop-{secrets.token_hex(24)}\n")
+        path.chmod(0o600)
+        return str(path)
+
     def _start_batch(self, names: list[str], timeout_s: float) -> None:
         started = []
         for name in names:
@@ -156,6 +184,10 @@ class Mesh:
                 cmd += ["--config", self.config_path]
             for o in self.overrides:
                 cmd += ["--set", o]
+            if name == "gateway":  # its HTTP port, for mesh.json
+                http_port_file = self.run_dir / "ports" / "gateway-http.json"
+                http_port_file.unlink(missing_ok=True)
+                cmd += ["--set", f"gateway.http_port_file={http_port_file}"]
             env = {**os.environ, **self.info.env(), "PYTHONUNBUFFERED": "1"}
             with open(log_path, "ab") as log:
                 popen = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
@@ -181,6 +213,11 @@ class Mesh:
             asyncio.run(wait_healthy(f"127.0.0.1:{proc.port}", max(5.0, deadline - time.monotonic())))
             addr = f"127.0.0.1:{proc.port}"
             self.info.endpoints[proc.name] = [addr] if proc.name == "rollout" else addr
+            if proc.name == "gateway":
+                # written before the gRPC port file, so it is there by now
+                http = json.loads((self.run_dir / "ports" / "gateway-http.json").read_text())["port"]
+                self.info.gateway_url = f"http://127.0.0.1:{http}/v1"
+                self.say(f"gateway HTTP (OpenAI-compatible) on {self.info.gateway_url}")
             self.say(f"{proc.name} healthy on {addr}")
 
     def watch(self) -> int:

@@ -1,0 +1,121 @@
+"""The gateway's plain parts without servers: keys, config bounds, routing, the response memory."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+from pydantic import ValidationError
+
+from hotloop.errors import Unauthenticated, Unavailable
+from services.gateway.config import GatewayConfig
+from services.gateway.core import ResponseIndex, _version_at
+from services.gateway.keys import KeyConfigError, KeyRing, default_id, load_keys
+from services.gateway.routing import Router
+from services.gateway.types import Replica
+
+
+def test_keys_are_kept_as_digests_with_ids(tmp_path):
+    f = tmp_path / "keys"
+    f.write_text("# users\n\nbob:sk-bob-secret-1\nsk-anonymous-secret\n")
+    ring = KeyRing(load_keys(["alice:sk-alice-secret"], str(f)))
+    assert ring.authenticate("Bearer sk-alice-secret") == "alice"
+    assert ring.authenticate("bearer sk-bob-secret-1") == "bob"
+    anon = ring.authenticate("Bearer sk-anonymous-secret")
+    assert anon == default_id("sk-anonymous-secret") == "key-" + hashlib.sha256(b"sk-anonymous-secret").hexdigest()[:8]
+    assert "secret" not in repr(ring.__dict__)
+    for bad in (None, "", "Bearer", "Basic sk-alice-secret", "Bearer sk-alice-secreT", "sk-alice-secret"):
+        with pytest.raises(Unauthenticated):
+            ring.authenticate(bad)
+
+
+@pytest.mark.parametrize("entries,needle", [
+    ([], "no user API keys"),
+    (["short"], "at least 8"),
+    (["a:sk-one-key-1", "a:sk-two-key-2"], "already used"),
+    (["sk-same-key-1", "x:sk-same-key-1"], "twice"),
+    (["bad id:sk-some-key-1"], "key id"),
+])
+def test_bad_key_configs_refuse_to_start(entries, needle):
+    with pytest.raises(KeyConfigError, match=needle):
+        KeyRing(load_keys(entries))
+
+
+def test_missing_key_file_is_an_error(tmp_path):
+    with pytest.raises(KeyConfigError, match="does not exist"):
+        load_keys([], str(tmp_path / "nope"))
+
+
+def test_config_bounds():
+    GatewayConfig()
+    for bad in ({"max_n": 0}, {"request_timeout_s": 0}, {"default_max_tokens": 2048},
+                {"routing": "random"}, {"traffic_queue": 0}, {"unknown": 1}):
+        with pytest.raises(ValidationError):
+            GatewayConfig(**bad)
+
+
+class Stub(Replica):
+    def __init__(self, address, running=0, healthy=True):
+        self.address, self.running, self.healthy = address, running, healthy
+
+    def generate(self, req):
+        raise NotImplementedError
+
+    async def probe(self, timeout_s):
+        if self.healthy == "raise":
+            raise ConnectionError("refused")
+        return self.running if self.healthy else None
+
+    async def close(self):
+        pass
+
+
+async def test_least_loaded_counts_own_and_reported_load():
+    a, b = Stub("a", running=3), Stub("b", running=0)
+    router = Router([a, b])
+    await router.poll()
+    first = router.pick()
+    assert first.replica is b
+    router.acquire(first)
+    assert router.pick().replica is b  # 1 < 3
+    for _ in range(3):
+        router.acquire(router.states[1])
+    assert router.pick().replica is a  # 4 > 3
+
+
+async def test_round_robin_skips_unhealthy_and_poll_restores():
+    a, b, c = Stub("a"), Stub("b", healthy=False), Stub("c", healthy="raise")
+    router = Router([a, b, c], policy="round_robin")
+    await router.poll()
+    assert {router.pick().replica.address for _ in range(4)} == {"a"}
+    b.healthy = True
+    await router.poll()
+    assert {router.pick().replica.address for _ in range(4)} == {"a", "b"}
+    router.mark_down(a, "it failed a request")
+    router.mark_down(b, "it failed a request")
+    with pytest.raises(Unavailable, match="no healthy rollout replica") as e:
+        router.pick()
+    assert "refused" in str(e.value) and "failed a request" in str(e.value)
+    await router.poll()
+    assert router.pick().replica.address in ("a", "b")
+
+
+def test_router_needs_replicas():
+    with pytest.raises(ValueError, match="no rollout replicas"):
+        Router([])
+
+
+def test_response_index_is_bounded_in_age_and_count():
+    now = [0.0]
+    idx = ResponseIndex(ttl_s=10, max_entries=2, clock=lambda: now[0])
+    idx.add("r1", "alice", 1)
+    idx.add("r2", "alice", 1)
+    idx.add("r3", "alice", 1)
+    assert idx.get("r1") is None and idx.get("r2") is not None
+    now[0] = 11
+    assert idx.get("r3") is None and len(idx) == 1
+
+
+def test_version_of_a_token():
+    spans = [(3, 0), (4, 5), (6, 9)]
+    assert [_version_at(spans, t) for t in (0, 4, 5, 8, 9, 20)] == [3, 3, 4, 4, 6, 6]
