@@ -9,7 +9,7 @@ call services only through these classes.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -50,6 +50,10 @@ async def _call(what: str, address: str, fn):
 # ---- rollout ------------------------------------------------------------------------------
 @dataclass
 class Completion:
+    """A whole completion, or (`RolloutClient.stream`) one delta of a sample: then `text`,
+    `token_ids`, `logprobs`, `top_logprobs` and `token_texts` are what is new, `final` marks
+    the last delta and `version_spans` is the full list so far."""
+
     prompt_index: int
     sample_index: int
     text: str
@@ -58,6 +62,33 @@ class Completion:
     finish_reason: str
     policy_version: int
     prompt_token_ids: list[int] = field(default_factory=list)
+    # (version, first token index), ascending: more than one only when an in-flight weight
+    # update landed mid-completion; tokens from first_token on came from that version.
+    version_spans: list[tuple[int, int]] = field(default_factory=list)
+    final: bool = True
+    num_prompt_tokens: int = 0
+    # When top_logprobs > 0: per token, [(token id, logprob, text)] most likely first.
+    top_logprobs: list[list[tuple[int, float, str]]] = field(default_factory=list)
+    token_texts: list[str] = field(default_factory=list)
+
+
+def _completion(c: rollout_pb2.Completion) -> Completion:
+    return Completion(
+        c.prompt_index, c.sample_index, c.text, list(c.token_ids), list(c.logprobs),
+        c.finish_reason, c.policy_version, list(c.prompt_token_ids),
+        version_spans=[(s.version, s.first_token) for s in c.version_spans],
+        final=c.final, num_prompt_tokens=c.num_prompt_tokens,
+        top_logprobs=[list(zip(t.token_ids, t.logprobs, t.tokens)) for t in c.top_logprobs],
+        token_texts=list(c.token_texts),
+    )
+
+
+def _chat_prompts(chats: Sequence[Sequence[dict[str, str]]]) -> list[common_pb2.Prompt]:
+    return [
+        common_pb2.Prompt(chat=common_pb2.ChatMessages(messages=[
+            common_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in chat]))
+        for chat in chats
+    ]
 
 
 class RolloutClient:
@@ -79,11 +110,7 @@ class RolloutClient:
     ) -> list[Completion]:
         """Sample `n` completions per chat; returned sorted by (prompt, sample)."""
         req = rollout_pb2.GenerateRequest(
-            prompts=[
-                common_pb2.Prompt(chat=common_pb2.ChatMessages(messages=[
-                    common_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in chat]))
-                for chat in chats
-            ],
+            prompts=_chat_prompts(chats),
             sampling=common_pb2.SamplingParams(
                 n=n, max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
             ),
@@ -95,12 +122,47 @@ class RolloutClient:
             return [c async for c in self.stub.Generate(req)]
 
         out = await _call("rollout", self.address, run)
-        comps = [
-            Completion(c.prompt_index, c.sample_index, c.text, list(c.token_ids), list(c.logprobs),
-                       c.finish_reason, c.policy_version, list(c.prompt_token_ids))
-            for c in out
-        ]
+        comps = [_completion(c) for c in out]
         return sorted(comps, key=lambda c: (c.prompt_index, c.sample_index))
+
+    async def stream(
+        self,
+        chats: Sequence[Sequence[dict[str, str]]],
+        n: int = 1,
+        max_tokens: int = 128,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        top_logprobs: int = 0,
+        priority: int = 0,
+        pin_version: int = 0,
+        return_prompt_ids: bool = False,
+        request_id: str = "",
+    ) -> AsyncIterator[Completion]:
+        """Token deltas as the engine produces them, interleaved across (prompt, sample).
+
+        Not retried: a stream that has produced tokens cannot be replayed transparently (a
+        failure surfaces as grpc.aio.AioRpcError). Leaving the loop early (break, or
+        cancelling the consuming task) cancels the call, which aborts its engine requests.
+        """
+        req = rollout_pb2.GenerateRequest(
+            prompts=_chat_prompts(chats),
+            sampling=common_pb2.SamplingParams(
+                n=n, max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
+                top_logprobs=top_logprobs,
+            ),
+            pin_version=pin_version,
+            return_prompt_ids=return_prompt_ids,
+            request_id=request_id,
+            stream=True,
+            priority=priority,
+        )
+        call = self.stub.Generate(req)
+        try:
+            async for c in call:
+                yield _completion(c)
+        finally:
+            call.cancel()  # no-op once the call has finished
 
     async def status(self) -> rollout_pb2.RolloutStatus:
         return await _call("rollout", self.address,

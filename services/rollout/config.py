@@ -35,6 +35,17 @@ class RolloutConfig(Section):
     """Most prompts in one Generate call."""
     default_max_tokens: int = Field(128, ge=1)
     """max_tokens when a request leaves it 0."""
+    swap: Literal["auto", "drain", "inflight"] = "auto"
+    """merged mode: how a new version goes live while requests are running. `drain`: close
+    admission, let in-flight requests finish on their version, swap, reopen (every completion
+    has one version; push-to-first-token waits for the longest running request). `inflight`:
+    pause the engine between two steps, swap, resume: running sequences continue on the new
+    weights and their `version_spans` say from which token (per-token logprobs stay the
+    serving policy's, which is what the trainer's importance ratio needs). `auto`: the measured
+    default (docs/architecture.md, "The rollout service and the version rule")."""
+    scheduling_policy: Literal["fcfs", "priority"] = "priority"
+    """vLLM scheduler policy. `priority`: a request's `priority` orders admission (lower first:
+    users before training rollouts); `fcfs` ignores it."""
     swap_drain_timeout_s: float = Field(120.0, gt=0)
     """merged mode: longest wait for in-flight requests to finish before a version swap."""
     enforce_eager: bool = True

@@ -8,9 +8,25 @@ that version*; every completion says which version produced it.
 Two ways to make a version live, chosen once by `make_updater` (the only branch on the mode):
 - `MergedUpdater`: the adapter's delta is merged into the engine's weights inside the worker
   (services/rollout/worker_ext.py). Generation runs at base speed. There is one live weight
-  set, so a swap closes admission, waits for in-flight requests to finish on the old version,
-  swaps (the packed weights were prepared beforehand, off the critical path), and reopens.
-  Pinning a version other than the live one is refused.
+  set; the merge and pack run in a worker thread while the engine keeps stepping, so going
+  live is only an attribute swap. Pinning a version other than the live one is refused. Two
+  ways to swap (`swap`):
+  * `drain`: close admission, wait for in-flight requests to finish on the old version, swap,
+    reopen. Every completion has one version.
+  * `inflight`: close admission for the few milliseconds of `pause_generation(mode="keep")`,
+    swap, label the engine's weight version, resume. Running sequences go on with the new
+    weights (their KV cache, computed under the old weights, is kept: PipelineRL's choice).
+    vLLM labels every engine step's outputs with the engine's weight version, so each
+    completion's `version_spans` say exactly from which token the new version sampled (the
+    per-token logprobs are those of the version that sampled the token). Requests admitted
+    before the pause but not yet scheduled run entirely on the new version; their spans say so
+    and `policy_version` is the version that produced the first token.
+  Prefix cache: every request carries `cache_salt=f"v{admitted version}"`. A request in flight
+  across a swap keeps writing KV blocks (computed under the new weights, attending to old
+  ones) under its old salt; requests admitted after the swap carry the new salt and never hit
+  those mixed blocks. Only requests salted with the old version could, and merged mode admits
+  none after the swap (pinning a non-live version is refused), so mixed blocks are never
+  reused across versions; they age out of the cache.
 - `LoraUpdater`: each version is a vLLM LoRA slot. Any held version can be pinned per request
   and a swap needs no drain, but on the CPU backend generation is several times slower.
 
@@ -40,6 +56,7 @@ from .config import RolloutConfig
 log = logging.getLogger(__name__)
 
 WORKER_EXTENSION = "services.rollout.worker_ext.HotloopWorkerExtension"
+MAX_TOP_LOGPROBS = 20  # vLLM's default max_logprobs; OpenAI's top_logprobs limit
 
 
 # ---- plain data in and out ---------------------------------------------------------------
@@ -60,6 +77,7 @@ class Sampling:
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False  # benchmarks: every sample runs to max_tokens
+    top_logprobs: int = 0  # alternatives per position, 0..MAX_TOP_LOGPROBS
 
 
 @dataclass
@@ -69,18 +87,37 @@ class GenerateInput:
     pin_version: int = 0  # 0: latest at admission
     return_prompt_ids: bool = False
     request_id: str = ""
+    stream: bool = False  # token deltas as produced, instead of whole completions
+    priority: int = 0  # lower runs first (scheduling_policy "priority" only)
+
+
+@dataclass
+class TopLogprobs:
+    """Alternatives at one position, most likely first."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    tokens: list[str]
 
 
 @dataclass
 class CompletionOut:
+    """One whole completion, or (stream mode) what is new for one sample since its last
+    message. `version_spans` is always the full list so far: (version, first token index)."""
+
     prompt_index: int
     sample_index: int
     text: str
     token_ids: list[int]
     logprobs: list[float]
-    finish_reason: str
+    finish_reason: str  # "" on a stream message that is not final
     policy_version: int
     prompt_token_ids: list[int] = field(default_factory=list)
+    final: bool = True
+    version_spans: list[tuple[int, int]] = field(default_factory=list)
+    top_logprobs: list[TopLogprobs] = field(default_factory=list)
+    token_texts: list[str] = field(default_factory=list)
+    num_prompt_tokens: int = 0
 
 
 @dataclass
@@ -102,9 +139,9 @@ class Updater(ABC):
         """Make `version` ready to go live without disturbing what is serving."""
 
     @abstractmethod
-    async def commit(self, version: int) -> None:
+    async def commit(self, version: int) -> dict:
         """Make `version` the weights new requests run on (called with admission closed in
-        merged mode)."""
+        merged mode). Returns the worker's report (timings), if any."""
 
     @abstractmethod
     def lora_request(self, version: int):
@@ -119,27 +156,51 @@ class Updater(ABC):
 
 class MergedUpdater(Updater):
     mode = "merged"
-    needs_drain = True  # one weight set: in-flight requests must finish before a swap
     pinnable_history = False
 
-    def __init__(self, engine, model_dir: Path, max_rank: int):
+    # How often an in-flight swap polls the background build. Each poll is one utility call
+    # between engine steps (well under a millisecond of engine time).
+    POLL_S = 0.01
+
+    def __init__(self, engine, model_dir: Path, max_rank: int, swap: str):
         self.engine = engine
         self.model_dir = model_dir
         self.max_rank = max_rank
+        self.swap = swap
+        # drain: one weight set, so in-flight requests must finish before a swap.
+        self.needs_drain = swap == "drain"
 
     async def init(self) -> None:
         await self.engine.collective_rpc("hotloop_init", args=(str(self.model_dir), self.max_rank))
 
     async def prepare(self, version: int, adapter_dir: Path) -> None:
-        # In a worker thread: the engine keeps stepping (in-flight requests drain) while the
-        # merged weights are packed; commit waits for it and raises its error, if any.
+        # In a worker thread: the engine keeps stepping while the merged weights are packed.
+        # drain: commit waits for the build (it overlaps the drain) and raises its error.
+        # inflight: wait here, so the engine is paused only for the attribute swap.
         await self.engine.collective_rpc("hotloop_prepare", args=(version, str(adapter_dir), True))
+        if self.swap != "inflight":
+            return
+        while True:
+            (st,) = await self.engine.collective_rpc("hotloop_status")
+            if not st["job_running"]:
+                if st["job_error"]:
+                    # The build failed: commit raises the error itself (and clears it).
+                    await self.engine.collective_rpc("hotloop_commit", args=(version,))
+                return
+            await asyncio.sleep(self.POLL_S)
 
-    async def commit(self, version: int) -> None:
+    async def commit(self, version: int) -> dict:
         if version == 0:
-            await self.engine.collective_rpc("hotloop_reset")
+            (res,) = await self.engine.collective_rpc("hotloop_reset")
         else:
-            await self.engine.collective_rpc("hotloop_commit", args=(version,))
+            (res,) = await self.engine.collective_rpc(
+                "hotloop_commit", args=(version,), kwargs={"snapshot": True}
+            )
+        # Label the engine's weight version: vLLM attaches it to every step's outputs, which
+        # gives each completion its exact per-token version spans (CompletionOutput.
+        # weight_versions). A utility call like the commit, so it lands between the same steps.
+        await self.engine.update_weight_version(str(version))
+        return res
 
     def lora_request(self, version: int):
         return None
@@ -163,8 +224,8 @@ class LoraUpdater(Updater):
         await self.engine.add_lora(req)
         self._requests[version] = req
 
-    async def commit(self, version: int) -> None:
-        return None  # new requests pick the new LoRARequest; in-flight ones keep theirs
+    async def commit(self, version: int) -> dict:
+        return {}  # new requests pick the new LoRARequest; in-flight ones keep theirs
 
     def lora_request(self, version: int):
         return self._requests.get(version) if version else None
@@ -185,10 +246,21 @@ def resolve_mode(cfg: RolloutConfig) -> str:
     return "lora" if torch.cuda.is_available() else "merged"
 
 
-def make_updater(mode: str, engine, model_dir: Path, max_rank: int) -> Updater:
+# Measured (`hotloop bench hot-update`, docs/architecture.md): see resolve_swap.
+DEFAULT_SWAP = "inflight"
+
+
+def resolve_swap(cfg: RolloutConfig, mode: str) -> str:
+    """merged mode: "drain" | "inflight"; lora mode: "" (no swap: versions are slots)."""
+    if mode != "merged":
+        return ""
+    return DEFAULT_SWAP if cfg.swap == "auto" else cfg.swap
+
+
+def make_updater(mode: str, engine, model_dir: Path, max_rank: int, swap: str = "") -> Updater:
     """The one place that branches on the update mode."""
     if mode == "merged":
-        return MergedUpdater(engine, model_dir, max_rank)
+        return MergedUpdater(engine, model_dir, max_rank, swap or "drain")
     if mode == "lora":
         return LoraUpdater(engine)
     raise ValueError(f"unknown update mode {mode!r}")
@@ -227,6 +299,8 @@ class RolloutCore:
         self.tokenizer = None
         self.updater: Updater | None = None
         self.mode = resolve_mode(cfg)
+        self.swap = resolve_swap(cfg, self.mode)
+        self.last_swap: dict = {}  # the latest swap's timings and worker report (tests, logs)
         self.engine_name = ""
         self._held: dict[int, _Held] = {0: _Held(Version(0, base_model=base_model), None)}
         self._latest = 0
@@ -235,6 +309,7 @@ class RolloutCore:
         self._gate_open = True
         self._push_lock = asyncio.Lock()
         self.honor_seeds = True
+        self._warned_priority = False
 
     # ---- lifecycle ------------------------------------------------------------------
     async def start(self) -> None:
@@ -246,6 +321,10 @@ class RolloutCore:
         import vllm
 
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+        from hotloop import enginewatch
+
+        # The engine core and its workers die with this process, even on SIGKILL.
+        enginewatch.arm()
         args = AsyncEngineArgs(
             model=str(self.model_dir),
             dtype=self.dtype,
@@ -256,6 +335,7 @@ class RolloutCore:
             max_loras=self.cfg.max_loras,
             worker_extension_cls=WORKER_EXTENSION if self.mode == "merged" else "",
             gpu_memory_utilization=self.cfg.gpu_memory_utilization,
+            scheduling_policy=self.cfg.scheduling_policy,
             disable_log_stats=True,
         )
         self.engine = AsyncLLM.from_engine_args(args)
@@ -268,9 +348,13 @@ class RolloutCore:
         if not self.honor_seeds:
             log.warning("per-request seeds are ignored on the CPU backend (vLLM-CPU bug)")
         self.engine_name = f"vllm {vllm.__version__}"
-        self.updater = make_updater(self.mode, self.engine, self.model_dir, self.cfg.max_lora_rank)
+        self.updater = make_updater(
+            self.mode, self.engine, self.model_dir, self.cfg.max_lora_rank, self.swap
+        )
         if isinstance(self.updater, MergedUpdater):
             await self.updater.init()
+            # vLLM labels each step's outputs with this (its default is "default").
+            await self.engine.update_weight_version("0")
         shutil.rmtree(self.storage, ignore_errors=True)
         self.storage.mkdir(parents=True, exist_ok=True)
 
@@ -342,6 +426,10 @@ class RolloutCore:
             raise InvalidArgument("temperature must be >= 0 and top_p in (0, 1]")
         if s.temperature == 0 and s.n > 1:
             raise InvalidArgument("greedy sampling (temperature 0) gives one sample: use n=1")
+        if not 0 <= s.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise InvalidArgument(
+                f"top_logprobs={s.top_logprobs} is out of range 0..{MAX_TOP_LOGPROBS}"
+            )
         ids = [self._tokenize(i, p) for i, p in enumerate(req.prompts)]
         for i, p in enumerate(ids):
             if len(p) > cfg.max_prompt_tokens:
@@ -383,12 +471,25 @@ class RolloutCore:
         return self.tokenizer.encode(p.text)
 
     async def generate(self, req: GenerateInput) -> AsyncIterator[CompletionOut]:
-        """Yield completions as prompts finish. Validation errors raise before any output."""
+        """Yield completions as prompts finish (whole mode), or token deltas as the engine
+        produces them (`req.stream`). Validation errors raise before any output. Closing the
+        generator (a cancelled client) aborts its engine requests."""
         from vllm import SamplingParams, TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
         ids, s = self._validate(req)
-        rid = req.request_id or uuid.uuid4().hex[:12]
+        # Engine request ids are ours, unique per call; the caller's id is only for logs.
+        rid = uuid.uuid4().hex[:12]
+        if req.request_id:
+            log.debug("generate %s: request_id %s", rid, req.request_id)
+        priority = req.priority
+        if priority and self.cfg.scheduling_policy != "priority":
+            if not self._warned_priority:
+                log.info("request priority ignored: scheduling_policy is %r",
+                         self.cfg.scheduling_policy)
+                self._warned_priority = True
+            priority = 0
+        kind = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
         async with self._admitted(req.pin_version) as version:
             lora = self.updater.lora_request(version)
             queue: asyncio.Queue = asyncio.Queue()
@@ -399,45 +500,85 @@ class RolloutCore:
                         n=s.n, max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p,
                         top_k=s.top_k if s.top_k > 0 else 0,
                         seed=None if s.seed is None or not self.honor_seeds else s.seed + i,
-                        stop=s.stop or None, ignore_eos=s.ignore_eos, logprobs=0,
-                        output_kind=RequestOutputKind.FINAL_ONLY,
+                        stop=s.stop or None, ignore_eos=s.ignore_eos,
+                        # k: the sampled token's logprob plus the top k (0: the sampled one)
+                        logprobs=s.top_logprobs, output_kind=kind,
                     )
                     # The cache salt keeps prefix-cache blocks computed under one version
                     # from being reused by another (merged mode swaps weights under one cache).
                     prompt = TokensPrompt(prompt_token_ids=prompt_ids, cache_salt=f"v{version}")
-                    final = None
                     async for out in self.engine.generate(
-                        prompt, params, f"{rid}-{i}", lora_request=lora
+                        prompt, params, f"{rid}-{i}", lora_request=lora, priority=priority
                     ):
-                        final = out
+                        await queue.put((i, out))
                 except BaseException as e:  # handed to the consumer, which re-raises it
                     await queue.put((i, e))
                     raise
-                await queue.put((i, final))
+                await queue.put((i, None))  # this prompt is done
 
             tasks = [asyncio.create_task(one(i, p)) for i, p in enumerate(ids)]
+            sent: dict[tuple[int, int], int] = {}  # stream: tokens sent per sample
             try:
-                for _ in range(len(tasks)):
+                done = 0
+                while done < len(tasks):
                     i, out = await queue.get()
+                    if out is None:
+                        done += 1
+                        continue
                     if isinstance(out, BaseException):
                         if self.engine is not None and self.engine.errored:
                             raise FatalError(f"the vLLM engine core died: {out}") from out
                         raise out
                     for c in out.outputs:
+                        key = (i, c.index)
+                        first = key not in sent
+                        sent[key] = sent.get(key, 0) + len(c.token_ids)
+                        spans = self._spans(version, out.request_id, c, sent[key])
+                        top, texts = _top_logprobs(c, s.top_logprobs)
                         yield CompletionOut(
                             prompt_index=i,
                             sample_index=c.index,
                             text=c.text,
                             token_ids=list(c.token_ids),
-                            # logprobs=0 returns exactly the sampled token's logprob per step
-                            logprobs=[next(iter(lp.values())).logprob for lp in c.logprobs or []],
-                            finish_reason=c.finish_reason or "abort",
-                            policy_version=version,
-                            prompt_token_ids=ids[i] if req.return_prompt_ids else [],
+                            # the sampled token's own logprob (the dict also holds the top k)
+                            logprobs=[lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs or [])],
+                            finish_reason=(c.finish_reason or "abort") if c.finished() else "",
+                            policy_version=spans[0][0],
+                            prompt_token_ids=ids[i] if req.return_prompt_ids and first else [],
+                            final=c.finished(),
+                            version_spans=spans,
+                            top_logprobs=top,
+                            token_texts=texts,
+                            num_prompt_tokens=len(ids[i]),
                         )
             finally:
                 for t in tasks:
                     t.cancel()  # a cancelled client aborts its engine requests
+                # Wait for the aborts to reach the engine before the request counts as done.
+                await asyncio.gather(*tasks, return_exceptions=True)
+
+    def _spans(self, admitted: int, request_id: str, c, n_tokens: int) -> list[tuple[int, int]]:
+        """(version, first token) spans of one sample's first `n_tokens` tokens."""
+        if self.mode != "merged" or self.swap != "inflight":
+            return [(admitted, 0)]  # the version rule holds: one version per completion
+        if c.weight_versions is not None:  # finished: vLLM's own spans, exact
+            raw = [(v.version, v.start) for v in c.weight_versions if v.end > v.start]
+        else:
+            # Mid-stream: the output processor's running spans for this sample (vLLM keeps
+            # them per child request; they reach the public output only when it finishes).
+            op = self.engine.output_processor
+            raw = []
+            for iid in op.external_req_ids.get(request_id, ()):
+                st = op.request_states.get(iid)
+                if st is not None and st.request_index == c.index:
+                    raw = [(v, start) for v, start in st.weight_version_starts if start < n_tokens]
+                    break
+        spans: list[tuple[int, int]] = []
+        for v, start in raw:
+            v = int(v)
+            if not spans or spans[-1][0] != v:
+                spans.append((v, start))
+        return spans or [(admitted, 0)]
 
     # ---- versions ---------------------------------------------------------------------
     async def push(
@@ -507,6 +648,9 @@ class RolloutCore:
         return result
 
     async def _make_live(self, version: int) -> None:
+        if self.swap == "inflight":
+            await self._swap_inflight(version)
+            return
         if not self.updater.needs_drain:
             await self.updater.commit(version)
             self._latest = version
@@ -514,18 +658,49 @@ class RolloutCore:
         async with self._cond:
             self._gate_open = False  # new requests wait; in-flight ones finish on their version
             try:
+                t0 = time.perf_counter()
                 await asyncio.wait_for(
                     self._cond.wait_for(lambda: self.running() == 0),
                     self.cfg.swap_drain_timeout_s,
                 )
-                await self.updater.commit(version)
+                t1 = time.perf_counter()
+                report = await self.updater.commit(version)
                 self._live = self._latest = version
+                self.last_swap = {"version": version, "swap": "drain",
+                                  "drain_ms": (t1 - t0) * 1e3,
+                                  "commit_ms": (time.perf_counter() - t1) * 1e3, "worker": report}
             except TimeoutError:
                 raise FailedPrecondition(
                     f"in-flight requests did not finish within {self.cfg.swap_drain_timeout_s}s; "
                     f"still serving version {self._live}"
                 ) from None
             finally:
+                self._gate_open = True
+                self._cond.notify_all()
+
+    async def _swap_inflight(self, version: int) -> None:
+        """Swap under running requests: admission waits only for pause + swap + resume."""
+        async with self._cond:
+            # New requests wait (milliseconds) so they are admitted on the new version.
+            self._gate_open = False
+        try:
+            t0 = time.perf_counter()
+            # keep: running requests are frozen between two steps, KV cache kept.
+            await self.engine.pause_generation(mode="keep", clear_cache=False)
+            t1 = time.perf_counter()
+            try:
+                report = await self.updater.commit(version)
+            finally:
+                await self.engine.resume_generation()
+            t2 = time.perf_counter()
+            self._live = self._latest = version
+            self.last_swap = {"version": version, "swap": "inflight",
+                              "pause_ms": (t1 - t0) * 1e3, "commit_ms": (t2 - t1) * 1e3,
+                              "worker": report}
+            log.info("version %d live in flight: pause %.1f ms, commit+resume %.1f ms",
+                     version, (t1 - t0) * 1e3, (t2 - t1) * 1e3)
+        finally:
+            async with self._cond:
                 self._gate_open = True
                 self._cond.notify_all()
 
@@ -546,3 +721,17 @@ class RolloutCore:
         """Raise FatalError when the engine has died: the process should exit and say why."""
         if self.engine is None or self.engine.errored:
             raise FatalError("the vLLM engine core died; see the engine's log lines above")
+
+
+def _top_logprobs(c, k: int) -> tuple[list[TopLogprobs], list[str]]:
+    """Per position: the top `k` alternatives by rank, and the sampled token's text."""
+    if k <= 0 or not c.logprobs:
+        return [], []
+    top, texts = [], []
+    for t, lp in zip(c.token_ids, c.logprobs):
+        best = sorted((x for x in lp.items() if x[1].rank is not None and x[1].rank <= k),
+                      key=lambda x: x[1].rank)[:k]
+        top.append(TopLogprobs([tid for tid, _ in best], [x.logprob for _, x in best],
+                               [x.decoded_token or "" for _, x in best]))
+        texts.append(lp[t].decoded_token or "")
+    return top, texts

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 
 import grpc
 
@@ -38,10 +39,13 @@ def generate_input(req: rollout_pb2.GenerateRequest) -> GenerateInput:
             temperature=s.temperature if s.HasField("temperature") else 1.0,
             top_p=s.top_p if s.HasField("top_p") else 1.0,
             top_k=s.top_k, seed=s.seed if s.HasField("seed") else None, stop=list(s.stop),
+            top_logprobs=s.top_logprobs,
         ),
         pin_version=req.pin_version,
         return_prompt_ids=req.return_prompt_ids,
         request_id=req.request_id,
+        stream=req.stream,
+        priority=req.priority,
     )
 
 
@@ -49,7 +53,11 @@ def completion_to_proto(c: CompletionOut) -> rollout_pb2.Completion:
     return rollout_pb2.Completion(
         prompt_index=c.prompt_index, sample_index=c.sample_index, text=c.text,
         token_ids=c.token_ids, logprobs=c.logprobs, finish_reason=c.finish_reason,
-        policy_version=c.policy_version, prompt_token_ids=c.prompt_token_ids,
+        policy_version=c.policy_version, prompt_token_ids=c.prompt_token_ids, final=c.final,
+        version_spans=[common_pb2.VersionSpan(version=v, first_token=t) for v, t in c.version_spans],
+        top_logprobs=[rollout_pb2.TopLogprobs(token_ids=t.token_ids, logprobs=t.logprobs,
+                                              tokens=t.tokens) for t in c.top_logprobs],
+        token_texts=c.token_texts, num_prompt_tokens=c.num_prompt_tokens,
     )
 
 
@@ -59,8 +67,11 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
 
     @map_errors
     async def Generate(self, request, context) -> AsyncIterator[rollout_pb2.Completion]:
-        async for c in self.core.generate(generate_input(request)):
-            yield completion_to_proto(c)
+        # aclosing: a cancelled client closes the core's generator now (aborting its engine
+        # requests), not whenever the garbage collector gets to it.
+        async with aclosing(self.core.generate(generate_input(request))) as completions:
+            async for c in completions:
+                yield completion_to_proto(c)
 
     @map_errors
     async def PushAdapter(self, request_iterator, context):
@@ -92,6 +103,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
             update_mode=self.core.mode,
             engine=self.core.engine_name,
             runtime=common_pb2.RuntimeInfo(**runtime_info(self.core.dtype)),
+            swap=self.core.swap,
         )
 
 

@@ -598,12 +598,18 @@ class HotloopWorkerExtension:
         with st.lock:
             st.pending = prepared
 
-    def hotloop_commit(self, version: int, wait_s: float = 60.0) -> dict[str, Any]:
+    def hotloop_commit(
+        self, version: int, wait_s: float = 60.0, snapshot: bool = False
+    ) -> dict[str, Any]:
         """Make pending ``version`` live: per layer, assign its ``cpu_linear`` and ``weight``.
 
         The only method that touches live layers. Waits up to ``wait_s`` for a background prepare
         of this version. Drops the previously live merged handles. The caller owns the prefix
         cache (see module docstring); ``prefix_caching`` in the result says whether it is on.
+        ``snapshot=True`` adds ``tokens_at_commit``: {engine request id: output tokens so far}
+        for every request the model runner holds, taken between the same two steps as the swap,
+        so token ``n`` of such a request is the first one the new weights sample (an
+        independent record of the in-flight boundary; the engine labels steps itself).
         """
         st = self._hotloop_state()
         version = int(version)
@@ -633,7 +639,14 @@ class HotloopWorkerExtension:
         t_free = time.perf_counter() - t2
         st.live_version, st.live_adapter = version, prepared.adapter_dir
         st.live_mode = prepared.mode
+        extra: dict[str, Any] = {}
+        if snapshot:
+            runner = self.model_runner  # type: ignore[attr-defined]
+            extra["tokens_at_commit"] = {
+                rid: len(r.output_token_ids) for rid, r in runner.requests.items()
+            }
         return {
+            **extra,
             "version": version,
             "mode": prepared.mode,
             "wait_s": t_wait,

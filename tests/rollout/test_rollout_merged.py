@@ -1,5 +1,6 @@
-"""The same service contract in merged mode (the CPU default): weights merged into the engine,
-swapped after in-flight requests drain."""
+"""The same service contract in merged mode (the CPU default) with `swap = "drain"`: weights
+merged into the engine, swapped after in-flight requests drain (in-flight swaps:
+test_rollout_inflight.py)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def rollout(tiny_model, tmp_path_factory):
-    core, server, port = await start(tiny_model, tmp_path_factory.mktemp("rollout-merged"), "merged")
+    core, server, port = await start(tiny_model, tmp_path_factory.mktemp("rollout-merged"), "merged",
+                                     swap="drain")
     ch = grpcutil.channel(f"127.0.0.1:{port}")
     yield core, rollout_pb2_grpc.RolloutStub(ch)
     await ch.close()

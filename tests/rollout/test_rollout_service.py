@@ -20,14 +20,17 @@ TOKEN = "test-admin-token"
 MODE = "lora"
 
 
-async def start(tiny_model, tmp_path, mode):
+async def start(tiny_model, tmp_path, mode, dtype="auto", **overrides):
     from services.rollout.config import RolloutConfig
     from services.rollout.core import RolloutCore
     from services.rollout.server import serve
 
-    cfg = RolloutConfig(update_mode=mode, max_lora_rank=16, max_prompt_tokens=200, max_n=8,
-                        max_new_tokens=64, default_max_tokens=16, kv_cache_gib=1, swap_drain_timeout_s=30)
-    core = RolloutCore(cfg, tiny_model, base_model="tiny", max_model_len=512,
+    cfg = RolloutConfig(**{
+        "update_mode": mode, "max_lora_rank": 16, "max_prompt_tokens": 200, "max_n": 8,
+        "max_new_tokens": 64, "default_max_tokens": 16, "kv_cache_gib": 1,
+        "swap_drain_timeout_s": 30, **overrides,
+    })
+    core = RolloutCore(cfg, tiny_model, base_model="tiny", dtype=dtype, max_model_len=512,
                        storage_dir=tmp_path / "adapters")
     await core.start()
     server, port, _ = await serve(core, "127.0.0.1:0", TOKEN)
