@@ -1,0 +1,498 @@
+"""`hotloop simulate users`: simulated users who chat through the gateway and rate the answers.
+
+Owns:
+- the hidden preference (`Brevity`): what these users like, which the base model does not do
+  on its own. The simulator scores every answer with it; the trainer only ever sees the score;
+- the built-in prompts (short, varied user questions);
+- the user loop: the official `openai` client against the gateway's OpenAI-compatible HTTP
+  API, streaming, then `POST /v1/feedback` with the same API key;
+- per-request records (JSONL) and live statistics: the share of answers matching the
+  preference over a sliding window, the served version, TTFT and inter-chunk latency, and the
+  first time a token of each version reached a user (the far end of the update loop).
+
+Does not own: the gateway, the trainer or the mesh. It reaches the mesh over HTTP only (the
+gateway URL and a user key from `<run_dir>/mesh.json`, see `hotloop.launcher.MeshInfo`), so it
+imports nothing from `services/`.
+
+Failure policy: a request or a feedback that fails (HTTP error, dropped stream, timeout) is a
+record with its `error`, counted, and the user carries on; only a mesh that cannot be found
+at start fails the run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+import math
+import random
+import re
+import statistics
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+PROMPTS: tuple[str, ...] = (
+    "What is a black hole?",
+    "How do I make a good cup of coffee?",
+    "Why is the sky blue?",
+    "Can you explain what a neural network is?",
+    "What are some tips for sleeping better?",
+    "How does a bicycle stay upright?",
+    "What is the difference between weather and climate?",
+    "Give me an idea for a weekend project.",
+    "Why do cats purr?",
+    "How do vaccines work?",
+    "What is the capital of Australia and why is it not Sydney?",
+    "How can I learn a new language faster?",
+    "What causes the seasons on Earth?",
+    "Explain recursion to a beginner.",
+    "What should I pack for a day hike?",
+    "How does compound interest work?",
+    "Why do leaves change color in autumn?",
+    "What is photosynthesis?",
+    "How do I stay focused while studying?",
+    "What is the tallest mountain in the world?",
+    "How do airplanes fly?",
+    "What is a good way to start running?",
+    "Why is exercise good for the brain?",
+    "What does a database do?",
+    "How do I write a polite email to decline an invitation?",
+    "What is the speed of light?",
+    "Why do we dream?",
+    "How can I reduce food waste at home?",
+    "What is the difference between a virus and a bacterium?",
+    "Suggest a name for a friendly robot.",
+    "How do magnets work?",
+    "What is inflation?",
+    "How do I care for a houseplant?",
+    "What is the meaning of the word 'serendipity'?",
+    "Why does ice float on water?",
+    "How does the internet work?",
+    "What are the benefits of reading every day?",
+    "How do bees make honey?",
+    "What is a prime number?",
+    "How can I be more productive in the morning?",
+)
+
+_WORD = re.compile(r"\S+")
+
+
+def word_count(text: str) -> int:
+    """Whitespace-separated words (markdown bullets and numbers count as words)."""
+    return len(_WORD.findall(text))
+
+
+@dataclass(frozen=True)
+class Brevity:
+    """The hidden preference: answers of at most `max_words` words.
+
+    The score is +1 when met, else negative and growing with the excess, reaching -1 at
+    twice the limit: a graded signal, so REINFORCE learns "shorter" even while no answer of
+    a batch meets the limit yet. Length is what a 135M model can learn quickly from scalar
+    feedback; a fixed phrase it never produces unprompted would give no signal to follow.
+
+    The default limit sits at the base model's 15th percentile. Measured (SmolLM2-135M-Instruct,
+    vLLM, these prompts x 4 at temperature 1, 128 new tokens, 2026-11-29): word-count
+    quantiles 5%: 40, 10%: 63, 15%: 70, 25%: 82, 50%: 98; 71% of the answers hit the token
+    limit. So "at most 70 words" is met about 15% of the time before any training.
+    """
+
+    max_words: int = 70
+
+    def matched(self, text: str) -> bool:
+        return word_count(text) <= self.max_words
+
+    def score(self, text: str) -> float:
+        words = word_count(text)
+        if words <= self.max_words:
+            return 1.0
+        return -min(1.0, (words - self.max_words) / self.max_words)
+
+    def describe(self) -> str:
+        return f"answers of at most {self.max_words} words"
+
+
+# ---- statistics ----------------------------------------------------------------------------
+
+
+def percentile(values: Iterable[float], q: float) -> float | None:
+    """The q-th percentile (0..100) by linear interpolation; None for no values."""
+    xs = sorted(v for v in values if v is not None and math.isfinite(v))
+    if not xs:
+        return None
+    k = (len(xs) - 1) * q / 100.0
+    lo, hi = math.floor(k), math.ceil(k)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+class SlidingShare:
+    """Share of True among the last `window` outcomes."""
+
+    def __init__(self, window: int = 40):
+        self._last: deque[bool] = deque(maxlen=window)
+
+    def add(self, ok: bool) -> None:
+        self._last.append(bool(ok))
+
+    def __len__(self) -> int:
+        return len(self._last)
+
+    @property
+    def value(self) -> float | None:
+        return sum(self._last) / len(self._last) if self._last else None
+
+
+class VersionClock:
+    """When a token of each policy version first reached a user (wall-clock seconds).
+
+    `first_at_least(v)` is the far end of the update loop for feedback trained into version
+    v: the first token served by v or by any later version (later versions descend from v).
+    """
+
+    def __init__(self) -> None:
+        self.first_seen: dict[int, float] = {}
+
+    def saw(self, version: int, at: float) -> None:
+        if version not in self.first_seen or at < self.first_seen[version]:
+            self.first_seen[version] = at
+
+    def first_at_least(self, version: int) -> float | None:
+        times = [t for v, t in self.first_seen.items() if v >= version]
+        return min(times) if times else None
+
+    @property
+    def latest(self) -> int:
+        return max(self.first_seen, default=0)
+
+
+@dataclass
+class Record:
+    """One simulated request, as written to the JSONL file."""
+
+    ts: float  # unix seconds when the request was sent
+    user: int
+    phase: str
+    prompt: int  # index into PROMPTS
+    response_id: str = ""
+    version: int | None = None  # version of the first token
+    last_version: int | None = None  # version of the last token (in-flight updates can differ)
+    ttft_ms: float | None = None
+    itl_ms: dict[str, float | None] = field(default_factory=dict)  # p50/p99/max, n gaps
+    total_ms: float | None = None
+    words: int | None = None
+    finish_reason: str = ""
+    matched: bool | None = None
+    score: float | None = None
+    feedback: str = ""  # "" (not sent) | "accepted" | "duplicate" | "error: ..."
+    feedback_ts: float | None = None  # unix seconds when the feedback was sent
+    error: str = ""
+
+
+def itl_summary(gaps_ms: list[float]) -> dict[str, float | None]:
+    return {"p50": percentile(gaps_ms, 50), "p99": percentile(gaps_ms, 99),
+            "max": max(gaps_ms) if gaps_ms else None, "n": len(gaps_ms)}
+
+
+def summarize(records: list[Record]) -> dict:
+    """Totals and latency percentiles of a set of records (one phase, or all)."""
+    ok = [r for r in records if not r.error]
+    itl_p50 = [r.itl_ms.get("p50") for r in ok if r.itl_ms.get("n")]
+    return {
+        "requests": len(records),
+        "errors": len(records) - len(ok),
+        "matched_share": (sum(bool(r.matched) for r in ok) / len(ok)) if ok else None,
+        "score_mean": statistics.fmean(r.score for r in ok) if ok else None,
+        "words_mean": statistics.fmean(r.words for r in ok) if ok else None,
+        "ttft_ms": {"p50": percentile((r.ttft_ms for r in ok), 50),
+                    "p99": percentile((r.ttft_ms for r in ok), 99)},
+        # per-request ITL medians: the p99 of those is the slowest streams' typical gap
+        "itl_ms": {"p50": percentile(itl_p50, 50),
+                   "p99": percentile((r.itl_ms.get("p99") for r in ok if r.itl_ms.get("n")), 99)},
+        "feedback": {"sent": sum(bool(r.feedback) for r in records),
+                     "accepted": sum(r.feedback in ("accepted", "duplicate") for r in records),
+                     "errors": sum(r.feedback.startswith("error") for r in records)},
+        "versions": sorted({r.version for r in ok if r.version is not None}),
+    }
+
+
+# ---- the mesh, over HTTP ----------------------------------------------------------------------
+
+
+@dataclass
+class Target:
+    """Where the users go: the gateway's base URL (no `/v1`) and one user API key."""
+
+    base_url: str
+    api_key: str
+
+
+def find_target(run_dir: str | Path) -> Target:
+    """The gateway URL and the first user key of a mesh started by `hotloop up`."""
+    from hotloop.launcher import MeshInfo
+
+    info = MeshInfo.load(run_dir)
+    if not info.gateway_url:
+        raise LookupError(f"the mesh at {run_dir} runs no gateway (start it with the gateway service)")
+    return Target(info.gateway_url.rstrip("/").removesuffix("/v1"), info.user_key())
+
+
+# ---- the users ----------------------------------------------------------------------------
+
+
+@dataclass
+class SimConfig:
+    users: int = 4
+    requests_per_user: int = 0  # 0: unbounded (then duration_s bounds the run)
+    duration_s: float = 0.0  # 0: unbounded (then requests_per_user bounds the run)
+    rate: float = 0.0  # requests started per second, all users together; 0: no limit
+    max_tokens: int = 128
+    temperature: float = 1.0
+    feedback: bool = True  # False: score locally, send nothing (the idle phase)
+    window: int = 40
+    request_timeout_s: float = 120.0
+    seed: int = 0
+    phase: str = "run"
+    progress_s: float = 5.0  # 0: no progress lines
+
+
+class RateLimiter:
+    """Starts at most `rate` requests per second (evenly spaced), across all users."""
+
+    def __init__(self, rate: float):
+        self.interval = 1.0 / rate if rate > 0 else 0.0
+        self._next = 0.0
+        self._lock = asyncio.Lock()
+
+    async def wait(self) -> None:
+        if not self.interval:
+            return
+        async with self._lock:
+            now = time.monotonic()
+            delay = max(0.0, self._next - now)
+            self._next = max(now, self._next) + self.interval
+        if delay:
+            await asyncio.sleep(delay)
+
+
+class Simulation:
+    """N users against one gateway. `run()` returns when the bound is reached or `stop()`;
+    `cfg.feedback` and `cfg.phase` may be changed while it runs (the demo's phases)."""
+
+    def __init__(self, target: Target, cfg: SimConfig, preference: Brevity,
+                 out_path: str | Path | None = None, clock: VersionClock | None = None,
+                 status_extra: Callable[[], str] | None = None):
+        self.target, self.cfg, self.preference = target, cfg, preference
+        self.clock = clock or VersionClock()
+        self.records: list[Record] = []
+        self.share = SlidingShare(cfg.window)
+        self.feedback_sent: dict[str, float] = {}  # response id -> unix seconds sent
+        self.status_extra = status_extra
+        self._out = open(out_path, "a") if out_path else None
+        self._stop = asyncio.Event()
+        self._limiter = RateLimiter(cfg.rate)
+        self._rng = random.Random(cfg.seed)
+        self._model: str | None = None
+        self._t0 = time.monotonic()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _bounded(self) -> bool:
+        if self._stop.is_set():
+            return True
+        return bool(self.cfg.duration_s) and time.monotonic() - self._t0 >= self.cfg.duration_s
+
+    async def run(self) -> dict:
+        import httpx
+        import openai
+
+        if not (self.cfg.requests_per_user or self.cfg.duration_s):
+            raise ValueError("bound the run: set requests_per_user or duration_s")
+        timeout = httpx.Timeout(self.cfg.request_timeout_s, connect=10.0)
+        limits = httpx.Limits(max_connections=self.cfg.users * 2 + 4)
+        async with httpx.AsyncClient(timeout=timeout, limits=limits) as http:
+            client = openai.AsyncOpenAI(base_url=f"{self.target.base_url}/v1", api_key=self.target.api_key,
+                                        max_retries=0, timeout=timeout, http_client=http)
+            self._model = (await client.models.list()).data[0].id
+            self._t0 = time.monotonic()
+            progress = asyncio.create_task(self._progress()) if self.cfg.progress_s else None
+            try:
+                await asyncio.gather(*(self._user(u, client, http) for u in range(self.cfg.users)))
+            finally:
+                if progress:
+                    progress.cancel()
+                if self._out:
+                    self._out.flush()
+        return summarize(self.records)
+
+    def close(self) -> None:
+        if self._out:
+            self._out.close()
+            self._out = None
+
+    async def _user(self, uid: int, client, http) -> None:
+        n = 0
+        while not self._bounded() and (not self.cfg.requests_per_user or n < self.cfg.requests_per_user):
+            await self._limiter.wait()
+            if self._bounded():
+                return
+            n += 1
+            rec = await self.one(uid, client, http)
+            self.records.append(rec)
+            if self._out:
+                self._out.write(json.dumps(asdict(rec)) + "\n")
+
+    async def one(self, uid: int, client, http) -> Record:
+        """One request, streamed, scored, rated. Never raises for an HTTP failure."""
+        import openai
+
+        pi = self._rng.randrange(len(PROMPTS))
+        rec = Record(ts=time.time(), user=uid, phase=self.cfg.phase, prompt=pi)
+        t0 = time.perf_counter()
+        text: list[str] = []
+        gaps: list[float] = []
+        last = None
+        try:
+            raw = await client.chat.completions.with_raw_response.create(
+                model=self._model, messages=[{"role": "user", "content": PROMPTS[pi]}],
+                max_tokens=self.cfg.max_tokens, temperature=self.cfg.temperature, stream=True)
+            rec.response_id = raw.headers.get("x-hotloop-response-id", "")
+            stream = raw.parse()
+            if inspect.isawaitable(stream):  # the client's versions differ here
+                stream = await stream
+            async for chunk in stream:
+                now = time.perf_counter()
+                rec.response_id = rec.response_id or chunk.id
+                version = getattr(chunk, "policy_version", None)
+                for choice in chunk.choices:
+                    if choice.finish_reason:
+                        rec.finish_reason = choice.finish_reason
+                    if not choice.delta or not choice.delta.content:
+                        continue
+                    text.append(choice.delta.content)
+                    if last is None:
+                        rec.ttft_ms = (now - t0) * 1e3
+                    else:
+                        gaps.append((now - last) * 1e3)
+                    last = now
+                    if version is not None:
+                        v = int(version)
+                        self.clock.saw(v, time.time())
+                        if rec.version is None:
+                            rec.version = v
+                        rec.last_version = v
+            if rec.version is None and raw.headers.get("x-hotloop-policy-version"):
+                rec.version = rec.last_version = int(raw.headers["x-hotloop-policy-version"])
+        except (openai.APIError, OSError, ValueError) as e:
+            rec.error = _describe(e)
+        rec.total_ms = (time.perf_counter() - t0) * 1e3
+        if rec.error:
+            return rec
+        answer = "".join(text)
+        rec.itl_ms = itl_summary(gaps)
+        rec.words = word_count(answer)
+        rec.matched = self.preference.matched(answer)
+        rec.score = round(self.preference.score(answer), 4)
+        self.share.add(rec.matched)
+        if self.cfg.feedback and rec.response_id:
+            rec.feedback_ts = time.time()
+            rec.feedback = await self.send_feedback(http, rec.response_id, rec.score)
+            if rec.feedback in ("accepted", "duplicate"):
+                self.feedback_sent[rec.response_id] = rec.feedback_ts
+        return rec
+
+    async def send_feedback(self, http, response_id: str, score: float) -> str:
+        import httpx
+
+        try:
+            r = await http.post(f"{self.target.base_url}/v1/feedback",
+                                headers={"Authorization": f"Bearer {self.target.api_key}"},
+                                json={"response_id": response_id, "score": score})
+        except httpx.HTTPError as e:
+            return f"error: {_describe(e)}"
+        if r.status_code != 200:
+            return f"error: HTTP {r.status_code} {r.text[:200]}"
+        try:
+            body = r.json()
+        except ValueError:
+            return "accepted"
+        return "duplicate" if body.get("reason") == "duplicate" or body.get("duplicate") else "accepted"
+
+    def status_line(self) -> str:
+        recent = self.records[-self.cfg.window:]
+        ok = [r for r in recent if not r.error]
+        errors = sum(bool(r.error) for r in self.records)
+        share = self.share.value
+        ttft = percentile((r.ttft_ms for r in ok), 50)
+        itl = percentile((r.itl_ms.get("p50") for r in ok if r.itl_ms.get("n")), 50)
+        parts = [f"{time.monotonic() - self._t0:5.0f}s", self.cfg.phase,
+                 f"reqs {len(self.records)} (err {errors})",
+                 f"match {share:.2f}" if share is not None else "match -",
+                 f"v{self.clock.latest}",
+                 f"ttft p50 {ttft:.0f} ms" if ttft is not None else "ttft -",
+                 f"itl p50 {itl:.0f} ms" if itl is not None else "itl -"]
+        if self.status_extra:
+            parts.append(self.status_extra())
+        return "  ".join(parts)
+
+    async def _progress(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.progress_s)
+            print(f"[simulate] {self.status_line()}", flush=True)
+
+
+def _describe(e: BaseException) -> str:
+    status = getattr(e, "status_code", None)
+    text = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+    return f"HTTP {status}: {text}" if status else f"{type(e).__name__}: {text}"
+
+
+# ---- the command ------------------------------------------------------------------------------
+
+
+def main(args) -> int:
+    if args.base_url:
+        if not args.key:
+            print("simulate users: --base-url needs --key", flush=True)
+            return 2
+        target = Target(args.base_url.rstrip("/").removesuffix("/v1"), args.key)
+    else:
+        from hotloop import config
+
+        run_dir = args.run_dir or config.load_mesh(config.raw_config(args.config, args.set)).run_dir
+        try:
+            target = find_target(run_dir)
+        except (FileNotFoundError, LookupError) as e:
+            print(f"simulate users: {e}", flush=True)
+            return 2
+    if not (args.requests or args.duration):
+        args.requests = 10
+    cfg = SimConfig(users=args.users, requests_per_user=args.requests, duration_s=args.duration,
+                    rate=args.rate, max_tokens=args.max_tokens, feedback=not args.no_feedback,
+                    seed=args.seed, progress_s=args.progress)
+    pref = Brevity(args.max_words)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    print(f"[simulate] {cfg.users} users x {cfg.requests_per_user or 'unbounded'} requests"
+          f"{f' or {cfg.duration_s:g}s' if cfg.duration_s else ''} -> {target.base_url}; "
+          f"hidden preference: {pref.describe()}; records: {out}", flush=True)
+    sim = Simulation(target, cfg, pref, out)
+    try:
+        summary = asyncio.run(sim.run())
+    except KeyboardInterrupt:
+        summary = summarize(sim.records)
+    finally:
+        sim.close()
+    print(f"[simulate] done: {summary['requests']} requests, {summary['errors']} errors, "
+          f"matched {_fmt(summary['matched_share'])}, feedback accepted "
+          f"{summary['feedback']['accepted']}/{summary['feedback']['sent']}, versions "
+          f"{summary['versions']}, TTFT p50/p99 {_fmt(summary['ttft_ms']['p50'], '.0f')}/"
+          f"{_fmt(summary['ttft_ms']['p99'], '.0f')} ms", flush=True)
+    return 0
+
+
+def _fmt(x, spec: str = ".2f") -> str:
+    return "-" if x is None else format(x, spec)
