@@ -48,6 +48,9 @@ class GatewayConfig(Section):
     """Most stop strings (OpenAI allows 4)."""
     max_feedback_text_chars: int = Field(4096, ge=0)
     """Longest feedback comment."""
+    feedback_wait_s: float = Field(5.0, gt=0, le=300)
+    """Longest wait, on feedback, for the response's traffic record to be stored first (the
+    trainer joins feedback to it); past it the feedback is refused as retryable (503)."""
     routing: Literal["least_loaded", "round_robin"] = "least_loaded"
     """How a healthy replica is chosen. `least_loaded`: fewest requests in flight (this
     gateway's own, plus the others' the replica reported at its last poll), ties in turn.

@@ -16,9 +16,12 @@ Owns:
 Feedback rules (the edges map `FeedbackResult.outcome`):
 - exactly one of `score` (finite, in [-1, 1]) and `label` ("up" = +1, "down" = -1), a choice in
   range that finished, a comment within the limit: else `invalid` (HTTP 400, ack false);
-- a response id this gateway (or TRAFFIC) does not know, that expired, or that was served to
-  another key: `unknown_response` (HTTP 404, ack false; another key's responses are
-  indistinguishable from unknown ones);
+- a response id this gateway (or TRAFFIC) does not know, that expired, that was served to
+  another key, or whose traffic record was dropped: `unknown_response` (HTTP 404, ack false;
+  another key's responses are indistinguishable from unknown ones);
+- feedback is published only after the choice's traffic record is stored (the trainer
+  dead-letters feedback without one); a record still queued after `feedback_wait_s` is
+  `Unavailable` (retry);
 - the same (response, choice, key) again within the FEEDBACK duplicate window: accepted with
   reason "duplicate" (stored once);
 - the bus not acknowledging: `Unavailable` (HTTP 503 / UNAVAILABLE: retry), never "accepted".
@@ -102,6 +105,8 @@ class _Served:
     choices: int
     finished: set[int] = field(default_factory=set)
     expires_at: float = 0.0
+    # per finished choice: resolves once its TRAFFIC record is stored (None: it was dropped)
+    traffic: dict[int, asyncio.Future | None] = field(default_factory=dict)
 
 
 class ResponseIndex:
@@ -337,6 +342,21 @@ class GatewayCore:
                                f"{entry.choices} choice{'s' * (entry.choices > 1)}")
             if fb.choice not in entry.finished:
                 return invalid(f"choice {fb.choice} of {fb.response_id} did not finish")
+            # The trainer joins feedback to its traffic record and dead-letters feedback that
+            # has none, so the record must be stored before the feedback is published.
+            stored = entry.traffic.get(fb.choice)
+            if stored is None:
+                return FeedbackResult(False, "unknown_response", (
+                    f"the traffic record of {fb.response_id} choice {fb.choice} was dropped "
+                    "(the gateway was overloaded): feedback on it cannot be learned from"))
+            try:
+                ok = await asyncio.wait_for(asyncio.shield(stored), self.cfg.feedback_wait_s)
+            except TimeoutError:
+                raise Unavailable("the response's traffic record is not stored yet; retry") from None
+            if not ok:
+                return FeedbackResult(False, "unknown_response", (
+                    f"the traffic record of {fb.response_id} choice {fb.choice} could not be "
+                    "stored: feedback on it cannot be learned from"))
         else:
             # Not in memory (restarted gateway, or forgotten): TRAFFIC is the record.
             served = await self.events.traffic(fb.response_id, fb.choice)
@@ -499,7 +519,8 @@ class Generation:
             completion_ids=c.token_ids, logprobs=c.logprobs, version_spans=c.spans,
             temperature=self._req.temperature, finish_reason=c.finish_reason, served_at=time.time(),
         )
-        if not self._core.events.fork(served) and self._span is not None:
+        stored = self._entry.traffic[index] = self._core.events.fork(served)
+        if stored is None and self._span is not None:
             self._span.add_event("traffic_dropped", {"hotloop.choice": index})
 
     async def aclose(self) -> None:

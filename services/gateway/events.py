@@ -53,7 +53,7 @@ def served_from_event(e: bus_pb2.TrafficEvent) -> ServedChoice:
 class BusEvents:
     def __init__(self, bus: Bus, queue_size: int):
         self._bus = bus
-        self._queue: asyncio.Queue[ServedChoice] = asyncio.Queue(maxsize=queue_size)
+        self._queue: asyncio.Queue[tuple[ServedChoice, asyncio.Future]] = asyncio.Queue(maxsize=queue_size)
         self._task: asyncio.Task | None = None
         self.counters = TrafficCounters()
 
@@ -77,31 +77,37 @@ class BusEvents:
     def queued(self) -> int:
         return self._queue.qsize()
 
-    def fork(self, served: ServedChoice) -> bool:
-        """Queue one served choice for TRAFFIC without waiting; False when it was dropped."""
+    def fork(self, served: ServedChoice) -> asyncio.Future | None:
+        """Queue one served choice for TRAFFIC without waiting. Returns a future that becomes
+        True once JetStream stored it (False if it refused), or None when it was dropped."""
+        stored = asyncio.get_running_loop().create_future()
         try:
-            self._queue.put_nowait(served)
+            self._queue.put_nowait((served, stored))
         except asyncio.QueueFull:
             self.counters.dropped += 1
-            return False
+            return None
         self.counters.forked += 1
-        return True
+        return stored
 
     async def _publish_forever(self) -> None:
         while True:
-            s = await self._queue.get()
+            s, stored = await self._queue.get()
+            ok = False
             try:
                 await self._bus.js_publish_once(
                     traffic_subject(s.response_id, s.choice), traffic_event(s),
                     msg_id=f"{s.response_id}:{s.choice}",
                 )
                 self.counters.published += 1
+                ok = True
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # one lost record must not stop the fork
                 self.counters.publish_errors += 1
                 log.warning("traffic %s:%d not published: %s", s.response_id, s.choice, e)
             finally:
+                if not stored.done():
+                    stored.set_result(ok)
                 self._queue.task_done()
 
     async def publish_feedback(self, response_id: str, choice: int, user: str, score: float,

@@ -342,8 +342,8 @@ async def test_full_traffic_queue_drops_and_counts(rig):
 
     _, gw = rig
     events = BusEvents(gw.bus, queue_size=1)  # not started: nothing drains the queue
-    assert events.fork(ServedChoice("r1", 0, "alice"))
-    assert not events.fork(ServedChoice("r2", 0, "alice"))
+    assert events.fork(ServedChoice("r1", 0, "alice")) is not None
+    assert events.fork(ServedChoice("r2", 0, "alice")) is None
     assert events.counters.dropped == 1 and events.counters.forked == 1
 
 
@@ -436,3 +436,27 @@ async def test_replica_stopped_mid_stream_ends_the_stream_with_an_error(nats_mod
     finally:
         await gw.stop()
 
+
+
+async def test_feedback_is_published_only_after_its_traffic_is_stored(rig):
+    _, gw = rig
+    for _ in range(5):
+        r = await gw.openai().chat.completions.create(model="tiny", messages=HI)
+        assert (await post_feedback(gw, response_id=r.id, label="up")).status_code == 200
+        # no polling: the trainer joining this feedback finds the record at once
+        assert await gw.bus.traffic(r.id, 0) is not None
+
+
+async def test_feedback_on_traffic_that_could_not_be_stored_is_refused(nats_module):
+    fake, server, addr = await start_fake()
+    gw = await start_gateway([addr], nats_module.url)
+    try:
+        await gw.bus.nc.close()  # the bus goes away: the fork cannot store anything
+        r = await gw.openai().chat.completions.create(model="tiny", messages=HI)
+        assert r.choices[0].message.content == TEXT  # users are served regardless
+        resp = await post_feedback(gw, response_id=r.id, score=1)
+        assert resp.status_code == 404 and "could not be stored" in resp.json()["error"]["message"]
+        assert gw.core.status()["counters"]["traffic_publish_errors"] == 1
+    finally:
+        await gw.stop()
+        await server.stop(0)
