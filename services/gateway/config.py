@@ -58,7 +58,10 @@ class GatewayConfig(Section):
     health_interval_s: float = Field(2.0, gt=0, le=300)
     """How often each replica's health and status are polled."""
     health_timeout_s: float = Field(1.0, gt=0, le=60)
-    """A poll slower than this counts as unhealthy."""
+    """A poll slower than this counts as missed."""
+    health_failures: int = Field(3, ge=1, le=100)
+    """Missed polls in a row before a replica is skipped. A replica that says it is not
+    serving, or fails a request, is skipped at once."""
     traffic_queue: int = Field(1024, ge=1, le=1 << 20)
     """Served choices waiting to be published to TRAFFIC; beyond it they are dropped and
     counted (`traffic_dropped`), so a slow bus never slows users."""

@@ -3,8 +3,11 @@
 Owns: per-replica state (healthy, why not, requests this gateway has in flight there, the load
 the replica reported), a background poll of every replica, and the choice itself:
 `least_loaded` (fewest requests in flight, ties in turn) or `round_robin` (in turn).
-A replica that fails a request is marked down at once, so the next request goes elsewhere
-without waiting for the next poll; the poll brings it back when it answers again.
+A replica that fails a request, or says it is not serving, is marked down at once, so the next
+request goes elsewhere without waiting; the poll brings it back when it answers again. A poll
+that merely gets no answer in time marks it down only after `failures` in a row: a replica (or
+this gateway's own loop) busy with a burst answers slowly, and refusing users then would turn
+load into outage.
 Does not own: the wire (a `Replica` talks to its server) or retrying a request.
 """
 
@@ -29,7 +32,8 @@ class ReplicaState:
     in_flight: int = 0  # this gateway's requests on it now
     others: int = 0  # requests of other callers (e.g. training rollouts) at the last poll
     served: int = 0
-    failures: int = 0
+    failures: int = 0  # requests it failed
+    missed_polls: int = 0  # polls in a row without an answer
 
     @property
     def load(self) -> int:
@@ -38,13 +42,14 @@ class ReplicaState:
 
 class Router:
     def __init__(self, replicas: list[Replica], policy: str = "least_loaded",
-                 interval_s: float = 2.0, timeout_s: float = 1.0):
+                 interval_s: float = 2.0, timeout_s: float = 1.0, failures: int = 3):
         if not replicas:
             raise ValueError("no rollout replicas configured ([endpoints] rollout)")
         self._states = [ReplicaState(r) for r in replicas]
         self._policy = policy
         self._interval_s = interval_s
         self._timeout_s = timeout_s
+        self._failures = failures
         self._turn = 0
         self._poller: asyncio.Task | None = None
 
@@ -66,17 +71,19 @@ class Router:
 
     async def poll(self) -> None:
         async def one(s: ReplicaState) -> None:
+            was = s.healthy
             try:
                 running = await s.replica.probe(self._timeout_s)
-            except Exception as e:  # a probe that raises is an unhealthy replica, not a crash
-                running, why = None, f"health check failed: {e}"
+            except Exception as e:  # a probe that raises is a sick replica, not a crash
+                s.missed_polls += 1
+                if s.missed_polls >= self._failures or not s.healthy:
+                    s.healthy, s.reason = False, f"health check failed: {e}"
             else:
-                why = "not serving"
-            was = s.healthy
-            s.healthy = running is not None
-            s.reason = "" if s.healthy else why
-            if s.healthy:
-                s.others = max(0, running - s.in_flight)
+                s.missed_polls = 0
+                s.healthy = running is not None
+                s.reason = "" if s.healthy else "not serving"
+                if running is not None:
+                    s.others = max(0, running - s.in_flight)
             if was != s.healthy:
                 log.info("replica %s is %s", s.replica.address,
                          "healthy" if s.healthy else f"unhealthy ({s.reason})")

@@ -83,6 +83,25 @@ async def test_least_loaded_counts_own_and_reported_load():
     assert router.pick().replica is a  # 4 > 3
 
 
+async def test_a_slow_poll_marks_down_only_after_several_in_a_row():
+    a = Stub("a")
+    router = Router([a], failures=3)
+    await router.poll()
+    a.healthy = "raise"  # no answer in time, e.g. during a burst
+    for _ in range(2):
+        await router.poll()
+        assert router.pick().replica is a
+    await router.poll()
+    with pytest.raises(Unavailable, match="refused"):
+        router.pick()
+    a.healthy = True
+    await router.poll()
+    a.healthy = False  # an explicit NOT_SERVING counts at once
+    await router.poll()
+    with pytest.raises(Unavailable, match="not serving"):
+        router.pick()
+
+
 async def test_round_robin_skips_unhealthy_and_poll_restores():
     a, b, c = Stub("a"), Stub("b", healthy=False), Stub("c", healthy="raise")
     router = Router([a, b, c], policy="round_robin")
