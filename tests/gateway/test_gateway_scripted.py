@@ -460,3 +460,26 @@ async def test_feedback_on_traffic_that_could_not_be_stored_is_refused(nats_modu
     finally:
         await gw.stop()
         await server.stop(0)
+
+
+async def test_a_client_that_hangs_up_cancels_the_replica_request(nats_module):
+    fake, server, addr = await start_fake(delay_s=0.2)
+    gw = await start_gateway([addr], nats_module.url)
+    try:
+        async with httpx.AsyncClient() as http:
+            async with http.stream("POST", f"{gw.base_url}/chat/completions", headers=headers(),
+                                   json={"model": "tiny", "messages": HI, "stream": True}) as r:
+                async for line in r.aiter_lines():
+                    if line.startswith("data: "):
+                        break  # one token, then hang up
+        for _ in range(50):
+            if fake.running == 0 and gw.core.status()["in_flight"] == 0:
+                break
+            await asyncio.sleep(0.1)
+        assert fake.running == 0, "the replica is still generating for a client that left"
+        status = gw.core.status()
+        assert status["in_flight"] == 0 and status["replicas"][0]["in_flight"] == 0
+        assert status["replicas"][0]["healthy"]
+    finally:
+        await gw.stop()
+        await server.stop(0)
