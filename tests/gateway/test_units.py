@@ -138,3 +138,12 @@ def test_response_index_is_bounded_in_age_and_count():
 def test_version_of_a_token():
     spans = [(3, 0), (4, 5), (6, 9)]
     assert [_version_at(spans, t) for t in (0, 4, 5, 8, 9, 20)] == [3, 3, 4, 4, 6, 6]
+
+
+@pytest.mark.parametrize("path", sorted((__import__("pathlib").Path(__file__).parents[2] / "configs").glob("*.toml")),
+                         ids=lambda p: p.name)
+def test_every_shipped_gateway_section_parses(path):
+    from hotloop import config
+
+    tree = config.raw_config(path, environ={})
+    config.load_section(tree, "gateway", GatewayConfig)
