@@ -29,8 +29,8 @@ def test_unknown_service_is_refused(tmp_path):
     cfg = config.load_mesh(config.raw_config(None, [], environ={}))
     with pytest.raises(ValueError, match="unknown services"):
         Mesh(cfg, None, [], ["nope"])
-    with pytest.raises(ValueError, match="not implemented yet"):
-        Mesh(cfg, None, [], ["reward", "gateway"])
+    with pytest.raises(ValueError, match="unknown services"):
+        Mesh(cfg, None, [], ["reward", "gateway", "trainer-x"])
 
 
 def test_services_die_with_a_killed_launcher(tmp_path):
