@@ -49,6 +49,10 @@ def main(args) -> int:
     h = summary["heldout"]
     print(f"[demo] held-out pass@1: base {h['pass_at_1_base']:.3f} -> final {h['pass_at_1_final']:.3f} "
           f"({h['tasks']} tasks); {summary['samples_per_s']:.2f} samples/s")
+    for name, p in h.get("paired", {}).items():
+        lo, hi = p["ci95"]
+        print(f"[demo] paired {name} pass@1: {p['diff'] * 100:+.1f} points, 95% CI "
+              f"[{lo * 100:+.1f}, {hi * 100:+.1f}] ({'significant' if p['significant'] else 'not significant'})")
     print(f"[demo] stage share: " + ", ".join(f"{k} {v:.0%}" for k, v in summary["stage_share"].items()))
     print(f"[demo] report: {report}")
     return 0

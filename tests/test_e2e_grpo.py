@@ -73,6 +73,8 @@ kl_beta = 0.04
     data = json.loads((tmp_path / "runs/e2e/report.json").read_text())
     assert set(data["stage_seconds"]) == {"generate", "score", "reference", "train", "publish"}
     assert data["heldout"]["tasks"] == 4 and data["heldout"]["pass_at_1_base"] is not None
+    g = data["heldout"]["paired"]["greedy"]  # same tasks before and after: a paired difference
+    assert g["diff"] == pytest.approx(g["final"] - g["base"]) and g["ci95"][0] <= g["diff"] <= g["ci95"][1]
     ran = data["config"]  # the effective configuration, with automatic choices resolved
     assert ran["trainer"]["num_steps"] == 2 and ran["grpo"]["run_id"] == "e2e"
     assert ran["trainer"]["dtype"] in ("bfloat16", "float32")

@@ -52,6 +52,10 @@ class GrpoJobConfig(Section):
     """Samples per held-out task. 1: greedy pass@1; more: sampled at `eval_temperature`."""
     eval_temperature: float = Field(0.6, gt=0)
     """Sampling temperature for evaluation when eval_samples > 1."""
+    eval_sampled: int = Field(0, ge=0, le=64)
+    """Also measure sampled pass@1 at the training temperature (`sample_temperature`) with
+    this many samples per task (unbiased estimator; >= 4 resolves far more than 1); 0: skip.
+    Reported before/after as a paired difference, like the main figure."""
     train_budget_s: float = Field(0.0, ge=0.0)
     """Stop taking steps once another step would end past this many seconds of training
     (0: no limit; num_steps still caps the run). The run then checkpoints and evaluates as
@@ -98,6 +102,8 @@ class EvalRecord:
     pass_at_1: float
     ci95: float
     pass_at_k: dict[str, float] = field(default_factory=dict)
+    per_task: list[float] = field(default_factory=list)  # pass@1 per task, in task order
+    sampled: EvalRecord | None = None  # sampled pass@1 at the training temperature, if asked
 
 
 def chat(task: CodeTask) -> list[dict[str, str]]:
@@ -148,6 +154,7 @@ async def evaluate(rollout: RolloutClient, reward: RewardClient, tasks: list[Cod
         ci95=1.96 * sd / math.sqrt(max(1, len(per_task))),
         pass_at_k={str(k): statistics.fmean(pass_at_k(samples, ci, k) for ci in correct)
                    for k in ks if k <= samples},
+        per_task=per_task,
     )
 
 
@@ -230,6 +237,11 @@ async def run(job: GrpoJobConfig, trainer_cfg, model_dir: Path, mesh: Mesh, run_
     async def do_eval(step: int) -> None:
         with tracer.start_as_current_span("evaluate"):
             rec = await evaluate(rollout, mesh.reward, heldout, step=step, **eval_kw)
+            if job.eval_sampled:
+                rec.sampled = await evaluate(
+                    rollout, mesh.reward, heldout, samples=job.eval_sampled,
+                    temperature=job.sample_temperature, max_tokens=trainer_cfg.max_new_tokens,
+                    step=step)
         evals.append(rec)
         metrics_file.write(json.dumps({"eval": asdict(rec)}) + "\n")
         metrics_file.flush()
@@ -374,6 +386,21 @@ async def run(job: GrpoJobConfig, trainer_cfg, model_dir: Path, mesh: Mesh, run_
     return summary
 
 
+def paired(first: EvalRecord, last: EvalRecord, job: GrpoJobConfig) -> dict:
+    """Before/after on the same tasks: per-task differences with a bootstrap CI (stats.py).
+    "greedy" is the main evaluation when it is greedy (eval_samples == 1), else "main"."""
+    from .stats import paired_bootstrap
+
+    key = "greedy" if job.eval_samples == 1 else "main"
+    out = {key: {**paired_bootstrap(first.per_task, last.per_task),
+                 "samples_per_task": first.samples_per_task}}
+    if first.sampled is not None and last.sampled is not None:
+        out["sampled"] = {**paired_bootstrap(first.sampled.per_task, last.sampled.per_task),
+                          "samples_per_task": first.sampled.samples_per_task,
+                          "temperature": job.sample_temperature}
+    return out
+
+
 def summarize(steps: list[StepRecord], evals: list[EvalRecord], job: GrpoJobConfig, trainer_cfg) -> dict:
     stage_totals = {s: sum(r.stage_seconds.get(s, 0.0) for r in steps) for s in STAGES}
     total = sum(stage_totals.values()) or 1.0
@@ -392,6 +419,7 @@ def summarize(steps: list[StepRecord], evals: list[EvalRecord], job: GrpoJobConf
             "ci95_base": evals[0].ci95 if evals else None,
             "ci95_final": evals[-1].ci95 if evals else None,
             "curve": [asdict(e) for e in evals],
+            **({"paired": paired(evals[0], evals[-1], job)} if len(evals) > 1 else {}),
         },
         "reward_curve": [r.reward_mean for r in steps],
         "pass_rate_curve": [r.pass_rate for r in steps],

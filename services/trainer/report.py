@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 from .grpo import STAGES
+from .stats import verdict
 
 
 def _plots(summary: dict, out: Path) -> list[str]:
@@ -73,6 +74,11 @@ def write(summary: dict, run_dir: Path, config_text: str = "") -> Path:
             f"{h['pass_at_1_final']:.3f} ± {h['ci95_final']:.3f} ({delta * 100:+.1f} points; "
             f"{h['tasks']} tasks x {h['samples_per_task']} samples, 95% CI over tasks)"
         )
+    for name, p in h.get("paired", {}).items():
+        what = (f"held-out {name} pass@1, paired over {h['tasks']} tasks "
+                f"({p['samples_per_task']} sample(s) per task)")
+        lines.append(f"- {verdict(p, what)}; base {p['base']:.3f} -> final {p['final']:.3f}; "
+                     f"{p['tasks_improved']} tasks better, {p['tasks_worse']} worse")
     lines += ["", "| stage | seconds per step | share |", "|---|---|---|"]
     for s in STAGES:
         lines.append(f"| {s} | {summary['stage_seconds'][s]:.2f} | {summary['stage_share'][s]:.1%} |")
