@@ -73,6 +73,12 @@ class Received:
     async def nak(self, delay_s: float | None = None) -> None:
         await self.raw.nak(delay=delay_s)
 
+    @property
+    def seq(self) -> int:
+        """The message's stream sequence: the same on every redelivery, so it identifies a
+        feedback across restarts (JetStream already dropped duplicates by message id)."""
+        return int(self.raw.metadata.sequence.stream)
+
 
 class Bus:
     def __init__(self, nc, js):
@@ -192,12 +198,16 @@ class Bus:
     async def pull(
         self, stream: str, subject: str, durable: str, msg_type: type[M],
         batch: int = 16, timeout_s: float = 1.0, ack_wait_s: float = 30.0,
+        max_ack_pending: int | None = None,
     ) -> "PullConsumer[M]":
+        """`max_ack_pending`: JetStream delivers no more than this many un-acked messages to
+        the consumer (server-side backpressure); None keeps the server's default."""
         from nats.js.api import AckPolicy, ConsumerConfig
 
+        extra = {} if max_ack_pending is None else {"max_ack_pending": max_ack_pending}
         sub = await self.js.pull_subscribe(
             subject, durable=durable, stream=stream,
-            config=ConsumerConfig(ack_policy=AckPolicy.EXPLICIT, ack_wait=ack_wait_s),
+            config=ConsumerConfig(ack_policy=AckPolicy.EXPLICIT, ack_wait=ack_wait_s, **extra),
         )
         return PullConsumer(self, sub, msg_type, batch, timeout_s)
 
@@ -236,6 +246,11 @@ class PullConsumer:
             except BusError as e:
                 await self.dead_letter(raw, str(e))
         return out
+
+    async def ack_floor(self) -> int:
+        """The stream sequence at and below which JetStream holds every message of this
+        consumer as acked (never redelivered)."""
+        return int((await self.sub.consumer_info()).ack_floor.stream_seq)
 
     async def dead_letter(self, raw, reason: str) -> None:
         from hotloop.proto.v1 import bus_pb2
