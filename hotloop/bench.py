@@ -45,7 +45,8 @@ def _chat_ids(tok, prompt: str) -> list[int]:
 
 
 # ---- rollout ---------------------------------------------------------------------------------
-def hf_tokens_per_s(model_dir: Path, prompts: list[str], n: int, max_tokens: int, batched: bool) -> float:
+def hf_tokens_per_s(model_dir: Path, prompts: list[str], n: int, max_tokens: int, batched: bool,
+                    dtype: str = "float32") -> float:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -53,7 +54,7 @@ def hf_tokens_per_s(model_dir: Path, prompts: list[str], n: int, max_tokens: int
     tok.padding_side = "left"
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
     gen = dict(do_sample=True, temperature=1.0, max_new_tokens=max_tokens, min_new_tokens=max_tokens,
                num_return_sequences=n, pad_token_id=tok.pad_token_id)
     texts = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False)
@@ -80,18 +81,29 @@ async def _vllm_rates(model_dir: Path, model_name: str, prompts: list[str], n: i
                         cpu_reserved_cpus=0)
     core = RolloutCore(cfg, model_dir, base_model=model_name, max_model_len=1024,
                        storage_dir=Path(tempfile.mkdtemp(prefix="hotloop-bench-")))
+    t0 = time.perf_counter()
     await core.start()
+    print(f"    engine ({mode}, {core.dtype}) up in {time.perf_counter() - t0:.0f} s", flush=True)
 
-    async def rate() -> float:
-        req = GenerateInput([PromptIn(messages=[{"role": "user", "content": p}]) for p in prompts],
-                            Sampling(n=n, max_tokens=max_tokens, temperature=1.0, ignore_eos=True))
+    async def rate(k: int = len(prompts), tokens_per_sample: int = max_tokens) -> float:
+        req = GenerateInput([PromptIn(messages=[{"role": "user", "content": p}]) for p in prompts[:k]],
+                            Sampling(n=n, max_tokens=tokens_per_sample, temperature=1.0, ignore_eos=True))
         t0 = time.perf_counter()
         tokens = sum([len(c.token_ids) async for c in core.generate(req)])
         return tokens / (time.perf_counter() - t0)
 
+    async def rates(label: str) -> float:
+        runs = []
+        for i in range(repeats):
+            runs.append(await rate())
+            print(f"    {label} run {i + 1}/{repeats}: {runs[-1]:.1f} tok/s", flush=True)
+        return statistics.median(runs)
+
     try:
-        await rate()  # warm-up: first-use costs are not throughput
-        base = statistics.median([await rate() for _ in range(repeats)])
+        # warm-up: first-use costs (allocations, oneDNN primitives) are not throughput; a short
+        # batch of the same shape is enough and keeps the default run under 5 minutes
+        await rate(tokens_per_sample=8)
+        base = await rates("base")
         data = adapters.pack(adapter_dir)
         info = adapters.Version(1, adapters.sha256(data), len(data), model_name)
 
@@ -99,8 +111,8 @@ async def _vllm_rates(model_dir: Path, model_name: str, prompts: list[str], n: i
             yield data
 
         await core.push(info, chunks())
-        await rate()
-        with_adapter = statistics.median([await rate() for _ in range(repeats)])
+        await rate(tokens_per_sample=8)
+        with_adapter = await rates("fresh adapter")
     finally:
         await core.stop()
     return {"base": base, "adapter": with_adapter}
@@ -127,16 +139,23 @@ def _make_bench_adapter(model_dir: Path, out: Path, rank: int, seed: int = 0) ->
 
 def bench_rollout(args) -> dict:
     from hotloop import models
+    from hotloop.hardware import cpu_capability, resolve_dtype
 
     model_dir = models.resolve(args.model)
     prompts = _prompts(args.prompts)
-    hf_sub = prompts[: min(2, len(prompts))]  # HF per-prompt is slow; a rate needs few prompts
+    # Each path in its best dtype: the one this host computes natively (bf16 on CUDA and on
+    # AMX / AVX512-BF16 CPUs, fp32 elsewhere); the vLLM engine resolves the same way.
+    dtype = resolve_dtype("auto")
+    cpu = str(cpu_capability())
+    hf_sub = prompts[:1]  # HF per-prompt is slow; one prompt x n gives its rate
+    t_start = time.perf_counter()
     print(f"workload: {len(prompts)} prompts x n={args.n} x {args.max_tokens} tokens, chat template, "
-          f"temperature 1; medians of {args.repeats} runs (HF per-prompt: {len(hf_sub)} prompts, 1 run)")
-    hf_per_prompt = hf_tokens_per_s(model_dir, hf_sub, args.n, args.max_tokens, batched=False)
-    print(f"  hf_per_prompt  {hf_per_prompt:8.1f} tok/s")
-    hf_batched = hf_tokens_per_s(model_dir, prompts, args.n, args.max_tokens, batched=True)
-    print(f"  hf_batched     {hf_batched:8.1f} tok/s")
+          f"temperature 1; medians of {args.repeats} runs (HF per-prompt: {len(hf_sub)} prompt, 1 run); "
+          f"dtype {dtype}, cpu {cpu}", flush=True)
+    hf_per_prompt = hf_tokens_per_s(model_dir, hf_sub, args.n, args.max_tokens, batched=False, dtype=dtype)
+    print(f"  hf_per_prompt  {hf_per_prompt:8.1f} tok/s", flush=True)
+    hf_batched = hf_tokens_per_s(model_dir, prompts, args.n, args.max_tokens, batched=True, dtype=dtype)
+    print(f"  hf_batched     {hf_batched:8.1f} tok/s", flush=True)
     adapter = _make_bench_adapter(model_dir, Path(tempfile.mkdtemp(prefix="hotloop-adapter-")), 16)
     from services.rollout.core import resolve_mode
     from services.rollout.config import RolloutConfig
@@ -150,7 +169,7 @@ def bench_rollout(args) -> dict:
         rates[mode] = asyncio.run(_vllm_rates(model_dir, args.model, prompts, args.n, args.max_tokens,
                                               args.repeats, mode, adapter))
         print(f"  vllm ({mode:6s})  base {rates[mode]['base']:8.1f} tok/s, "
-              f"fresh adapter {rates[mode]['adapter']:8.1f} tok/s")
+              f"fresh adapter {rates[mode]['adapter']:8.1f} tok/s", flush=True)
     vllm = rates[default_mode]["base"]
     vllm_adapter = rates[default_mode]["adapter"]
     result = {
@@ -160,6 +179,9 @@ def bench_rollout(args) -> dict:
                          "vllm": vllm, "vllm_adapter": vllm_adapter,
                          **({"vllm_lora_slot": rates["lora"]["adapter"]} if "lora" in rates else {})},
         "update_mode": default_mode,
+        "dtype": dtype,
+        "cpu": cpu,
+        "seconds": time.perf_counter() - t_start,
         "ratios": {"vllm_vs_hf_per_prompt": vllm / hf_per_prompt,
                    "vllm_vs_hf_batched": vllm / hf_batched,
                    "adapter_vs_base": vllm_adapter / vllm,
@@ -174,23 +196,50 @@ def bench_rollout(args) -> dict:
 
 
 # ---- hot update ----------------------------------------------------------------------------
+def _quantiles(xs: list[float]) -> dict[str, float]:
+    q = statistics.quantiles(xs, n=20) if len(xs) >= 2 else xs * 19
+    return {"p50": statistics.median(xs), "p95": q[18], "min": min(xs), "max": max(xs)}
+
+
 async def _hot_update(args) -> dict:
-    """Push `pushes` versions through a real gRPC server while clients keep requests in flight;
-    measure last chunk sent -> first completion served by the new version."""
+    """Each swap of the update mode on its own engine (merged: drain and inflight, unless
+    `--swap` picks one). The first one's figures are the top-level result; all are under
+    `swaps`."""
+    from services.rollout.config import RolloutConfig
+    from services.rollout.core import resolve_mode
+
+    mode = resolve_mode(RolloutConfig(update_mode=args.mode))
+    chosen = getattr(args, "swap", None)
+    swaps = [chosen] if chosen else (["inflight", "drain"] if mode == "merged" else [""])
+    results = {}
+    for swap in swaps:
+        results[swap or mode] = await _hot_update_one(args, mode, swap)
+    first = results[swaps[0] or mode]
+    return {**first, "swaps": results} if len(results) > 1 else first
+
+
+async def _hot_update_one(args, mode: str, swap: str) -> dict:
+    """Push `pushes` versions through a real gRPC server while streaming clients keep requests
+    in flight. Push-to-first-token: last chunk sent -> the first token, in any stream or in a
+    probe request, that says it came from the new version (version_spans)."""
     import grpc
 
     from hotloop import adapters, grpcutil, models
     from hotloop.proto.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
     from services.rollout.config import RolloutConfig
-    from services.rollout.core import RolloutCore
+    from services.rollout.core import GenerateInput, PromptIn, RolloutCore, Sampling
     from services.rollout.server import serve
 
     model_dir = models.resolve(args.model)
     tmp = Path(tempfile.mkdtemp(prefix="hotloop-hot-"))
     token = "bench"
-    cfg = RolloutConfig(update_mode=args.mode, max_lora_rank=max(16, args.rank), cpu_reserved_cpus=0)
+    cfg = RolloutConfig(update_mode=mode, swap=swap or "auto", max_lora_rank=max(16, args.rank),
+                        cpu_reserved_cpus=0)
     core = RolloutCore(cfg, model_dir, base_model=args.model, max_model_len=1024, storage_dir=tmp / "store")
+    t0 = time.perf_counter()
     await core.start()
+    label = f"{core.mode}{'/' + core.swap if core.swap else ''}"
+    print(f"[{label}] engine ({core.dtype}) up in {time.perf_counter() - t0:.0f} s", flush=True)
     server, port, _ = await serve(core, "127.0.0.1:0", token)
     ch = grpcutil.channel(f"127.0.0.1:{port}")
     stub = rollout_pb2_grpc.RolloutStub(ch)
@@ -198,20 +247,41 @@ async def _hot_update(args) -> dict:
     for i in range(min(args.pushes, 4)):  # distinct adapters, reused round-robin
         d = _make_bench_adapter(model_dir, tmp / f"a{i}", args.rank, seed=i)
         archives.append(adapters.pack(d))
-    print(f"adapter archive: {len(archives[0]) / 1e6:.1f} MB (r={args.rank}, all linear); mode {core.mode}")
+    print(f"[{label}] adapter archive: {len(archives[0]) / 1e6:.1f} MB (r={args.rank}, all linear)",
+          flush=True)
+
+    async def tokens_per_s() -> float:
+        # Same workload before and after the updates: 4 prompts x n=4 x 64 tokens.
+        req = GenerateInput([PromptIn(messages=[{"role": "user", "content": p}]) for p in CODE_PROMPTS[:4]],
+                            Sampling(n=4, max_tokens=64, temperature=1.0, ignore_eos=True))
+        t = time.perf_counter()
+        n = sum([len(c.token_ids) async for c in core.generate(req)])
+        return n / (time.perf_counter() - t)
+
+    await tokens_per_s()  # warm-up
+    base_rate = statistics.median([await tokens_per_s() for _ in range(3)])
+    print(f"[{label}] base {base_rate:.1f} tok/s", flush=True)
+
     stop = asyncio.Event()
     failed = {"n": 0, "errors": []}
-    served = {"n": 0}
+    served = {"n": 0, "crossed": 0}
+    first_seen: dict[int, float] = {}  # version -> when its first token reached a client
+
+    def seen(spans) -> None:
+        now = time.perf_counter()
+        for s in spans:
+            first_seen.setdefault(s.version, now)
 
     async def user_traffic(seed: int) -> None:
         while not stop.is_set():
             req = rollout_pb2.GenerateRequest(
                 prompts=[common_pb2.Prompt(chat=common_pb2.ChatMessages(messages=[
                     common_pb2.ChatMessage(role="user", content=CODE_PROMPTS[seed % 8])]))],
-                sampling=common_pb2.SamplingParams(n=2, max_tokens=32, seed=seed))
+                sampling=common_pb2.SamplingParams(n=2, max_tokens=64), stream=True)
             try:
-                async for _ in stub.Generate(req):
-                    pass
+                async for m in stub.Generate(req):
+                    seen(m.version_spans)
+                    served["crossed"] += m.final and len(m.version_spans) > 1
                 served["n"] += 1
             except grpc.aio.AioRpcError as e:
                 failed["n"] += 1
@@ -219,7 +289,7 @@ async def _hot_update(args) -> dict:
 
     users = [asyncio.create_task(user_traffic(i)) for i in range(3)]
     await asyncio.sleep(1.0)
-    latencies = []
+    latencies, swaps = [], []
     probe = rollout_pb2.GenerateRequest(
         prompts=[common_pb2.Prompt(text="def f(x):")],
         sampling=common_pb2.SamplingParams(max_tokens=1, temperature=0))
@@ -241,32 +311,45 @@ async def _hot_update(args) -> dict:
                 return await stub.PushAdapter(messages(), metadata=grpcutil.bearer(token))
 
             push = asyncio.create_task(do_push())
-            # Probe until a completion says it came from version v: that is the first token
-            # served by the new weights (max_tokens=1).
-            while True:
-                out = [c async for c in stub.Generate(probe)]
-                if out[0].policy_version == v:
-                    latencies.append((time.perf_counter() - sent["t"]) * 1e3)
-                    break
+            # Probe until the new version has produced a token somewhere: in a user's stream
+            # (in flight across the swap, or admitted after it) or in the probe (max_tokens=1).
+            while v not in first_seen:
+                async for c in stub.Generate(probe):
+                    seen(c.version_spans)
+            latencies.append((first_seen[v] - sent["t"]) * 1e3)
             await push
+            swaps.append(core.last_swap)
+            print(f"[{label}] push {v}/{args.pushes}: first token of v{v} after "
+                  f"{latencies[-1]:.0f} ms", flush=True)
             await asyncio.sleep(0.2)
     finally:
         stop.set()
         await asyncio.gather(*users)
+        after_rate = statistics.median([await tokens_per_s() for _ in range(3)])
         await ch.close()
         await server.stop(0)
         await core.stop()
-    q = statistics.quantiles(latencies, n=20) if len(latencies) >= 2 else latencies * 19
+
+    def med(key: str) -> float | None:
+        xs = [s[key] for s in swaps if key in s]
+        return statistics.median(xs) if xs else None
+
     result = {
-        "push_to_first_token_ms": {"p50": statistics.median(latencies), "p95": q[18],
-                                   "min": min(latencies), "max": max(latencies)},
+        "push_to_first_token_ms": _quantiles(latencies),
         "pushes": len(latencies), "failed_requests": failed["n"], "served_requests": served["n"],
-        "mode": core.mode, "rank": args.rank, "archive_bytes": len(archives[0]),
+        "mode": core.mode, "swap": core.swap, "rank": args.rank, "archive_bytes": len(archives[0]),
+        "completions_across_a_swap": served["crossed"],
+        "swap_ms": {"drain": med("drain_ms"), "pause": med("pause_ms"), "commit": med("commit_ms")},
+        "tokens_per_s": {"base": base_rate, "after_update": after_rate,
+                         "after_vs_base": after_rate / base_rate},
+        "dtype": core.dtype,
         "errors": failed["errors"][:5],
     }
-    print(f"push -> first token of the new version: p50 {result['push_to_first_token_ms']['p50']:.1f} ms, "
-          f"p95 {result['push_to_first_token_ms']['p95']:.1f} ms over {len(latencies)} pushes "
-          f"({core.mode}); user requests served {served['n']}, failed {failed['n']}")
+    p = result["push_to_first_token_ms"]
+    print(f"[{label}] push -> first token of the new version: p50 {p['p50']:.1f} ms, "
+          f"p95 {p['p95']:.1f} ms over {len(latencies)} pushes; user requests served {served['n']}, "
+          f"failed {failed['n']}; tokens/s after the updates {after_rate:.1f} vs base {base_rate:.1f} "
+          f"({after_rate / base_rate:.2f}x)", flush=True)
     return result
 
 

@@ -13,8 +13,10 @@ Two ways to make a version live, chosen once by `make_updater` (the only branch 
   ways to swap (`swap`):
   * `drain`: close admission, wait for in-flight requests to finish on the old version, swap,
     reopen. Every completion has one version.
-  * `inflight`: close admission for the few milliseconds of `pause_generation(mode="keep")`,
-    swap, label the engine's weight version, resume. Running sequences go on with the new
+  * `inflight`: close admission for the few milliseconds of a pause in vLLM's "keep" mode,
+    swap, label the engine's weight version, resume. On the CPU the version first goes live
+    in its factored build (tens of ms to prepare, ~10-20% slower generation) and its merged
+    build replaces it once packed, without a pause (same version, same function). Running sequences go on with the new
     weights (their KV cache, computed under the old weights, is kept: PipelineRL's choice).
     vLLM labels every engine step's outputs with the engine's weight version, so each
     completion's `version_spans` say exactly from which token the new version sampled (the
@@ -143,6 +145,10 @@ class Updater(ABC):
         """Make `version` the weights new requests run on (called with admission closed in
         merged mode). Returns the worker's report (timings), if any."""
 
+    async def finish(self, version: int) -> None:
+        """After `version` went live with admission open again: replace a provisional build
+        of it by the final one (same version, same function). Default: nothing to do."""
+
     @abstractmethod
     def lora_request(self, version: int):
         """The vLLM LoRARequest a request on `version` carries (None: the engine's weights)."""
@@ -160,7 +166,7 @@ class MergedUpdater(Updater):
 
     # How often an in-flight swap polls the background build. Each poll is one utility call
     # between engine steps (well under a millisecond of engine time).
-    POLL_S = 0.01
+    POLL_S = 0.005
 
     def __init__(self, engine, model_dir: Path, max_rank: int, swap: str):
         self.engine = engine
@@ -169,16 +175,42 @@ class MergedUpdater(Updater):
         self.swap = swap
         # drain: one weight set, so in-flight requests must finish before a swap.
         self.needs_drain = swap == "drain"
+        # inflight on the CPU: go live first with the factored build (base GEMM + low-rank
+        # term; reading the adapter takes tens of ms, generation runs ~10-20% below base),
+        # then swap in the merged build of the same version (a few hundred ms of merge and
+        # pack on a busy core) without a pause: both compute base + scale*B@A, so the version
+        # label does not change. Keeps the merge off push-to-first-token.
+        self.factored_first = False
+        self._dirs: dict[int, Path] = {}
 
     async def init(self) -> None:
-        await self.engine.collective_rpc("hotloop_init", args=(str(self.model_dir), self.max_rank))
+        (summary,) = await self.engine.collective_rpc(
+            "hotloop_init", args=(str(self.model_dir), self.max_rank)
+        )
+        self.factored_first = self.swap == "inflight" and summary["platform"] == "cpu"
 
     async def prepare(self, version: int, adapter_dir: Path) -> None:
-        # In a worker thread: the engine keeps stepping while the merged weights are packed.
+        # In a worker thread: the engine keeps stepping while the version is built.
         # drain: commit waits for the build (it overlaps the drain) and raises its error.
         # inflight: wait here, so the engine is paused only for the attribute swap.
-        await self.engine.collective_rpc("hotloop_prepare", args=(version, str(adapter_dir), True))
-        if self.swap != "inflight":
+        build = "factored" if self.factored_first else "merged"
+        self._dirs[version] = adapter_dir
+        await self._build(version, adapter_dir, build, wait=self.swap == "inflight")
+
+    async def finish(self, version: int) -> None:
+        adapter_dir = self._dirs.pop(version, None)
+        if not self.factored_first or adapter_dir is None:
+            return
+        await self._build(version, adapter_dir, "merged", wait=True)
+        # No pause: a collective_rpc runs between two engine steps, and the version (and so
+        # the engine's weight-version label) stays the same.
+        await self.engine.collective_rpc("hotloop_commit", args=(version,))
+
+    async def _build(self, version: int, adapter_dir: Path, build: str, wait: bool) -> None:
+        await self.engine.collective_rpc(
+            "hotloop_prepare", args=(version, str(adapter_dir), True), kwargs={"mode": build}
+        )
+        if not wait:
             return
         while True:
             (st,) = await self.engine.collective_rpc("hotloop_status")
@@ -206,7 +238,7 @@ class MergedUpdater(Updater):
         return None
 
     async def retire(self, version: int) -> None:
-        return None  # prepared weights are freed by the worker on commit
+        self._dirs.pop(version, None)  # prepared weights are freed by the worker on commit
 
 
 class LoraUpdater(Updater):
@@ -627,6 +659,7 @@ class RolloutCore:
                 )
                 t1 = time.perf_counter()
                 await self.updater.prepare(info.version, path)
+                t_prepared = time.perf_counter()
             except BaseException:
                 shutil.rmtree(path, ignore_errors=True)
                 raise
@@ -640,6 +673,13 @@ class RolloutCore:
                     await self.updater.retire(info.version)
                     shutil.rmtree(path, ignore_errors=True)
                     raise
+                # The version serves from here on; an error in its final build (e.g. out of
+                # memory) is returned to the pusher while the provisional build keeps serving.
+                self.last_swap.update(verify_ms=(t1 - t0) * 1e3,
+                                      prepare_ms=(t_prepared - t1) * 1e3)
+                t_live = time.perf_counter()
+                await self.updater.finish(info.version)
+                self.last_swap["finish_ms"] = (time.perf_counter() - t_live) * 1e3
             t2 = time.perf_counter()
         await self._retire_old()
         result = PushResult(info, (t1 - t0) * 1e3, (t2 - t1) * 1e3)
@@ -685,8 +725,10 @@ class RolloutCore:
             self._gate_open = False
         try:
             t0 = time.perf_counter()
-            # keep: running requests are frozen between two steps, KV cache kept.
-            await self.engine.pause_generation(mode="keep", clear_cache=False)
+            # keep: running requests are frozen between two steps, KV cache kept. Through the
+            # engine-core client: AsyncLLM.pause_generation adds a fixed 20 ms sleep that only
+            # orders log output (its comment: "not required for correctness").
+            await self.engine.engine_core.pause_scheduler_async(mode="keep", clear_cache=False)
             t1 = time.perf_counter()
             try:
                 report = await self.updater.commit(version)
