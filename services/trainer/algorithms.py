@@ -1,9 +1,10 @@
 """RL algorithm units: advantages and the policy objective, as small pure tensor functions.
 
-Owns: group-relative advantages (GRPO / Dr.GRPO), the REINFORCE advantage, the clipped
-importance-ratio objective with a k3 KL term and two aggregation modes, GAE and a clipped value
-loss (for PPO once the policy grows a value head), and `make_algorithm`, the only place that
-branches on the algorithm name.
+Owns: group-relative advantages (GRPO / Dr.GRPO), the REINFORCE advantage and its running
+(EMA) baseline, the clipped importance-ratio objective with a k3 KL term and two aggregation
+modes, the truncated-importance-sampling REINFORCE objective of the online loop, GAE and a
+clipped value loss (for PPO once the policy grows a value head), and `make_algorithm` /
+`make_online_algorithm`, the only places that pick an objective.
 
 Does not own: models, batching, optimizers (policy.py), or where rewards come from.
 Shapes: B sequences, T completion tokens (right-padded, `mask` marks real tokens),
@@ -163,6 +164,100 @@ def policy_loss(
     return loss, metrics
 
 
+def truncated_is_weights(logprobs: Tensor, behaviour_logprobs: Tensor, cap: float) -> Tensor:
+    """Per-token importance weights min(pi / mu, cap), without gradient. [B, T] -> [B, T].
+
+    logprobs:           [B, T] the policy being trained (pi).
+    behaviour_logprobs: [B, T] the logprob each token was sampled with (mu), per token, so a
+                        completion whose tokens came from several versions is weighted per
+                        token.
+    Truncation only from above (IMPALA's rho-bar, PipelineRL, AReaL): a token the current
+    policy finds much likelier than the sampler did would otherwise dominate the batch.
+    """
+    log_ratio = (logprobs.detach() - behaviour_logprobs).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+    return torch.exp(log_ratio).clamp(max=cap)
+
+
+def tis_reinforce_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    ref_logprobs: Tensor | None,
+    advantages: Tensor,
+    mask: Tensor,
+    cfg: LossSettings,
+    *,
+    is_cap: float,
+    normalizer: float | None = None,
+    entropy: Tensor | None = None,
+) -> tuple[Tensor, dict[str, float]]:
+    """REINFORCE with truncated importance sampling plus beta * k3 KL. Returns (loss, metrics).
+
+    logprobs:      [B, T] current policy, differentiable.
+    old_logprobs:  [B, T] behaviour logprobs (what the serving version reported per token).
+    ref_logprobs:  [B, T] frozen reference, or None (required when cfg.kl_beta > 0).
+    advantages:    [B] per sequence or [B, T] per token.
+    mask:          [B, T] bool, real completion tokens.
+
+    Per token, with w = min(exp(logp - old), is_cap) held constant:
+        loss_t = -w * A * logp + kl_beta * k3(logp, ref)
+    so the gradient is -w * A * grad(logp): an off-policy estimate of the policy gradient,
+    biased only where the cap bites. Unlike the PPO clip there is no trust region: with one
+    update per batch (the online loop never re-uses a batch) the clip would never be active.
+    """
+    if advantages.dim() == 1:
+        advantages = advantages[:, None]  # [B, 1] broadcasts over tokens
+    advantages = advantages.to(logprobs.dtype)
+    w = truncated_is_weights(logprobs, old_logprobs, is_cap)  # [B, T]
+    pg = -w * advantages * logprobs  # [B, T]
+    per_token = pg
+    kl = None
+    if cfg.kl_beta > 0:
+        if ref_logprobs is None:
+            raise ValueError("kl_beta > 0 needs ref_logprobs")
+        kl = k3_kl(logprobs, ref_logprobs)
+        per_token = pg + cfg.kl_beta * kl
+    loss = aggregate(per_token, mask, cfg.aggregation, normalizer)
+
+    with torch.no_grad():
+        n = mask.sum().clamp(min=1)
+
+        def mean(x: Tensor) -> float:
+            return float(torch.where(mask, x, torch.zeros_like(x)).sum() / n)
+
+        ratio = torch.exp((logprobs - old_logprobs).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO))
+        metrics = {
+            "pg_loss": mean(pg),
+            "ratio_mean": mean(ratio),
+            "is_weight_mean": mean(w),
+            "capped_frac": mean((ratio > is_cap).float()),
+            "tokens": float(mask.sum()),
+        }
+        if kl is None and ref_logprobs is not None:
+            kl = k3_kl(logprobs, ref_logprobs)
+        if kl is not None:
+            metrics["kl"] = mean(kl)
+        if entropy is not None:
+            metrics["entropy"] = mean(entropy)
+    return loss, metrics
+
+
+@dataclass
+class EmaBaseline:
+    """A running reward baseline for REINFORCE on a stream: advantage = score - value, then
+    value <- decay * value + (1 - decay) * mean(scores). Starts at 0 (feedback in [-1, 1] is
+    roughly centred already); its value belongs in the checkpoint."""
+
+    decay: float
+    value: float = 0.0
+
+    def advantages(self, scores: Tensor) -> Tensor:
+        """scores [N] -> advantages [N], against the baseline before this batch."""
+        return reinforce_advantages(scores, baseline=self.value)
+
+    def update(self, scores: Tensor) -> None:
+        self.value = self.decay * self.value + (1.0 - self.decay) * float(scores.float().mean())
+
+
 def gae(
     rewards: Tensor, values: Tensor, mask: Tensor, *, gamma: float = 1.0, lam: float = 0.95
 ) -> tuple[Tensor, Tensor]:
@@ -204,6 +299,7 @@ class Algorithm:
     name: str
     loss_cfg: LossSettings
     _advantages: Callable[[Tensor], Tensor]
+    _loss: Callable[..., tuple[Tensor, dict[str, float]]] = policy_loss
 
     def advantages(self, rewards: Tensor) -> Tensor:
         """GRPO: rewards [num_groups, G] -> [num_groups, G]; REINFORCE: [N] -> [N]."""
@@ -220,8 +316,8 @@ class Algorithm:
         normalizer: float | None = None,
         entropy: Tensor | None = None,
     ) -> tuple[Tensor, dict[str, float]]:
-        """`policy_loss` with this algorithm's settings."""
-        return policy_loss(
+        """This algorithm's objective (`policy_loss` unless built otherwise)."""
+        return self._loss(
             logprobs,
             old_logprobs,
             ref_logprobs,
@@ -245,3 +341,15 @@ def make_algorithm(cfg: TrainerConfig) -> Algorithm:
         case other:  # unreachable through a validated config
             raise ValueError(f"unknown algorithm {other!r}")
     return Algorithm(name=cfg.algorithm, loss_cfg=lc, _advantages=adv)
+
+
+def make_online_algorithm(cfg: TrainerConfig, *, is_cap: float) -> Algorithm:
+    """The online loop's objective: truncated-IS REINFORCE (`tis_reinforce_loss`). Its
+    advantages come from a stateful `EmaBaseline` the loop keeps, so the advantage function
+    here is the plain one (baseline 0)."""
+    return Algorithm(
+        name="reinforce_tis",
+        loss_cfg=cfg.loss,
+        _advantages=reinforce_advantages,
+        _loss=partial(tis_reinforce_loss, is_cap=is_cap),
+    )

@@ -102,6 +102,21 @@ def latest_checkpoint(root: Path) -> Path | None:
     return max(found)[1] if found else None
 
 
+def prune_checkpoints(root: Path, keep: int) -> list[Path]:
+    """Delete all but the `keep` newest complete checkpoints under `root`; returns the deleted.
+    The newest is never deleted (keep >= 1)."""
+    if keep < 1:
+        raise ValueError(f"keep must be at least 1, got {keep}")
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = sorted((int(m.group(1)), p) for p in root.iterdir() if (m := _NAME.match(p.name)))
+    old = [p for _, p in found[:-keep]]
+    for p in old:
+        shutil.rmtree(p)
+    return old
+
+
 def load_checkpoint(
     path: Path, *, model: PeftModel, optimizer: torch.optim.Optimizer
 ) -> TrainerState:

@@ -137,3 +137,49 @@ class TrainerConfig(_Strict):
     """Completion length limit for rollouts."""
     num_steps: int = Field(100, ge=1)
     """Training steps for a batch run."""
+
+
+class OnlineConfig(_Strict):
+    """The `[online]` section: the online loop that learns from user feedback (online.py).
+    The optimizer, LoRA, dtype and kl_beta stay in `[trainer]`."""
+
+    batch_size: int = Field(8, ge=1, le=1024)
+    """Feedback per update: a batch closes when it holds this many (1: one update per
+    feedback)."""
+    batch_window_s: float = Field(2.0, ge=0.0, le=3600.0)
+    """...or this long after its first feedback arrived, whichever comes first (0: train on
+    whatever is queued at that moment)."""
+    max_staleness_versions: int = Field(8, ge=0)
+    """Drop feedback on a completion served by a version more than this many versions behind
+    the trainer's (its oldest token's version counts). prime-rl drops past 8, AReaL bounds
+    staleness at 4-8: further back, the truncated ratio discards most of the signal anyway."""
+    max_staleness_s: float = Field(3600.0, gt=0.0)
+    """Drop feedback on a completion served longer ago than this (seconds)."""
+    is_cap: float = Field(2.0, ge=1.0, le=10.0)
+    """Truncation of the per-token importance weight pi/mu (pi: the trainer's policy, mu: the
+    serving version's logprob). The anchors cap it between 1.02 (PipelineRL) and 5 (AReaL):
+    lower is less variance and more bias toward the serving policy."""
+    baseline_ema: float = Field(0.9, ge=0.0, lt=1.0)
+    """Decay of the running reward baseline: b <- ema * b + (1 - ema) * mean(batch scores),
+    updated after the batch's advantages are taken (a score never baselines itself)."""
+    durable: str = Field("hotloop-online-trainer", min_length=1, pattern=r"^[A-Za-z0-9_-]+$")
+    """Name of the durable JetStream consumer on FEEDBACK: its position survives restarts."""
+    ack_wait_s: float = Field(300.0, ge=1.0)
+    """JetStream redelivers a fetched, un-acked feedback after this long. Feedback is acked
+    only after its version is published and checkpointed, so keep this well above
+    checkpoint_interval x the step time, or feedback in flight is delivered twice (the loop
+    deduplicates it, but redelivery is wasted work)."""
+    max_queue: int = Field(256, ge=1)
+    """Fetched feedback waiting for a batch. When full the loop stops fetching (JetStream
+    keeps the rest); the consumer's max_ack_pending is sized from this as well."""
+    checkpoint_interval: int = Field(1, ge=1)
+    """Updates between checkpoints. Acks wait for the checkpoint that covers them, so a
+    larger interval means fewer checkpoint writes but more un-acked feedback in flight."""
+    keep_checkpoints: int = Field(2, ge=1)
+    """Older checkpoints are deleted (one is about 3x the adapter's size)."""
+    max_steps: int = Field(0, ge=0)
+    """Stop after this many updates (0: run until stopped)."""
+    out_dir: str = "runs"
+    """Metrics, checkpoints and the version store go under `<out_dir>/<run_id>/`."""
+    run_id: str = "online"
+    """Reusing an id resumes from its last checkpoint and the consumer's position."""

@@ -1,15 +1,19 @@
 """A training job against a running mesh: clients, publisher, the trainer's own gRPC
 server (Status, FetchAdapter), then the recipe, then the report.
 
-Used by `hotloop train grpo` and `hotloop demo`. Endpoints come from the mesh config
-(`[endpoints]`, filled in by `hotloop up` through the environment or mesh.json).
+Used by `hotloop train grpo`, `hotloop train online`, `hotloop demo` and the trainer's
+`__main__` (the online trainer as a mesh process). `open_edge` is what every job holds around
+its recipe. Endpoints come from the mesh config (`[endpoints]`, filled in by `hotloop up`
+through the environment or mesh.json).
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from hotloop import models, telemetry
 from hotloop.clients import ReferenceClient, RewardClient, RolloutClient
@@ -62,11 +66,63 @@ async def effective_config(mesh_cfg: MeshConfig, job: grpo.GrpoJobConfig, traine
     return out
 
 
-async def run_job(mesh_cfg: MeshConfig, job: grpo.GrpoJobConfig, trainer_cfg: TrainerConfig,
-                  config_text: str = "", progress: bool = True) -> tuple[dict, Path]:
+@dataclass
+class Edge:
+    """What a job holds around its recipe: the bus, the reference, the publisher and the
+    trainer's own server, whose `state` the recipe's `on_step` updates."""
+
+    bus: Any  # hotloop.bus.Bus | None
+    reference: ReferenceClient | None
+    publisher: Any  # .publisher.Publisher
+    state: Any  # .server.TrainerState
+    server: Any  # grpc.aio.Server
+    port: int
+    health: Any
+    dtype: str
+
+    async def close(self) -> None:
+        if self.reference is not None:
+            await self.reference.close()
+        await self.publisher.close()
+        await self.server.stop(1)
+        if self.bus is not None:
+            await self.bus.close()
+
+
+async def open_edge(mesh_cfg: MeshConfig, trainer_cfg: TrainerConfig, run_dir: Path,
+                    algorithm: str, address: str = "127.0.0.1:0") -> Edge:
+    """Connect the bus (if configured) and the reference, check dtypes, start the trainer's
+    Status/FetchAdapter server on `address`. Close with `Edge.close()`."""
     from .publisher import Publisher
     from .server import TrainerState, serve
 
+    ep = mesh_cfg.endpoints
+    bus = None
+    if mesh_cfg.nats.url:
+        from hotloop.bus import Bus
+
+        bus = await Bus.connect(mesh_cfg.nats.url, "trainer", mesh_cfg.nats.connect_timeout_s)
+    reference = ReferenceClient(ep.reference) if ep.reference else None
+    try:
+        dtype = await check_dtype(trainer_cfg, reference)
+    except BaseException:
+        if reference is not None:
+            await reference.close()
+        if bus is not None:
+            await bus.close()
+        raise
+    publisher = Publisher(list(ep.rollout), mesh_cfg.security.admin_token, run_dir / "store", bus,
+                          mesh_cfg.model.name)
+    state = TrainerState(algorithm=algorithm, dtype=dtype)
+    server, port, health = await serve(state, publisher, address)
+    host = address.rsplit(":", 1)[0]
+    publisher.fetch_from = f"{host}:{port}"  # announced, so a replica that missed a push can fetch
+    log.info("trainer serving Status/FetchAdapter on %s:%d", host, port)
+    return Edge(bus, reference, publisher, state, server, port, health, dtype)
+
+
+async def run_job(mesh_cfg: MeshConfig, job: grpo.GrpoJobConfig, trainer_cfg: TrainerConfig,
+                  config_text: str = "", progress: bool = True) -> tuple[dict, Path]:
     ep = mesh_cfg.endpoints
     missing = [n for n, v in (("rollout", ep.rollout), ("reward", ep.reward)) if not v]
     if missing:
@@ -77,20 +133,8 @@ async def run_job(mesh_cfg: MeshConfig, job: grpo.GrpoJobConfig, trainer_cfg: Tr
     model_dir = models.resolve(mesh_cfg.model.name)
     run_id = job.run_id or time.strftime("%Y%m%d-%H%M%S")
     run_dir = Path(job.out_dir) / run_id
-
-    bus = None
-    if mesh_cfg.nats.url:
-        from hotloop.bus import Bus
-
-        bus = await Bus.connect(mesh_cfg.nats.url, "trainer", mesh_cfg.nats.connect_timeout_s)
-    reference = ReferenceClient(ep.reference) if ep.reference else None
-    dtype = await check_dtype(trainer_cfg, reference)
-    publisher = Publisher(list(ep.rollout), mesh_cfg.security.admin_token, run_dir / "store", bus,
-                          mesh_cfg.model.name)
-    state = TrainerState(algorithm=trainer_cfg.algorithm, dtype=dtype)
-    server, port, _ = await serve(state, publisher, "127.0.0.1:0")
-    publisher.fetch_from = f"127.0.0.1:{port}"  # announced, so a replica that missed a push can fetch
-    log.info("trainer serving Status/FetchAdapter on 127.0.0.1:%d", port)
+    edge = await open_edge(mesh_cfg, trainer_cfg, run_dir, trainer_cfg.algorithm)
+    state = edge.state
 
     def on_step(rec: grpo.StepRecord) -> None:
         state.step, state.latest_version = rec.step, rec.version
@@ -100,20 +144,72 @@ async def run_job(mesh_cfg: MeshConfig, job: grpo.GrpoJobConfig, trainer_cfg: Tr
     mesh = grpo.Mesh(
         rollout=[RolloutClient(a) for a in ep.rollout],
         reward=RewardClient(ep.reward),
-        reference=reference,
-        publisher=publisher,
+        reference=edge.reference,
+        publisher=edge.publisher,
     )
     try:
-        effective = await effective_config(mesh_cfg, job, trainer_cfg, dtype, mesh)
+        effective = await effective_config(mesh_cfg, job, trainer_cfg, edge.dtype, mesh)
         summary = await grpo.run(job, trainer_cfg, model_dir, mesh, run_dir, progress, on_step)
         summary["config"] = effective
         path = report.write(summary, run_dir, config_text)
     finally:
-        for c in [*mesh.rollout, mesh.reward, *( [mesh.reference] if mesh.reference else [])]:
+        for c in [*mesh.rollout, mesh.reward]:
             await c.close()
-        await publisher.close()
-        await server.stop(1)
-        if bus is not None:
-            await bus.close()
+        await edge.close()
         telemetry.shutdown()
     return summary, path
+
+
+# ---- the online trainer ------------------------------------------------------------------------
+
+
+async def open_online(mesh_cfg: MeshConfig, job, trainer_cfg: TrainerConfig,
+                      address: str = "127.0.0.1:0"):
+    """The edge and the `online.OnlineMesh` of an online job; returns (edge, mesh, run_dir).
+    Close with `close_online`."""
+    from . import online
+
+    ep = mesh_cfg.endpoints
+    if not mesh_cfg.nats.url:
+        raise SystemExit("the online trainer reads feedback from the bus: no [nats] url configured")
+    if not ep.rollout:
+        raise SystemExit("no rollout endpoint: start the mesh with `hotloop up` first")
+    if trainer_cfg.loss.kl_beta > 0 and not ep.reference:
+        raise SystemExit("kl_beta > 0 needs the reference service: no endpoint configured")
+    run_dir = Path(job.out_dir) / job.run_id
+    edge = await open_edge(mesh_cfg, trainer_cfg, run_dir, "reinforce_tis", address)
+    mesh = online.OnlineMesh(edge.bus, edge.publisher, edge.reference,
+                             [RolloutClient(a) for a in ep.rollout])
+    return edge, mesh, run_dir
+
+
+def online_status(state):
+    """An `on_step` for `online.run` that keeps the trainer's Status current."""
+
+    def on_step(rec) -> None:
+        state.step, state.latest_version = rec.step, rec.version
+        state.last_metrics = {"score_mean": rec.score_mean, "baseline": rec.baseline,
+                              "feedback": rec.feedback, **rec.train,
+                              **{f"seconds_{k}": v for k, v in rec.stage_seconds.items()}}
+
+    return on_step
+
+
+async def close_online(edge: Edge, mesh) -> None:
+    for c in mesh.rollout:
+        await c.close()
+    await edge.close()
+
+
+async def run_online_job(mesh_cfg: MeshConfig, job, trainer_cfg: TrainerConfig) -> dict:
+    """`hotloop train online`: the online loop until `max_steps` updates or Ctrl-C."""
+    from . import online
+
+    telemetry.setup("trainer", mesh_cfg.telemetry, mesh_cfg.run_dir)
+    edge, mesh, run_dir = await open_online(mesh_cfg, job, trainer_cfg)
+    try:
+        return await online.run(job, trainer_cfg, models.resolve(mesh_cfg.model.name), mesh,
+                                run_dir, on_step=online_status(edge.state))
+    finally:
+        await close_online(edge, mesh)
+        telemetry.shutdown()

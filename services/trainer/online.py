@@ -1,0 +1,475 @@
+"""The online recipe: user feedback -> join with its traffic -> batch -> (reference) -> LoRA
+step -> publish -> checkpoint -> ack.
+
+Reads top to bottom like grpo.py (setup, train, save). The gateway publishes one
+`TrafficEvent` per served choice (prompt and completion ids, the serving version's per-token
+logprobs) and one `FeedbackEvent` per user rating; this loop consumes FEEDBACK with a durable
+pull consumer, looks each feedback's traffic up by subject (`Bus.traffic`), and trains the
+LoRA policy with truncated-importance-sampling REINFORCE against a running (EMA) baseline
+(`algorithms.tis_reinforce_loss`; docs/architecture.md, "The online loop", says why). Every
+update is published as a new version with the same `Publisher` GRPO uses. Each update is one
+trace (consume, join, reference, train, pack, publish, checkpoint, ack) whose parent is the
+gateway's feedback span, read from the message headers; the other feedback of the batch are
+links.
+
+Delivery: nothing lost, nothing trained twice.
+- A feedback is acked only after the version trained on it is published and a checkpoint lists
+  its stream sequence in `trained`; the acks follow that checkpoint.
+- Killed before the checkpoint: the restored policy predates the update and the feedback was
+  never acked, so JetStream redelivers it (after ack_wait) and it is trained once into the
+  restored lineage. A version published from the lost update is superseded: on start the loop
+  publishes the restored policy above the highest version the mesh has seen, so serving always
+  matches the policy that trains (and staleness is measured against it).
+- Killed between checkpoint and ack: the redelivered feedback is in `trained` and is acked
+  without training. `trained` is pruned to sequences above the consumer's ack floor (JetStream
+  never redelivers at or below it), so it holds about one checkpoint interval of feedback.
+- Redelivered while still held (ack_wait shorter than a step): kept once, with the newer
+  delivery's handle for the ack.
+
+Rejected feedback is settled at once (it can never train, so acking it loses nothing) and
+written to metrics.jsonl with its reason: malformed feedback (score unset, NaN or outside
+[-1, 1], empty response id), feedback without a traffic record, and traffic whose lengths do
+not match go to the dead-letter subject (`bus.DEAD`) with the reason; stale feedback (served by
+a version more than `max_staleness_versions` behind, or more than `max_staleness_s` ago) is
+acked and counted.
+
+Backpressure: an intake task fetches into a queue of `max_queue` and stops fetching while it is
+full (JetStream keeps the rest; the consumer's max_ack_pending bounds what it hands out).
+
+Failure policy: errors propagate (a reference or replica that stays down fails the loop after
+the clients' bounded retries; un-acked feedback is redelivered to the next run). A non-finite
+loss publishes nothing and dead-letters its batch, since retraining it would fail the same way.
+
+Does not own: the services it talks to, the policy's update math (policy.py, algorithms.py),
+or the process around it (job.py, __main__.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import shutil
+import statistics
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from opentelemetry import trace
+
+from hotloop import telemetry
+from hotloop.bus import FEEDBACK, Bus, BusError, PullConsumer, Received
+from hotloop.clients import ReferenceClient, RolloutClient
+from hotloop.proto.v1 import bus_pb2, common_pb2
+
+from .config import OnlineConfig, TrainerConfig
+
+log = logging.getLogger(__name__)
+_tracer = trace.get_tracer(__name__)
+STAGES = ("consume", "join", "reference", "train", "pack", "publish", "checkpoint", "ack")
+
+
+@dataclass
+class OnlineMesh:
+    """What the loop talks to."""
+
+    bus: Bus
+    publisher: Any  # services.trainer.publisher.Publisher
+    reference: ReferenceClient | None = None
+    rollout: list[RolloutClient] = field(default_factory=list)  # read for their latest version
+
+
+@dataclass
+class Pending:
+    """A fetched feedback, queued or in a batch, until it is acked."""
+
+    msg: Received
+    seq: int  # stream sequence: the feedback's identity across redeliveries and restarts
+    arrived: float  # monotonic, when it entered the queue (starts the batch window)
+
+
+@dataclass
+class Counters:
+    received: int = 0
+    trained: int = 0
+    already_trained: int = 0  # redelivered after a restart; acked without training
+    redelivered: int = 0  # redelivered while still held (ack_wait shorter than a step)
+    queue_full: int = 0  # times the intake found the queue full and stopped fetching
+    dropped: dict[str, int] = field(default_factory=dict)  # acked unused, by reason
+    dead_lettered: dict[str, int] = field(default_factory=dict)  # by reason
+
+    def count(self, table: dict[str, int], key: str) -> None:
+        table[key] = table.get(key, 0) + 1
+
+
+@dataclass
+class OnlineStepRecord:
+    step: int  # optimizer steps of the policy, this one included
+    version: int
+    feedback: int
+    seqs: list[int]
+    score_mean: float
+    baseline: float  # after this batch
+    advantage_mean: float
+    staleness_versions_max: int
+    temperature_mean: float
+    stage_seconds: dict[str, float]
+    tokens: int
+    train: dict[str, float] = field(default_factory=dict)
+    counters: dict[str, Any] = field(default_factory=dict)
+    queue_depth: int = 0
+
+
+# ---- checks on one feedback ----------------------------------------------------------------
+
+
+def malformed(fb) -> str | None:
+    """Why a FeedbackEvent cannot be trained on, or None."""
+    if not fb.response_id:
+        return "malformed feedback: empty response_id"
+    if not fb.HasField("score"):
+        return "malformed feedback: score not set"
+    if not math.isfinite(fb.score) or not -1.0 <= fb.score <= 1.0:
+        return f"malformed feedback: score {fb.score!r} outside [-1, 1]"
+    return None
+
+
+def bad_traffic(tr) -> str | None:
+    """Why a TrafficEvent cannot become a training sample, or None."""
+    if len(tr.completion_ids) != len(tr.logprobs):
+        return (f"bad traffic: {len(tr.completion_ids)} completion ids but "
+                f"{len(tr.logprobs)} logprobs")
+    if not tr.completion_ids:
+        return "bad traffic: empty completion"
+    if not tr.prompt_ids:
+        return "bad traffic: empty prompt"
+    if not all(math.isfinite(x) and x <= 0.0 for x in tr.logprobs):
+        return "bad traffic: a behaviour logprob is not a finite value <= 0"
+    return None
+
+
+def served_version(tr) -> int:
+    """The oldest version any token of the completion came from (an in-flight update can
+    switch versions mid-completion; the oldest token is the stalest)."""
+    if tr.version_spans:
+        return min(int(s.version) for s in tr.version_spans)
+    return int(tr.policy_version)
+
+
+def stale(tr, version: int, now: float, job: OnlineConfig) -> str | None:
+    """"stale_version" / "stale_age" when the feedback is too old to train on, else None."""
+    if version - served_version(tr) > job.max_staleness_versions:
+        return "stale_version"
+    if tr.served_at > 0 and now - tr.served_at > job.max_staleness_s:
+        return "stale_age"
+    return None
+
+
+# ---- intake: the bounded queue ---------------------------------------------------------------
+
+
+class Intake:
+    """Fetches FEEDBACK into a bounded queue; stops fetching while the queue is full.
+
+    Owns the dedup of deliveries: a sequence already in `trained` (a restart's checkpoint) is
+    acked at once; one already held gets the newer delivery's handle and is not queued twice.
+    """
+
+    def __init__(self, consumer: PullConsumer, queue: asyncio.Queue, held: dict[int, Pending],
+                 trained: set[int], counters: Counters, fetch_max: int) -> None:
+        self.consumer, self.queue, self.held = consumer, queue, held
+        self.trained, self.counters, self.fetch_max = trained, counters, fetch_max
+
+    async def run(self) -> None:
+        full = False
+        while True:
+            free = self.queue.maxsize - self.queue.qsize()
+            if free <= 0:
+                if not full:
+                    self.counters.queue_full += 1
+                full = True
+                await asyncio.sleep(0.02)
+                continue
+            full = False
+            for m in await self.consumer.fetch(min(free, self.fetch_max), 1.0):
+                seq = m.seq
+                # `held` first: a held sequence may be trained but not yet checkpointed, and
+                # acking it now could lose it to a crash before the checkpoint.
+                if seq in self.held:
+                    self.counters.redelivered += 1
+                    self.held[seq].msg = m
+                elif seq in self.trained:
+                    self.counters.already_trained += 1
+                    await m.ack()
+                else:
+                    p = Pending(m, seq, time.monotonic())
+                    self.held[seq] = p
+                    self.counters.received += 1
+                    self.queue.put_nowait(p)
+
+
+async def _take(queue: asyncio.Queue, intake: asyncio.Task, timeout: float | None) -> Pending | None:
+    """The next queued feedback; None after `timeout`. An intake that died raises here."""
+    get = asyncio.ensure_future(queue.get())
+    done, _ = await asyncio.wait({get, intake}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    if get in done:
+        return get.result()
+    get.cancel()
+    if intake in done:
+        intake.result()  # raises the intake's error
+        raise RuntimeError("feedback intake stopped")
+    return None
+
+
+async def ack_all(items: list[Pending], bus: Bus) -> None:
+    """Ack (the feedback's effect is committed) and flush, so the acks have left when this
+    returns."""
+    for p in items:
+        await p.msg.ack()
+    await bus.nc.flush()
+
+
+# ---- resume ------------------------------------------------------------------------------------
+
+
+async def mesh_latest(mesh: OnlineMesh) -> int:
+    """The highest version the mesh has seen: this run's store, the bus's "latest", replicas."""
+    from .publisher import LATEST_KEY
+
+    held = mesh.publisher.store.latest()
+    seen = [held.version if held is not None else 0]
+    kv = await mesh.bus.kv_get(LATEST_KEY, common_pb2.VersionInfo)
+    seen.append(kv.version if kv is not None else 0)
+    for r in mesh.rollout:
+        seen.append(int((await r.status()).latest_version))
+    return max(seen)
+
+
+# ---- the recipe --------------------------------------------------------------------------------
+
+
+async def run(job: OnlineConfig, trainer_cfg: TrainerConfig, model_dir: Path, mesh: OnlineMesh,
+              run_dir: Path, on_step=None, policy=None) -> dict:
+    """Train from feedback until `job.max_steps` updates (0: until cancelled); returns a summary
+    (counters, last version). `policy`: an already built `LoraPolicy` (tests), else built here.
+    """
+    import torch
+
+    from .algorithms import EmaBaseline, make_online_algorithm
+    from .batching import Sample
+    from .checkpoint import latest_checkpoint, prune_checkpoints
+    from .policy import LoraPolicy
+
+    if trainer_cfg.temperature != 1.0:
+        # traffic logprobs are vLLM's raw (T=1) logprobs whatever the user's temperature
+        raise SystemExit("online training compares against raw (temperature-1) behaviour logprobs: "
+                         f"[trainer] temperature must be 1.0, got {trainer_cfg.temperature}")
+    run_dir.mkdir(parents=True, exist_ok=True)
+
+    # ---- setup -------------------------------------------------------------------------------
+    if policy is None:
+        policy = LoraPolicy(trainer_cfg, model_dir)
+    policy.algorithm = make_online_algorithm(policy.cfg, is_cap=job.is_cap)
+    baseline = EmaBaseline(job.baseline_ema)
+    counters = Counters()
+    trained: set[int] = set()  # stream sequences trained into the checkpointed policy
+    version = 0
+    ckpt_root = run_dir / "checkpoints"
+    if (ckpt := latest_checkpoint(ckpt_root)) is not None:
+        pos = policy.restore(ckpt).data_position
+        version, baseline.value = pos["version"], pos["baseline"]
+        trained = set(pos["trained"])
+        log.info("resumed from %s: step %d, version %d, %d feedback awaiting ack",
+                 ckpt, policy.step, version, len(trained))
+    if (seen := await mesh_latest(mesh)) > version:
+        # Serving runs weights this policy does not have (an update lost in a crash, or another
+        # run): publish this policy above them, so serving and staleness refer to it.
+        version = seen + 1
+        await publish(policy, mesh, run_dir, version)
+        log.info("published the %s policy as version %d", "restored" if ckpt else "initial", version)
+
+    await mesh.bus.ensure_streams()
+    in_flight = job.batch_size * job.checkpoint_interval  # trained, waiting for a checkpoint
+    consumer = await mesh.bus.pull(
+        "FEEDBACK", FEEDBACK, job.durable, bus_pb2.FeedbackEvent, batch=job.batch_size,
+        ack_wait_s=job.ack_wait_s, max_ack_pending=job.max_queue + in_flight)
+    queue: asyncio.Queue[Pending] = asyncio.Queue(maxsize=job.max_queue)
+    held: dict[int, Pending] = {}
+    intake = asyncio.create_task(
+        Intake(consumer, queue, held, trained, counters, job.batch_size).run(), name="intake")
+    metrics_file = open(run_dir / "metrics.jsonl", "a")
+
+    def write(kind: str, rec: dict) -> None:
+        metrics_file.write(json.dumps({kind: rec}) + "\n")
+        metrics_file.flush()
+
+    async def settle(p: Pending, kind: str, reason: str, dead: bool) -> None:
+        """Finish a feedback that will never train: dead letter (then ack) or ack."""
+        if dead:
+            await consumer.dead_letter(p.msg.raw, reason)
+            counters.count(counters.dead_lettered, kind)
+        else:
+            await p.msg.ack()
+            counters.count(counters.dropped, kind)
+        held.pop(p.seq, None)
+        write("settled", {"seq": p.seq, "kind": kind, "reason": reason})
+
+    uncommitted: list[Pending] = []  # trained and published, waiting for a checkpoint and ack
+    updates = 0
+    stop = threading.Event()  # a cancelled loop's train thread stops within one micro-batch
+
+    async def commit() -> None:
+        """Checkpoint (with the trained set), then ack what it covers."""
+        with _tracer.start_as_current_span("checkpoint"):
+            floor = await consumer.ack_floor()
+            trained.difference_update({s for s in trained if s <= floor})  # never redelivered
+            policy.save_checkpoint(ckpt_root, data_position={
+                "version": version, "baseline": baseline.value, "trained": sorted(trained)})
+            prune_checkpoints(ckpt_root, job.keep_checkpoints)
+        with _tracer.start_as_current_span("ack"):
+            await ack_all(uncommitted, mesh.bus)
+        for p in uncommitted:
+            held.pop(p.seq, None)
+        uncommitted.clear()
+
+    # ---- train -------------------------------------------------------------------------------
+    try:
+        while job.max_steps == 0 or updates < job.max_steps:
+            first = await _take(queue, intake, None)  # idle until feedback arrives: not a stage
+            secs: dict[str, float] = {}
+            parent = telemetry.extract_context(first.msg.headers)
+            with _tracer.start_as_current_span("online.step", context=parent) as root:
+                t = time.perf_counter()
+                with _tracer.start_as_current_span("consume"):
+                    batch = [first]
+                    deadline = first.arrived + job.batch_window_s
+                    while len(batch) < job.batch_size:
+                        left = deadline - time.monotonic()
+                        if left <= 0:  # window closed: take only what is already queued
+                            if queue.empty():
+                                break
+                            batch.append(queue.get_nowait())
+                        elif (nxt := await _take(queue, intake, left)) is not None:
+                            batch.append(nxt)
+                        else:
+                            break
+                for p in batch[1:]:
+                    root.add_link(trace.get_current_span(telemetry.extract_context(p.msg.headers))
+                                  .get_span_context())
+                secs["consume"] = time.perf_counter() - t
+
+                t = time.perf_counter()
+                rows = []  # (pending, feedback, traffic)
+                joined_at = version  # staleness is measured against the version that trains
+                with _tracer.start_as_current_span("join"):
+                    now = time.time()
+                    for p in batch:
+                        fb = p.msg.payload
+                        if (why := malformed(fb)) is not None:
+                            await settle(p, "malformed", why, dead=True)
+                            continue
+                        try:
+                            tr = await mesh.bus.traffic(fb.response_id, fb.choice)
+                        except BusError as e:  # a response id that cannot be a subject
+                            await settle(p, "malformed", f"malformed feedback: {e}", dead=True)
+                            continue
+                        if tr is None:
+                            await settle(p, "missing_traffic", f"no traffic record for "
+                                         f"{fb.response_id}:{fb.choice} (never served or aged out)",
+                                         dead=True)
+                        elif (why := bad_traffic(tr)) is not None:
+                            await settle(p, "bad_traffic", why, dead=True)
+                        elif (kind := stale(tr, version, now, job)) is not None:
+                            await settle(p, kind, f"served by v{served_version(tr)} "
+                                         f"{now - tr.served_at:.0f}s ago; trainer at v{version}", dead=False)
+                        else:
+                            rows.append((p, fb, tr))
+                secs["join"] = time.perf_counter() - t
+                root.set_attribute("hotloop.feedback", len(batch))
+                if not rows:
+                    continue
+
+                scores = torch.tensor([fb.score for _, fb, _ in rows], dtype=torch.float32)  # [N]
+                adv = baseline.advantages(scores)  # [N], against the baseline before this batch
+                baseline.update(scores)
+
+                t = time.perf_counter()
+                ref = None
+                if trainer_cfg.loss.kl_beta > 0:
+                    with _tracer.start_as_current_span("reference"):
+                        ref = await mesh.reference.logprobs(
+                            [(list(tr.prompt_ids), list(tr.completion_ids)) for _, _, tr in rows])
+                secs["reference"] = time.perf_counter() - t
+
+                samples = [
+                    Sample(prompt_ids=list(tr.prompt_ids), completion_ids=list(tr.completion_ids),
+                           old_logprobs=list(tr.logprobs), advantage=float(adv[i]),
+                           ref_logprobs=None if ref is None else ref[i])
+                    for i, (_, _, tr) in enumerate(rows)
+                ]
+                t = time.perf_counter()
+                with _tracer.start_as_current_span("train"):
+                    m = await asyncio.to_thread(policy.train_step, samples, stop.is_set)
+                secs["train"] = time.perf_counter() - t
+                if m.skipped:
+                    log.warning("update skipped (%s): its %d feedback are dead-lettered", m.skip_reason, len(rows))
+                    for p, _, _ in rows:
+                        await settle(p, "not_finite", f"training skipped: {m.skip_reason}", dead=True)
+                    continue
+
+                version += 1
+                t = time.perf_counter()
+                with _tracer.start_as_current_span("pack"):
+                    adapter = policy.save_adapter(run_dir / "adapters" / f"v{version}")
+                secs["pack"] = time.perf_counter() - t
+                t = time.perf_counter()
+                await mesh.publisher.publish(version, adapter)  # opens the "publish" span
+                shutil.rmtree(adapter)  # the publisher's store keeps the archive
+                secs["publish"] = time.perf_counter() - t
+
+                for p, _, _ in rows:
+                    trained.add(p.seq)
+                    uncommitted.append(p)
+                counters.trained += len(rows)
+                updates += 1
+                t = time.perf_counter()
+                if updates % job.checkpoint_interval == 0:
+                    await commit()
+                secs["commit"] = time.perf_counter() - t
+
+            rec = OnlineStepRecord(
+                step=policy.step, version=version, feedback=len(rows), seqs=[p.seq for p, _, _ in rows],
+                score_mean=float(scores.mean()), baseline=baseline.value, advantage_mean=float(adv.mean()),
+                staleness_versions_max=max(joined_at - served_version(tr) for _, _, tr in rows),
+                temperature_mean=statistics.fmean(tr.temperature for _, _, tr in rows),
+                stage_seconds=secs, tokens=m.tokens, train=m.as_dict(),
+                counters=asdict(counters), queue_depth=queue.qsize(),
+            )
+            write("step", asdict(rec))
+            if on_step is not None:
+                on_step(rec)
+        if uncommitted:
+            await commit()
+    except asyncio.CancelledError:
+        stop.set()  # nothing to save: what was not acked is redelivered to the next run
+        raise
+    finally:
+        intake.cancel()
+        try:
+            await intake
+        except (asyncio.CancelledError, Exception):  # its error, if any, was raised in _take
+            pass
+        metrics_file.close()
+    summary = {"steps": policy.step, "updates": updates, "version": version,
+               "baseline": baseline.value, "counters": asdict(counters)}
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+async def publish(policy, mesh: OnlineMesh, run_dir: Path, version: int) -> None:
+    adapter = policy.save_adapter(run_dir / "adapters" / f"v{version}")
+    await mesh.publisher.publish(version, adapter)
+    shutil.rmtree(adapter)
