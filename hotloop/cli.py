@@ -146,6 +146,10 @@ def build_parser() -> argparse.ArgumentParser:
     _config_args(tg)
     tg.add_argument("--run-dir", help="mesh run directory (default: from config)")
     tg.set_defaults(fn=cmd_train)
+    to = tsub.add_parser("online", help="learn from user feedback on the bus ([online]); runs until Ctrl-C")
+    _config_args(to)
+    to.add_argument("--run-dir", help="mesh run directory (default: from config)")
+    to.set_defaults(fn=cmd_train)
 
     e = sub.add_parser("eval", help="pass@k of a policy version on held-out tasks or HumanEval")
     _config_args(e)

@@ -26,6 +26,9 @@ from hotloop.natsserver import NatsServer
 
 # Start order: the trainer job and the gateway need the others' endpoints.
 ALL_SERVICES = ["reference", "reward", "rollout", "gateway"]
+# Started only when named (`--services ...,trainer`), last: the online trainer learns from the
+# gateway's feedback and pushes to the rollout replicas.
+OPT_IN_SERVICES = ["trainer"]
 MESH_FILE = "mesh.json"
 
 
@@ -115,9 +118,9 @@ def _tail(path: Path, lines: int = 25) -> str:
 class Mesh:
     def __init__(self, mesh_cfg: MeshConfig, config_path: str | None, overrides: list[str],
                  services: list[str], quiet: bool = False):
-        unknown = set(services) - set(ALL_SERVICES)
+        unknown = set(services) - set(ALL_SERVICES) - set(OPT_IN_SERVICES)
         if unknown:
-            raise ValueError(f"unknown services {sorted(unknown)}; known: {ALL_SERVICES}")
+            raise ValueError(f"unknown services {sorted(unknown)}; known: {ALL_SERVICES + OPT_IN_SERVICES}")
         unbuilt = [s for s in services if not available(s)]
         if unbuilt:
             raise ValueError(f"services {unbuilt} are not implemented yet (their protos exist); "
@@ -125,7 +128,7 @@ class Mesh:
         self.cfg = mesh_cfg
         self.config_path = config_path
         self.overrides = overrides
-        self.services = [s for s in ALL_SERVICES if s in services]
+        self.services = [s for s in ALL_SERVICES + OPT_IN_SERVICES if s in services]
         self.run_dir = Path(mesh_cfg.run_dir).resolve()
         self.procs: list[Proc] = []
         self.nats: NatsServer | None = None
@@ -150,10 +153,12 @@ class Mesh:
                              user_keys_file=self._user_keys_file())
         try:
             # reference, reward and rollout do not need each other: start them together
-            first = [s for s in self.services if s != "gateway"]
+            first = [s for s in self.services if s not in ("gateway", "trainer")]
             self._start_batch(first, timeout_s)
             if "gateway" in self.services:
                 self._start_batch(["gateway"], timeout_s)
+            if "trainer" in self.services:
+                self._start_batch(["trainer"], timeout_s)
         except BaseException:
             self.stop()
             raise

@@ -1,4 +1,5 @@
-"""`hotloop train grpo`: run a GRPO job against a running mesh (see `hotloop up`)."""
+"""`hotloop train grpo` / `hotloop train online`: a training job against a running mesh (see
+`hotloop up`). `online` learns from the feedback users give through the gateway."""
 
 from __future__ import annotations
 
@@ -19,6 +20,16 @@ def load_job_configs(config_path: str | None, overrides: list[str]):
             config.load_section(tree, "trainer", TrainerConfig))
 
 
+def load_online_configs(config_path: str | None, overrides: list[str]):
+    """The mesh, `[online]` and `[trainer]` sections from one config (file < env < --set)."""
+    from hotloop import config
+    from services.trainer.config import OnlineConfig, TrainerConfig
+
+    tree = config.raw_config(config_path, overrides)
+    return (config.load_mesh(tree), config.load_section(tree, "online", OnlineConfig),
+            config.load_section(tree, "trainer", TrainerConfig))
+
+
 def main(args) -> int:
     from hotloop.launcher import MeshInfo
 
@@ -31,6 +42,18 @@ def main(args) -> int:
         print(e)
         return 2
     os.environ.update(info.env())  # point every section at the running mesh
+    if args.algorithm == "online":
+        from hotloop.service import run_interruptible
+        from services.trainer.job import run_online_job
+
+        mesh_cfg, online_job, trainer_cfg = load_online_configs(args.config, args.set)
+        summary, interrupted = run_interruptible(run_online_job(mesh_cfg, online_job, trainer_cfg))
+        if interrupted:  # nothing to save: un-acked feedback is redelivered to the next run
+            print(f"online: stopped; resume with --set online.run_id={online_job.run_id}")
+            return 130
+        print(f"online: {summary['updates']} updates, version {summary['version']}, "
+              f"counters {summary['counters']}")
+        return 0
     mesh_cfg, job, trainer_cfg = load_job_configs(args.config, args.set)
     from services.trainer.job import run_job
 

@@ -1,0 +1,71 @@
+"""`python -m services.trainer`: the online trainer as a mesh process (`hotloop up
+--services ...,trainer`).
+
+Runs the online loop (online.py) in the background of the trainer's gRPC server (Status,
+FetchAdapter), so a demo can start the gateway and the online trainer together. Reads
+`[trainer]` (optimizer, LoRA, dtype, kl_beta) and `[online]`; listens on `[trainer_server]`'s
+address. If the loop fails, the process stops with its error (the launcher reports it); on
+SIGTERM the loop is cancelled and whatever it had not acked is redelivered to the next run.
+GRPO jobs are not a service: they run through `hotloop train grpo`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from pydantic import Field
+
+from hotloop import config as hconfig
+from hotloop import service
+from hotloop.config import MeshConfig, Section
+
+log = logging.getLogger("trainer")
+
+
+class TrainerServerConfig(Section):
+    """The `[trainer_server]` section: where the online trainer's Status/FetchAdapter listen."""
+
+    host: str = "127.0.0.1"
+    """Interface to listen on."""
+    port: int = Field(0, ge=0, le=65535)
+    """Port to listen on; 0 picks a free one (written to the port file)."""
+
+
+async def build(mesh: MeshConfig, cfg: TrainerServerConfig) -> service.Running:
+    # torch and peft load inside the loop, after every section has parsed
+    from hotloop import models
+    from hotloop.errors import FatalError
+
+    from . import online
+    from .config import OnlineConfig, TrainerConfig
+    from .job import close_online, online_status, open_online
+
+    # `service.run` hands over one section; the loop's two come from the same sources.
+    args = service.parse_args("trainer")
+    tree = hconfig.raw_config(args.config, args.set)
+    job = hconfig.load_section(tree, "online", OnlineConfig)
+    trainer_cfg = hconfig.load_section(tree, "trainer", TrainerConfig)
+    edge, omesh, run_dir = await open_online(mesh, job, trainer_cfg, f"{cfg.host}:{cfg.port}")
+    loop = asyncio.create_task(online.run(job, trainer_cfg, models.resolve(mesh.model.name), omesh,
+                                          run_dir, on_step=online_status(edge.state)))
+
+    def check() -> None:
+        if loop.done() and not loop.cancelled() and loop.exception() is not None:
+            raise FatalError(f"the online loop failed: {loop.exception()!r}")
+        if loop.done() and not loop.cancelled():
+            raise FatalError("the online loop finished (online.max_steps reached)")
+
+    async def stop() -> None:
+        loop.cancel()
+        try:
+            await loop
+        except (asyncio.CancelledError, Exception):
+            pass
+        await close_online(edge, omesh)
+
+    return service.Running(edge.server, edge.port, edge.health, cleanups=[stop], check=check)
+
+
+if __name__ == "__main__":
+    service.run("trainer_server", TrainerServerConfig, build)
