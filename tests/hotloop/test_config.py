@@ -42,10 +42,14 @@ def test_every_config_file_parses(path):
     from services.reward.config import RewardConfig
     from services.rollout.config import RolloutConfig
     from services.trainer.config import TrainerConfig
+    from services.gateway.config import GatewayConfig
+    from services.trainer.__main__ import TrainerServerConfig
+    from services.trainer.config import OnlineConfig
     from services.trainer.grpo import GrpoJobConfig
 
     sections = {"rollout": RolloutConfig, "reward": RewardConfig, "reference": ReferenceConfig,
-                "trainer": TrainerConfig, "grpo": GrpoJobConfig}
+                "trainer": TrainerConfig, "grpo": GrpoJobConfig, "gateway": GatewayConfig,
+                "online": OnlineConfig, "trainer_server": TrainerServerConfig}
     tree = config.raw_config(path, environ={})
     config.load_mesh(tree)
     for name in tree:
