@@ -223,7 +223,10 @@ async def run(job: GrpoJobConfig, trainer_cfg, model_dir: Path, mesh: Mesh, run_
         state = policy.restore(ckpt)
         start_step = state.step
         stream = TaskStream(train_tasks, job.seed, state.data_position["epoch"], state.data_position["offset"])
-        version = state.data_position.get("version", 0) + 1
+        # Above anything this run already stored: a crash between a publish and the next
+        # checkpoint leaves a newer stored version than the checkpoint knows of.
+        stored = mesh.publisher.store.latest()
+        version = max(state.data_position.get("version", 0), stored.version if stored else 0) + 1
         # Serving must match the restored policy before sampling resumes.
         await mesh.publisher.publish(version, policy.save_adapter(run_dir / "adapters" / f"v{version}"))
         log.info("resumed from %s at step %d, published it as version %d", ckpt, start_step, version)
