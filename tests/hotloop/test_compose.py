@@ -22,7 +22,7 @@ def test_compose_services_are_real_and_health_checked():
             served[cmd[1]] = svc
         if "--config" in cmd:
             assert (ROOT / cmd[cmd.index("--config") + 1]).exists()
-    assert {"rollout", "reference", "reward"} <= set(served)
+    assert {"rollout", "reference", "reward", "gateway"} <= set(served)
     for gpu in ("rollout", "reference"):
         assert served[gpu]["deploy"]["resources"]["reservations"]["devices"][0]["capabilities"] == ["gpu"]
 
