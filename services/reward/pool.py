@@ -48,6 +48,7 @@ class LocalPool(SandboxPool):
 
     def __init__(self, config: SandboxConfig, concurrency: int):
         self._sandbox = Sandbox(config)
+        self._sandbox.warm(concurrency)  # one worker per thread that can drive a run
         self.isolation = self._sandbox.report
         self._executor = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="sandbox")
 
@@ -75,6 +76,7 @@ class _SandboxActor:
         self._startup_error: Exception | None = None
         try:
             self._sandbox = Sandbox(config)
+            self._sandbox.warm(1)  # an actor drives one run at a time
         except IsolationUnavailable as e:  # re-raised by report(), never swallowed
             self._startup_error = e
 

@@ -1,32 +1,59 @@
 """Run untrusted Python code against test cases, contained; outcomes are data, not exceptions.
 
 Owns: detecting once, at start-up, how strongly this host can isolate a run and refusing to
-start below the configured level (`IsolationUnavailable`); running one `SandboxJob` (the
-code, then each test case) and classifying the outcome into a `SandboxResult` (`ok`,
-`failed`, `timeout`, `oom`, `crash`, `error`). Does not own: extracting code from a
-completion, rewards, concurrency (`pool.py`), or anything about tasks.
+start below the configured level (`IsolationUnavailable`); the worker processes runs are
+forked from; running one `SandboxJob` (the code, then each test case) and classifying the
+outcome into a `SandboxResult` (`ok`, `failed`, `timeout`, `oom`, `crash`, `error`); decoding
+the values of `ValueCase`s (`strict.py`). Does not own: extracting code from a completion,
+rewards, which cases are compared outside (`scorers.py`), concurrency (`pool.py`), tasks.
 
-How a run is contained (each run: a fresh directory, a fresh process tree):
+How a run is contained (each run: a fresh forked process tree, fresh writable directories):
 - always (`process`): a new session; an environment holding only PATH and LANG (nothing of
   the service's, so its secrets are not in `os.environ`); `python -I -S` (no site-packages,
-  no PYTHON* variables, no user site); a fresh temporary working directory, removed after;
-  rlimits on CPU seconds, address space, file size, open files, no core dumps; a wall-clock
-  deadline after which the whole process tree is killed. A trusted reaper process (see
+  no PYTHON* variables, no user site); a fresh working directory, removed after; rlimits on
+  CPU seconds, address space, file size, open files, no core dumps; a wall-clock deadline
+  after which the whole process tree is killed. A trusted worker process (see
   `_launcher.py`) forks the child that runs the code, is its subreaper, and kills every
   process the code left behind, including ones that called setsid. When the service runs as
   root the code runs as an unprivileged uid (nobody) with no_new_privs: root-owned files
   such as /etc/shadow or a 0600 secret are unreadable, signals to root processes fail, and
   RLIMIT_NPROC applies (root ignores it).
-- `namespaces`: the run gets its own network namespace (no interface but a down loopback:
-  no network at all, 127.0.0.1 of the host unreachable), its own pid namespace (it sees only
-  its own processes; `kill(-1, 9)` cannot reach the host; everything dies with the reaper),
-  and its own mount namespace in which /tmp, /var/tmp and /dev/shm are small private tmpfs,
-  `hidden_paths` (/root, /home, /run, ...) are empty, and the root filesystem is read-only,
-  so nothing on the host can be written. The working directory lives in the private /tmp.
-  As root this uses `unshare`; otherwise a user namespace (`unshare --user --map-root-user`),
-  where the code runs as the service's own uid mapped to root in the namespace.
-- `full`: additionally per-run cgroup v1 groups: `pids.max` (fork bombs) and a memory
-  limit over all of the run's processes (an out-of-memory kill is reported as `oom`).
+- `namespaces`: the worker has its own network namespace (no interface but a down loopback:
+  no network at all, 127.0.0.1 of the host unreachable), its own pid namespace (a run sees
+  only the worker, as pid 1, and its own processes; `kill(-1, 9)` cannot reach the host;
+  everything dies with the worker), and its own mount namespace in which `hidden_paths`
+  (/root, /home, /run, ...) are empty and the root filesystem is read-only, so nothing on
+  the host can be written. Each run then makes its own mount and IPC namespaces, in which
+  /tmp, /var/tmp and /dev/shm are new, small, empty tmpfs; the working directory lives in
+  that /tmp. As root this uses `unshare`; otherwise a user namespace (`unshare --user
+  --map-root-user`), where the code runs as the service's own uid mapped to root in it.
+- `full`: additionally per-run cgroup v1 groups, made fresh for every run: `pids.max` (fork
+  bombs) and a memory limit over all of the run's processes (an out-of-memory kill is
+  reported as `oom`).
+
+Worker reuse (a fork server, `IsolationReport.fork_server`), and what it changes. When the
+service runs as root, a worker (one `unshare` + interpreter, with the common standard-library
+modules imported) serves job after job: each run is a fresh `fork()` of it, with its own
+rlimits, uid drop, no_new_privs, cgroups, mount and IPC namespaces and tmpfs, killed as a
+process group and then, with everything else in the pid namespace, by `kill(-1)` from pid 1,
+before the worker takes the next job. Shared by the runs of one worker, one after another:
+- the network namespace: an unprivileged uid cannot configure it (no CAP_NET_ADMIN), and
+  its sockets, abstract ones included, die with the run's processes;
+- the pid namespace: the next run starts with no process of an earlier one alive (checked
+  by waitpid, see `_launcher.kill_namespace`); only the pid counter goes on, so a run can
+  tell how many processes ran before it in its worker;
+- the worker's memory, which every child inherits copy-on-write: the worker never
+  unmarshals a job (it reads the bytes into a buffer it zeroes after the fork), so no
+  earlier job's code or tests are in it, only earlier nonces (worthless: each run has its
+  own) and the setup (limits, mount plan). Modules imported by the worker start every run
+  in the same state; the hash seed (set order) is the worker's, the same for its runs;
+  `random` reseeds in each child;
+- RLIMIT_NPROC of the sandbox uid, shared by concurrent runs as before.
+The worker runs as root and never runs job code; the code runs as another uid without
+capabilities, so it cannot signal, trace or read the worker (which is also non-dumpable).
+Without that boundary, i.e. when the service is not root and the code would run as the
+worker's own uid, every job gets a fresh launcher that exits after it (`fork_server=False`),
+the same containment as one launcher per run.
 
 What is NOT isolated, at any level:
 - Reading world-readable files outside the hidden paths (the repository checkout, /etc,
@@ -43,15 +70,19 @@ What is NOT isolated, at any level:
   service's uid and can read what the service can, including /proc/<service>/environ.
 
 Result integrity (reward hacking): the child writes one line with a per-run random nonce,
-only after all test cases ran, to a channel that the code never sees before that; the
-reaper reads it after the child exits and writes the record the service reads to a file the
-child never holds. So printing "passed", writing files, `sys.exit(0)`, `os._exit(0)`,
-closing stdio or patching builtins/modules cannot fake a pass. Residual risk: the nonce is
-in the child's memory while the code runs (it is a local of the harness frame that calls
-the code), so code that deliberately reads it (`sys._getframe(1).f_locals`, gc, ctypes),
-writes a report line and exits wins; so does code whose return values lie about equality
-(an object whose `__eq__` always returns True). Nothing run in the same process as the
-code can rule this out; treat a policy that learns such tricks as a finding, not a success.
+only after all test cases ran, to a channel that the code never sees before that; the worker
+reads it after the child exits and sends the record to the service on a pipe the child never
+holds. So printing "passed", writing files, `sys.exit(0)`, `os._exit(0)`, closing stdio or
+patching builtins/modules cannot fake a pass. Values of `ValueCase`s leave as plain data
+only (exact builtin types, encoded without calling any method of the value), so the caller
+compares them outside the code's reach: an object whose `__eq__` always returns True, or a
+subclass of int/str overriding it, is refused rather than equal (see `scorers.py` for which
+cases go that way). Residual risk: the nonce, and the harness's encoder, are in the child's
+memory while the code runs, so code that deliberately reads or patches the harness
+(`sys._getframe(1).f_locals`, gc, ctypes), writes a report line and exits wins; and a case
+judged inside the sandbox (any shape but `assert <call> == <literal>`) still asks the code's
+own objects whether they are equal. Nothing run in the same process as the code can rule the
+first out; treat a policy that learns such tricks as a finding, not a success.
 """
 
 from __future__ import annotations
@@ -67,6 +98,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -74,7 +106,9 @@ from typing import Literal
 
 from hotloop.errors import FatalError
 
+from . import strict
 from .config import ISOLATION_ORDER, IsolationLevel, SandboxConfig
+from .strict import Returned
 
 log = logging.getLogger(__name__)
 
@@ -84,22 +118,35 @@ _LAUNCHER_SOURCE = (Path(__file__).parent / "_launcher.py").read_text()
 # Python start-up and mount setup happen before the reaper's deadline starts; the service
 # waits this much longer before killing the launcher itself (only a wedged host needs it).
 _STARTUP_SLACK_S = 5.0
-_RESULT_MAX = 1 << 20
+_RESULT_MAX = 8 << 20  # any one blob of a record (the launcher caps a report at 4 MiB)
 _PRIVATE_DIRS = ("/var/tmp", "/dev/shm", "/run/lock")
 _TMPFS_INODES = 4096
 _ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8"}
 
 
 @dataclass(frozen=True)
+class ValueCase:
+    """A test case whose value leaves the sandbox instead of being judged inside it.
+
+    `expression` is evaluated after the code, in its namespace; the value is encoded
+    strictly (plain data of exact builtin types only, see `_launcher.encode_value`) and
+    decoded in this process into `SandboxResult.values`, for the caller to compare.
+    """
+
+    expression: str
+
+
+@dataclass(frozen=True)
 class SandboxJob:
     """Code to run, then test cases run one by one in the code's namespace.
 
-    Each case is a snippet (typically one assert, or a HumanEval test block plus
-    `check(entry_point)`); it passes when it runs without raising.
+    A `str` case is a snippet (typically one assert, or a HumanEval test block plus
+    `check(entry_point)`); it passes when it runs without raising. A `ValueCase` "passes"
+    here when its value could be sent out; whether it is right is the caller's comparison.
     """
 
     code: str
-    cases: tuple[str, ...]
+    cases: tuple[str | ValueCase, ...]
 
 
 @dataclass(frozen=True)
@@ -120,6 +167,11 @@ class SandboxResult:
     stderr: str
     seconds: float
     cpu_seconds: float = 0.0
+    case_passed: tuple[bool, ...] = ()
+    """One per case when the tests reported (else empty)."""
+    values: tuple[Returned | None, ...] = ()
+    """One per case when the tests reported (else empty): a `Returned` for each `ValueCase`,
+    None for the others."""
 
 
 @dataclass(frozen=True)
@@ -135,6 +187,9 @@ class IsolationReport:
     hidden_paths: tuple[str, ...]
     notes: tuple[str, ...] = ()
     """Why each stronger level was not available."""
+    fork_server: bool = False
+    """Runs are forked from long-lived pre-imported workers (one namespace set per worker,
+    fresh mount/IPC namespaces per run); False: a fresh launcher process per run."""
 
     def describe(self) -> str:
         parts = [f"isolation={self.level}", f"uid={self.uid}"]
@@ -144,6 +199,7 @@ class IsolationReport:
         parts.append("cgroups pids+memory" if self.cgroups else "no cgroups")
         if self.namespaces:
             parts.append(f"hidden={','.join(self.hidden_paths) or '-'}")
+        parts.append("fork-server workers" if self.fork_server else "a fresh launcher per run")
         return ", ".join(parts)
 
 
@@ -292,14 +348,7 @@ class _Plan:
     cgroups: _Cgroups | None = None
     mounts: dict | None = None
     notes: list[str] = field(default_factory=list)
-
-
-def _tail(path: str, limit: int) -> str:
-    with open(path, "rb") as f:
-        f.seek(0, os.SEEK_END)
-        size = f.tell()
-        f.seek(max(0, size - limit))
-        return f.read().decode("utf-8", "replace")
+    workers: "_Workers | None" = None
 
 
 class Sandbox:
@@ -318,6 +367,7 @@ class Sandbox:
             uid=self._plan.uid if self._plan.uid is not None else os.geteuid(),
             hidden_paths=tuple(self._plan.mounts["hide"]) if self._plan.mounts else (),
             notes=tuple(self._plan.notes),
+            fork_server=self._plan.workers.reuse,
         )
         log.info("sandbox: %s", self.report.describe())
 
@@ -333,11 +383,13 @@ class Sandbox:
                 continue
             if ISOLATION_ORDER.index(plan.level) < required:
                 break
+            plan.workers = self._workers_for(plan)
             why = self._probe(plan)
             if why is None:
                 plan.notes = notes
                 return plan
             notes.append(f"{plan.level}{' (as root)' if plan.uid is None and os.geteuid() == 0 else ''}: {why}")
+            plan.workers.close()
             if plan.cgroups is not None:
                 plan.cgroups.close()
         raise IsolationUnavailable(
@@ -389,6 +441,29 @@ class Sandbox:
             candidates.append(plain(True))  # last resort: the code runs as root (reported)
         return candidates
 
+    def _workers_for(self, plan: _Plan) -> _Workers:
+        """The launchers of a plan. A worker serves many jobs only when the code runs as
+        another, unprivileged uid than the worker (service started as root): that uid is the
+        boundary that keeps a run from signalling, tracing or reading the worker, and through
+        it any later run. Without it (a non-root service) every job gets a fresh launcher."""
+        cfg = self._config
+        setup = {
+            "uid": plan.uid,
+            "gid": plan.gid,
+            "mounts": plan.mounts,
+            "work_root": self._work_root,
+            "wall_seconds": cfg.wall_seconds,
+            "tail_bytes": cfg.output_tail_bytes,
+            "limits": {
+                "cpu_seconds": cfg.cpu_seconds,
+                "address_space_bytes": cfg.memory_mb << 20,
+                "file_size_bytes": cfg.file_size_mb << 20,
+                "open_files": cfg.open_files,
+                "nproc": cfg.max_processes if plan.uid is not None else None,
+            },
+        }
+        return _Workers(plan.argv, setup, reuse=plan.uid is not None, cwd=self._work_root)
+
     @functools.cached_property
     def _mounts(self) -> dict:
         """The mount plan of the namespace levels (computed once: it asks the interpreter)."""
@@ -417,7 +492,9 @@ class Sandbox:
         if plan.uid is not None:
             cases.append(f"assert os.getuid() == {plan.uid} and os.getgid() == {plan.gid}")
         if plan.namespaces:
-            cases.append("assert os.getpid() == 2, os.getpid()")  # the reaper is pid 1
+            # the worker is pid 1 of the namespace, and no other process is left in it
+            cases.append("assert os.getppid() == 1, os.getppid()")
+            cases.append("assert {p for p in os.listdir('/proc') if p.isdigit()} == {'1', str(os.getpid())}")
             cases.append("assert [n for _, n in socket.if_nameindex()] == ['lo']")
             cases.append("assert os.listdir('/tmp') == ['work'], os.listdir('/tmp')")
             for h in plan.mounts["hide"] if plan.mounts else ():
@@ -430,6 +507,7 @@ class Sandbox:
         return f"probe run {result.status}: {result.error} {result.stderr[-300:]}".strip()
 
     def close(self) -> None:
+        self._plan.workers.close()
         if self._plan.cgroups is not None:
             self._plan.cgroups.close()
 
@@ -445,109 +523,84 @@ class Sandbox:
         """Run one job; every outcome, including a failure of the sandbox itself, is a result."""
         return self._run(self._plan, job)
 
+    def warm(self, n: int) -> None:
+        """Start up to `n` idle workers now, so the first runs do not pay interpreter start-up
+        (a no-op where each run gets a fresh launcher)."""
+        self._plan.workers.warm(n)
+
     def _run(self, plan: _Plan, job: SandboxJob) -> SandboxResult:
         cfg = self._config
         start = time.perf_counter()
         nonce = secrets.token_hex(16)
         groups: dict[str, str] | None = None
-        run_dir = ""
+        worker: _Worker | None = None
+        healthy = False
         try:
             # Only the setup and the spawn are guarded: an OSError there is the host refusing
-            # (disk full, no more processes, cgroup limits), reported as status "error".
+            # (no more processes, cgroup limits), reported as status "error".
             try:
-                run_dir = tempfile.mkdtemp(prefix="hotloop-sbx-", dir=self._work_root)
-                out_path, err_path = os.path.join(run_dir, "stdout"), os.path.join(run_dir, "stderr")
-                result_path = os.path.join(run_dir, "result")
-                workdir = os.path.join(run_dir, "work")
-                if plan.mounts is None:  # with a mount namespace the launcher makes its own
-                    os.mkdir(workdir, 0o700)
-                    if plan.uid is not None:
-                        os.chown(workdir, plan.uid, plan.gid)
                 if plan.cgroups is not None:
                     groups = plan.cgroups.create(
                         f"run-{nonce[:12]}", cfg.max_processes, cfg.memory_mb << 20
                     )
-                payload = {
-                    "nonce": nonce,
-                    "code": job.code,
-                    "cases": list(job.cases),
-                    "wall_seconds": cfg.wall_seconds,
-                    "uid": plan.uid,
-                    "gid": plan.gid,
-                    "workdir": workdir,
-                    "mounts": plan.mounts,
-                    "cgroup_procs": [os.path.join(g, "cgroup.procs") for g in (groups or {}).values()],
-                    "limits": {
-                        "cpu_seconds": cfg.cpu_seconds,
-                        "address_space_bytes": cfg.memory_mb << 20,
-                        "file_size_bytes": cfg.file_size_mb << 20,
-                        "open_files": cfg.open_files,
-                        "nproc": cfg.max_processes if plan.uid is not None else None,
-                    },
-                }
-                with open(out_path, "wb") as out, open(err_path, "wb") as err:
-                    result_fd = os.open(result_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-                    payload["result_fd"] = result_fd
-                    try:
-                        proc = subprocess.Popen(
-                            plan.argv, stdin=subprocess.PIPE, stdout=out, stderr=err,
-                            pass_fds=(result_fd,), cwd=run_dir, env=_ENV, start_new_session=True,
-                        )
-                    finally:
-                        os.close(result_fd)
+                worker = plan.workers.acquire()
             except OSError as e:
                 return _error_result(job, f"sandbox could not start the run: {e}", start)
-            try:
-                proc.stdin.write(marshal.dumps(payload))
-                proc.stdin.close()
-            except BrokenPipeError:
-                pass  # the launcher died before reading; its exit status tells the rest
-            killed = not _wait_exit(proc.pid, cfg.wall_seconds + _STARTUP_SLACK_S)
-            _killpg(proc.pid)  # on time: anything left in the launcher's group (normally nothing)
-            proc.wait()
+            body = marshal.dumps({
+                "code": job.code,
+                "cases": [c.expression if isinstance(c, ValueCase) else c for c in job.cases],
+                "kinds": ["e" if isinstance(c, ValueCase) else "x" for c in job.cases],
+                "cgroup_procs": [os.path.join(g, "cgroup.procs") for g in (groups or {}).values()],
+            })
+            record, killed = worker.request(nonce, body, cfg.wall_seconds + _STARTUP_SLACK_S)
+            healthy = record is not None and "launcher_error" not in record
+            plan.workers.release(worker, healthy)
+            rc, worker_stderr = worker.proc.returncode, "" if healthy else worker.stderr_tail()
+            worker = None
             oom_kills = plan.cgroups.oom_kills(groups) if groups is not None else 0
-            record = _read_record(result_path, nonce)
-            tail = cfg.output_tail_bytes
-            return self._classify(
-                job, record, killed, proc.returncode, oom_kills,
-                _tail(out_path, tail), _tail(err_path, tail), start,
-            )
+            result = self._classify(job, record, killed, rc, oom_kills, start)
+            if record is None and result.status == "error":  # the launcher's own complaint
+                result = replace(result, error=f"{result.error}: {worker_stderr.strip()[-500:]}")
+            return result
         finally:
+            if worker is not None:  # an exception between acquire and release
+                plan.workers.release(worker, False)
             if groups is not None:
                 plan.cgroups.destroy(groups)
-            if run_dir:
-                shutil.rmtree(run_dir, onerror=_log_rmtree_error)
 
     def _classify(
-        self, job: SandboxJob, record: dict | None, killed: bool, launcher_rc: int,
-        oom_kills: int, stdout: str, stderr: str, start: float,
+        self, job: SandboxJob, record: dict | None, killed: bool, launcher_rc: int | None,
+        oom_kills: int, start: float,
     ) -> SandboxResult:
         cfg = self._config
         total = len(job.cases)
         res = SandboxResult(
             status="crash", passed=0, failed=total, timed_out=False, exit_code=None, error="",
-            stdout=stdout, stderr=stderr, seconds=time.perf_counter() - start,
+            stdout="", stderr="", seconds=time.perf_counter() - start,
         )
         if record is None:
             if killed:
                 return replace(res, status="timeout", timed_out=True,
                                error=f"the run did not finish within {cfg.wall_seconds + _STARTUP_SLACK_S:.0f}s")
-            if launcher_rc < 0:
-                # e.g. the code signalled its whole process group, which the launcher shares
+            if launcher_rc is not None and launcher_rc < 0:
+                # e.g. code running as the launcher's own uid signalled it
                 return replace(res, error=f"the sandbox launcher was killed by {_signame(-launcher_rc)}")
             return replace(res, status="error",
                            error=f"the sandbox launcher exited with {launcher_rc} and no record")
         if "launcher_error" in record:
             return replace(res, status="error", error=f"sandbox launcher failed: {record['launcher_error']}")
         code, cpu = record["exit_code"], record["cpu_seconds"]
-        res = replace(res, exit_code=code, cpu_seconds=cpu)
-        fields = (record["report"] or "").split("\t")
+        res = replace(res, exit_code=code, cpu_seconds=cpu, stdout=record["stdout"], stderr=record["stderr"])
+        fields = record["report"].split("\t")
         if fields[0] == "setup":
             return replace(res, status="error", error=f"sandbox setup failed: {' '.join(fields[1:])}")
-        bits = None
-        if code == 0 and fields[0] == "result" and len(fields) == 4:
+        bits = values = None
+        # result, bits, oom, one value field per case, error (last: it may hold anything but
+        # tabs and newlines)
+        if code == 0 and fields[0] == "result" and len(fields) == 4 + total:
             if len(fields[1]) == total and set(fields[1]) <= {"0", "1"}:
-                bits, oom, error = fields[1], fields[2] == "1", fields[3]
+                bits, oom, error = fields[1], fields[2] == "1", fields[-1]
+                values = _decode_values(job, fields[3:-1])
         timeout = ""
         if record["timed_out"] or killed:
             timeout = f"wall-clock limit of {cfg.wall_seconds:g}s"
@@ -570,7 +623,185 @@ class Sandbox:
             return replace(res, error=f"the code {how} before the tests reported")
         passed = bits.count("1")
         status: Status = "oom" if oom else ("ok" if passed == total else "failed")
-        return replace(res, status=status, passed=passed, failed=total - passed, error=error)
+        return replace(res, status=status, passed=passed, failed=total - passed, error=error,
+                       case_passed=tuple(b == "1" for b in bits), values=values)
+
+
+def _decode_values(job: SandboxJob, fields: list[str]) -> tuple[Returned | None, ...]:
+    """The report's per-case value fields, decoded here (see `strict.py`)."""
+    out: list[Returned | None] = []
+    for case, f in zip(job.cases, fields):
+        if not isinstance(case, ValueCase):
+            out.append(None)
+        elif f.startswith("="):
+            try:
+                out.append(Returned(value=strict.decode(f[1:])))
+            except ValueError as e:
+                out.append(Returned(refused=f"the value could not be read back: {e}"))
+        elif f.startswith("!"):
+            out.append(Returned(refused=f[1:]))
+        else:  # the expression raised (the error field says how) or never ran
+            out.append(Returned(refused="no value (the expression raised or did not run)"))
+    return tuple(out)
+
+
+class _Worker:
+    """One launcher process (see `_launcher.py`) and the pipes to it.
+
+    The service writes job frames to its stdin and reads record frames from its stdout; no
+    run ever holds either pipe. Its stderr is read only when it fails (it writes nothing there
+    otherwise: the runs' output goes to per-run memfds).
+    """
+
+    def __init__(self, argv: list[str], setup: bytes, cwd: str):
+        self.proc = subprocess.Popen(
+            argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            cwd=cwd, env=_ENV, start_new_session=True, bufsize=0,
+        )
+        self._buf = b""
+        self._stderr_tail = b""
+        try:
+            self.proc.stdin.write(len(setup).to_bytes(8, "little") + setup)
+        except BrokenPipeError:
+            pass  # it died at once; the first request reports how
+
+    def request(self, nonce: str, body: bytes, timeout: float) -> tuple[dict | None, bool]:
+        """Send one job, wait for its record; (record or None, whether the deadline passed)."""
+        deadline = time.monotonic() + timeout
+        try:
+            self.proc.stdin.write(b"J" + nonce.encode() + len(body).to_bytes(8, "little") + body)
+        except BrokenPipeError:
+            return None, False
+        head = self._read_until(b"\n", deadline)
+        if head is None:
+            return None, time.monotonic() >= deadline
+        fields = head.decode("utf-8", "replace").rstrip("\n").split("\t")
+        if fields[0] != nonce:
+            return None, False  # not this job's record: the worker is broken; treated as no record
+        kind, rest = fields[1], fields[2:]
+        try:
+            sizes = [int(x) for x in rest[-3 if kind == "record" else -1:]]
+        except ValueError:
+            return None, False
+        if any(n < 0 or n > _RESULT_MAX for n in sizes):
+            return None, False
+        blobs = []
+        for n in sizes:
+            blob = self._read_exact(n, deadline)
+            if blob is None:
+                return None, time.monotonic() >= deadline
+            blobs.append(blob.decode("utf-8", "replace"))
+        if kind == "launcher_error":
+            return {"launcher_error": blobs[0]}, False
+        code, timed_out, cpu, max_rss = rest[:4]
+        return {
+            "exit_code": int(code), "timed_out": timed_out == "1", "cpu_seconds": float(cpu),
+            "max_rss_kb": int(max_rss), "stdout": blobs[0], "stderr": blobs[1], "report": blobs[2],
+        }, False
+
+    def _fill(self, deadline: float) -> bool:
+        fd = self.proc.stdout.fileno()
+        ready, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
+        if not ready:
+            return False
+        chunk = os.read(fd, 1 << 16)
+        if not chunk:
+            return False
+        self._buf += chunk
+        return True
+
+    def _read_until(self, sep: bytes, deadline: float) -> bytes | None:
+        while sep not in self._buf:
+            if len(self._buf) > _RESULT_MAX or not self._fill(deadline):
+                return None
+        line, _, self._buf = self._buf.partition(sep)
+        return line + sep
+
+    def _read_exact(self, n: int, deadline: float) -> bytes | None:
+        while len(self._buf) < n:
+            if not self._fill(deadline):
+                return None
+        out, self._buf = self._buf[:n], self._buf[n:]
+        return out
+
+    def finish(self, grace: float) -> None:
+        """No more jobs: close its stdin, give it `grace` seconds to exit, then kill its group.
+
+        Nothing else reaps it (no `poll()` anywhere), so until `wait()` below its pid, and with
+        it the group id, cannot be reused by an unrelated process."""
+        try:
+            self.proc.stdin.close()
+        except BrokenPipeError:
+            pass
+        _wait_exit(self.proc.pid, grace)
+        _killpg(self.proc.pid)  # unshare's group: after a clean exit nothing is left in it
+        self.proc.wait()
+        # Whatever it wrote before dying; non-blocking, so a straggler holding the pipe
+        # cannot stall the caller.
+        os.set_blocking(self.proc.stderr.fileno(), False)
+        try:
+            self._stderr_tail = self.proc.stderr.read() or b""
+        except BlockingIOError:
+            pass
+        self.proc.stdout.close()
+        self.proc.stderr.close()
+
+    def stderr_tail(self) -> str:
+        """What the launcher itself wrote to stderr (after `finish`: it has exited)."""
+        data = self._stderr_tail
+        return data[-2000:].decode("utf-8", "replace")
+
+
+class _Workers:
+    """The idle workers of one plan; thread-safe.
+
+    With `reuse`, a worker serves job after job (a fork server); one that failed, ran over
+    its deadline or answered out of turn is killed and replaced by a fresh one. Without it,
+    each job gets a fresh launcher that exits after it (the code would run as the launcher's
+    own uid, so nothing but a new process keeps one run from reaching the next; see the
+    module docstring).
+    """
+
+    def __init__(self, argv: list[str], setup: dict, reuse: bool, cwd: str):
+        self._argv, self._setup, self.reuse, self._cwd = argv, marshal.dumps(setup), reuse, cwd
+        self._idle: list[_Worker] = []
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def _spawn(self) -> _Worker:
+        return _Worker(self._argv, self._setup, self._cwd)
+
+    def warm(self, n: int) -> None:
+        if not self.reuse:
+            return
+        with self._lock:
+            missing = max(0, n - len(self._idle))
+        fresh = [self._spawn() for _ in range(missing)]
+        with self._lock:
+            self._idle.extend(fresh)
+
+    def acquire(self) -> _Worker:
+        with self._lock:
+            if self._idle:
+                return self._idle.pop()
+        return self._spawn()
+
+    def release(self, worker: _Worker, healthy: bool) -> None:
+        """Back to the idle list, or ended: a one-job launcher exits at the end of its input;
+        an unhealthy one is killed at once."""
+        if healthy and self.reuse:
+            with self._lock:
+                if not self._closed:
+                    self._idle.append(worker)
+                    return
+        worker.finish(grace=0.0 if not healthy else _STARTUP_SLACK_S)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            idle, self._idle = self._idle, []
+        for w in idle:
+            w.finish(grace=_STARTUP_SLACK_S)
 
 
 def _first_component(hidden: str, plan: _Plan) -> str:
@@ -579,24 +810,6 @@ def _first_component(hidden: str, plan: _Plan) -> str:
         if path.startswith(hidden + "/"):
             return path[len(hidden) + 1 :].split("/")[0]
     return ""
-
-
-def _read_record(path: str, nonce: str) -> dict | None:
-    """The launcher's record (see `_launcher.main`), or None when it wrote none."""
-    with open(path, "rb") as f:
-        data = f.read(_RESULT_MAX).decode("utf-8", "replace")
-    for line in reversed(data.splitlines()):
-        if not line.startswith(nonce + "\t"):
-            continue
-        kind, _, rest = line[len(nonce) + 1 :].partition("\t")
-        if kind == "launcher_error":
-            return {"launcher_error": rest}
-        code, timed_out, cpu, max_rss, report = rest.split("\t", 4)
-        return {
-            "exit_code": int(code), "timed_out": timed_out == "1", "cpu_seconds": float(cpu),
-            "max_rss_kb": int(max_rss), "report": report or None,
-        }
-    return None
 
 
 def _error_result(job: SandboxJob, error: str, start: float) -> SandboxResult:
@@ -631,7 +844,3 @@ def _signame(sig: int) -> str:
         return signal.Signals(sig).name
     except ValueError:
         return f"signal {sig}"
-
-
-def _log_rmtree_error(func, path, exc_info) -> None:
-    log.warning("could not remove %s (%s): %s", path, func.__name__, exc_info[1])

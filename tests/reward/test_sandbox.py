@@ -424,3 +424,103 @@ def test_weaker_level_is_used_and_reported_when_accepted(monkeypatch):
         assert sb.run(SandboxJob(ADD, ADD_CASES)).status == "ok"
         timeout = sb.run(SandboxJob("import time\ntime.sleep(60)\n", ADD_CASES))
         assert timeout.status == "timeout"
+
+
+# ---- fork-server workers: one worker, many runs -------------------------------------------
+
+
+@pytest.fixture()
+def one_worker():
+    """A `full` sandbox whose runs, made one after another, all go to the same worker."""
+    try:
+        sb = Sandbox(SandboxConfig(isolation="full", **LIMITS))
+    except IsolationUnavailable as e:
+        pytest.skip(f"this host cannot give full isolation: {e}")
+    yield sb
+    sb.close()
+
+
+def test_runs_are_forked_from_a_reused_worker(one_worker):
+    assert one_worker.report.fork_server and "fork-server" in one_worker.report.describe()
+    pid = "import os\nprint(os.getpid(), os.getppid())\n"
+    first, second = (one_worker.run(SandboxJob(pid, ())) for _ in range(2))
+    (p1, parent1), (p2, parent2) = (map(int, r.stdout.split()) for r in (first, second))
+    # Same pid namespace (its counter went on) and the same pid 1 forked both runs.
+    assert (parent1, parent2) == (1, 1) and p2 > p1
+
+
+def test_a_run_finds_nothing_an_earlier_run_of_its_worker_left(one_worker):
+    marker = f"9{secrets.randbelow(10**8)}.5"
+    leave = (
+        "import os, socket, ctypes\n"
+        "for d in ('/tmp', '/var/tmp', '/dev/shm', '.'):\n"
+        "    open(os.path.join(d, 'left-behind'), 'w').write('x')\n"
+        "libc = ctypes.CDLL(None, use_errno=True)\n"
+        "assert libc.shmget(0x5eed, 4096, 0o1666) >= 0, ctypes.get_errno()\n"  # SysV IPC
+        "if os.fork() == 0:\n"
+        "    os.setsid()\n"
+        "    s = socket.socket(socket.AF_UNIX)\n"
+        "    s.bind('\\0hotloop-left-behind')\n"  # an abstract socket: per network namespace
+        "    s.listen()\n"
+        f"    os.execv('/bin/sleep', ['sleep', '{marker}'])\n"
+    )
+    first = one_worker.run(SandboxJob(leave, ("assert True",)))
+    assert first.status == "ok", first
+    probes = (
+        "assert os.listdir('/tmp') == ['work'] and os.listdir('.') == [], os.listdir('/tmp')",
+        "assert os.listdir('/var/tmp') == [] and os.listdir('/dev/shm') == []",
+        "assert {p for p in os.listdir('/proc') if p.isdigit()} == {'1', str(os.getpid())}",
+        "import ctypes\nassert ctypes.CDLL(None).shmget(0x5eed, 0, 0) == -1",
+        "import socket\ns = socket.socket(socket.AF_UNIX)\n"
+        "try:\n    s.connect('\\0hotloop-left-behind')\n    reached = True\n"
+        "except OSError:\n    reached = False\nassert not reached",
+    )
+    second = one_worker.run(SandboxJob("import os\n", probes))
+    assert (second.status, second.passed) == ("ok", len(probes)), second
+    assert _marker_processes(marker) == []
+
+
+def _children_of(pid: int) -> list[int]:
+    kids = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                stat = Path(f"/proc/{name}/stat").read_bytes()
+            except OSError:
+                continue
+            if int(stat[stat.rindex(b")") + 2 :].split()[1]) == pid:
+                kids.append(int(name))
+    return kids
+
+
+@pytest.mark.parametrize("padding", [0, 60_000])  # a small job (pymalloc) and a larger one (malloc)
+def test_an_idle_worker_holds_no_earlier_job(one_worker, padding):
+    """Every later child of a worker starts as a copy of its memory: the worker reads a job
+    into a buffer that it zeroes after the fork, so no code or test of an earlier job (other
+    samples' completions, other tasks' tests) is there to be found. Checked from the host,
+    by reading the idle worker's memory (as root, through its non-dumpable flag)."""
+    if os.geteuid() != 0:
+        pytest.skip("reading another process's memory needs root")
+    needle = f"earlier-{secrets.token_hex(8)}-job".encode()
+    code = "#" + "x" * padding + f"\nSECRET = {needle.decode()!r}\n"
+    assert one_worker.run(SandboxJob(code, ("assert SECRET",))).status == "ok"
+    (idle,) = one_worker._plan.workers._idle
+    (worker,) = _children_of(idle.proc.pid)  # unshare's child: pid 1 of the namespaces
+    found = 0
+    with open(f"/proc/{worker}/mem", "rb", buffering=0) as mem:
+        for line in Path(f"/proc/{worker}/maps").read_text().splitlines():
+            span, perms, *rest = line.split()
+            # anonymous memory only (heap, arenas, buffers: where a job's bytes would be)
+            if perms.startswith("r") and rest[3:] in ([], ["[heap]"], ["[stack]"]):
+                lo, hi = (int(x, 16) for x in span.split("-"))
+                mem.seek(lo)
+                found += mem.read(hi - lo).count(needle)
+    assert found == 0
+
+
+@pytest.mark.timeout(30)
+def test_a_worker_goes_on_after_a_run_that_timed_out(short_sandbox):
+    loop = short_sandbox.run(SandboxJob("while True:\n    pass\n", ("assert True",)))
+    assert loop.status == "timeout"
+    after = short_sandbox.run(SandboxJob(ADD, ADD_CASES))
+    assert (after.status, after.passed) == ("ok", 3), after
