@@ -641,7 +641,7 @@ def _decode_values(job: SandboxJob, fields: list[str]) -> tuple[Returned | None,
         elif f.startswith("!"):
             out.append(Returned(refused=f[1:]))
         else:  # the expression raised (the error field says how) or never ran
-            out.append(Returned(refused="no value (the expression raised or did not run)"))
+            out.append(Returned(refused="no value (the expression raised or did not run)", raised=True))
     return tuple(out)
 
 

@@ -8,6 +8,14 @@ Owns: turning `ScoreInput`s into `ScoreOutput`s for each kind of scorer:
 and `build_scorers(config, pool)`, the one place that maps names to scorers.
 Does not own: running code (`pool.py`, `sandbox.py`), request flow (`core.py`).
 
+Test cases of the shape `assert <call> == <literal>` (or `<literal> == <call>`) are not judged
+inside the sandbox: the call's value comes out strictly encoded (plain data of exact builtin
+types, see `strict.py`) and is compared with the literal here, so a returned object whose
+`__eq__` always says True, or a subclass of int or str that overrides it, fails instead of
+passing every case. Any other case (several statements, `is`, `<`, a non-literal expected
+value, a HumanEval `check` block) runs inside the sandbox as before; each output counts how
+many cases went each way (`cases_compared_trusted`, `cases_in_sandbox`).
+
 Failures are outputs, never exceptions: no code -> `no_code`, unparsable code ->
 `syntax_error`, sandbox outcomes -> `timeout`/`oom`/`crash`, a task without tests or a user
 scorer that raises -> `scorer_error` with the reason in `error` (reward 0, but marked, so a
@@ -20,6 +28,7 @@ import ast
 import asyncio
 import importlib
 import inspect
+import logging
 import math
 import re
 import time
@@ -27,14 +36,16 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from . import strict
 from .config import BUILTIN_SCORERS, PYTHON_SCORER_PREFIX, RegexRule, RewardConfig
 from .pool import SandboxPool
-from .sandbox import SandboxJob, SandboxResult
+from .sandbox import SandboxJob, SandboxResult, ValueCase
 from .types import CODE_PREFIX_KEY, ScoreInput, ScoreOutput, ScoreStatus, TaskSpec
 
 # A fence line, an optional language tag, the body, and the closing fence or the end of the
 # text (a completion cut off by max_tokens often never closes its block).
 _FENCE = re.compile(r"```[ \t]*([A-Za-z0-9_+.-]*)[^\n]*\n(.*?)(?:\n?```|\Z)", re.DOTALL)
+log = logging.getLogger(__name__)
 _PYTHON_TAGS = {"", "python", "py", "python3", "py3"}
 _DEFINES_CHECK = re.compile(r"^def\s+check\s*\(", re.MULTILINE)
 
@@ -92,6 +103,51 @@ def cases_for(task: TaskSpec) -> list[str]:
     return cases
 
 
+@dataclass(frozen=True)
+class Comparison:
+    """A case compared in this process: `expression`'s value in the sandbox == `expected`."""
+
+    expression: str
+    expected: object
+
+
+def comparison_of(case: str) -> Comparison | None:
+    """The trusted comparison a case asks for, or None when it has another shape.
+
+    The shape is `assert <call> == <literal>` (either side), one statement, where the
+    literal is plain data by `ast.literal_eval` (not `float('nan')`, not a complex number).
+    Parsed with `ast`, never evaluated here beyond `literal_eval`. An assert message is not
+    needed for the comparison and is dropped.
+    """
+    try:
+        tree = ast.parse(case)
+    except (SyntaxError, ValueError, RecursionError, MemoryError, OverflowError):
+        return None
+    if len(tree.body) != 1 or not isinstance(tree.body[0], ast.Assert):
+        return None
+    test = tree.body[0].test
+    if not (isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], ast.Eq)):
+        return None
+    for call, literal in ((test.left, test.comparators[0]), (test.comparators[0], test.left)):
+        if not isinstance(call, ast.Call):
+            continue
+        try:
+            expected = ast.literal_eval(literal)
+        except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+            continue
+        if strict.is_plain(expected):
+            return Comparison(ast.unparse(call), expected)
+    return None
+
+
+def _first_difference(value: object, expected: object) -> str:
+    def short(v: object) -> str:
+        text = repr(v)
+        return text if len(text) <= 80 else text[:77] + "..."
+
+    return f"returned {short(value)}, expected {short(expected)}"
+
+
 def _output(item: ScoreInput, start: float, **fields) -> ScoreOutput:
     return ScoreOutput(id=item.id, seconds=time.perf_counter() - start, **fields)
 
@@ -114,8 +170,9 @@ class CodeTestsScorer(Scorer):
     def __init__(self, pool: SandboxPool):
         self._pool = pool
 
-    def prepare(self, item: ScoreInput) -> SandboxJob | ScoreOutput:
-        """The sandbox job for an input, or the output when it never reaches the sandbox."""
+    def prepare(self, item: ScoreInput) -> tuple[SandboxJob, tuple[Comparison | None, ...]] | ScoreOutput:
+        """The sandbox job for an input and, per case, its trusted comparison (None: judged
+        inside the sandbox); or the output when it never reaches the sandbox."""
         start = time.perf_counter()
         task = item.task
         cases = cases_for(task)
@@ -137,24 +194,49 @@ class CodeTestsScorer(Scorer):
                 return _output(item, start, reward=0.0, status="no_code", failed=len(cases),
                                error=f"no ```python block, and the text is not Python ({error})")
             return _output(item, start, reward=0.0, status="syntax_error", failed=len(cases), error=error)
-        return SandboxJob(program, tuple(cases))
+        comparisons = tuple(comparison_of(c) for c in cases)
+        job_cases = tuple(ValueCase(c.expression) if c else case for c, case in zip(comparisons, cases))
+        return SandboxJob(program, job_cases), comparisons
 
     async def score(self, items: Sequence[ScoreInput]) -> list[ScoreOutput]:
         prepared = [self.prepare(item) for item in items]
-        jobs = [p for p in prepared if isinstance(p, SandboxJob)]
+        jobs = [p[0] for p in prepared if not isinstance(p, ScoreOutput)]
         results = iter(await self._pool.run(jobs))
         out: list[ScoreOutput] = []
         for item, p in zip(items, prepared):
-            out.append(p if isinstance(p, ScoreOutput) else self._to_output(item, next(results)))
+            out.append(p if isinstance(p, ScoreOutput) else self._to_output(item, next(results), p[1]))
+        trusted = sum(o.cases_compared_trusted for o in out)
+        log.debug("code_tests: %d samples, %d cases compared here, %d judged in the sandbox",
+                  len(out), trusted, sum(o.cases_in_sandbox for o in out))
         return out
 
     @staticmethod
-    def _to_output(item: ScoreInput, r: SandboxResult) -> ScoreOutput:
+    def _to_output(item: ScoreInput, r: SandboxResult, comparisons: tuple[Comparison | None, ...]) -> ScoreOutput:
         total = r.passed + r.failed
+        n_trusted = sum(c is not None for c in comparisons)
+        counts = dict(cases_compared_trusted=n_trusted, cases_in_sandbox=len(comparisons) - n_trusted)
+        passed, error = r.passed, r.error
+        if r.values and n_trusted:
+            # The sandbox counts a value case as passed when it produced a plain value;
+            # whether that value is right is decided here. The first failing case, in case
+            # order, gives the error: for a case that failed inside the sandbox (an assert, an
+            # exception, code that did not load) that is the sandbox's own first error.
+            passed, error = 0, ""
+            for i, (c, v) in enumerate(zip(comparisons, r.values)):
+                if c is None or v is None or v.raised:
+                    ok, why = r.case_passed[i], r.error
+                elif v.refused:
+                    ok, why = False, f"test case {i}: {c.expression}: {v.refused}"
+                else:
+                    ok = v.value == c.expected  # plain data on both sides: Python's own ==
+                    why = f"test case {i}: {c.expression} {_first_difference(v.value, c.expected)}"
+                passed += ok
+                error = error or ("" if ok else why)
         return ScoreOutput(
-            id=item.id, reward=r.passed / total if total else 0.0, passed=r.passed, failed=r.failed,
-            timed_out=r.timed_out, error=r.error, status=_SANDBOX_STATUS[r.status],
+            id=item.id, reward=passed / total if total else 0.0, passed=passed, failed=total - passed,
+            timed_out=r.timed_out, error=error, status=_SANDBOX_STATUS[r.status],
             seconds=r.seconds,  # the run itself; time queued behind other runs is not the sample's
+            **counts,
         )
 
 

@@ -30,6 +30,8 @@ class Returned:
     refused: str = ""
     """Empty when `value` is the case's value; else why it could not be sent out strictly
     (not plain data, too large, too deep) or read back (malformed)."""
+    raised: bool = False
+    """The expression raised (or never ran: the code did not load); the run's error says how."""
 
 
 def is_plain(value, depth: int = 0) -> bool:

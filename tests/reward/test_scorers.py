@@ -9,10 +9,12 @@ import pytest
 
 from services.reward.config import RegexRule, RewardConfig, SandboxConfig
 from services.reward.pool import LocalPool, SandboxPool
-from services.reward.sandbox import SandboxJob, SandboxResult
+from services.reward.sandbox import SandboxJob, SandboxResult, ValueCase
 from services.reward.scorers import (
-    CodeTestsScorer, PythonScorer, RegexScorer, build_scorers, cases_for, extract_code,
+    CodeTestsScorer, Comparison, PythonScorer, RegexScorer, build_scorers, cases_for, comparison_of,
+    extract_code,
 )
+from services.reward.strict import Returned
 from services.reward.types import CODE_PREFIX_KEY, ScoreInput, TaskSpec
 
 from .conftest import LIMITS
@@ -91,7 +93,9 @@ async def test_reward_is_the_fraction_of_cases_passed(pool):
     right, third, raw, loop = await scorer.score(items)
     assert (right.id, right.reward, right.passed, right.failed, right.status) == ("right", 1.0, 3, 0, "ok")
     assert (third.reward, third.passed, third.failed, third.status) == (pytest.approx(1 / 3), 1, 2, "ok")
-    assert "AssertionError" in third.error
+    # `assert add(..) == <literal>` cases are compared outside the sandbox; the error says how
+    assert third.error == "test case 0: add(1, 2) returned 2, expected 3"
+    assert (third.cases_compared_trusted, third.cases_in_sandbox) == (3, 0)
     assert (raw.reward, raw.status) == (1.0, "ok")
     assert (loop.reward, loop.status, loop.timed_out) == (0.0, "timeout", True)
 
@@ -128,6 +132,148 @@ async def test_humaneval_style_task_with_prefix(pool):
     assert (body_only.reward, body_only.status) == (1.0, "ok"), body_only.error
     assert (full_fn.reward, full_fn.status) == (1.0, "ok"), full_fn.error
     assert (wrong.reward, wrong.passed, wrong.failed) == (0.0, 0, 1)
+
+
+# ---- trusted comparison of `assert f(x) == <literal>` ---------------------------------------
+
+
+def test_which_cases_are_compared_outside_the_sandbox():
+    assert comparison_of("assert add(1, 2) == 3") == Comparison("add(1, 2)", 3)
+    assert comparison_of("assert [1, -2.5] == f(x=[1, 2])") == Comparison("f(x=[1, 2])", [1, -2.5])
+    assert comparison_of("assert f('a') == {'a': (1, None)}, 'with a message'") == \
+        Comparison("f('a')", {"a": (1, None)})
+    assert comparison_of("assert f() == {1, 2}") == Comparison("f()", {1, 2})
+    for other in (
+        "assert f(1) != 3",                 # not ==
+        "assert f(1) is None",
+        "assert f(1) == g(2)",              # expected is not a literal
+        "assert f(1) == float('nan')",      # not a literal either: judged inside, nan != nan
+        "assert f(1) == 1j",                # a literal, but not plain data
+        "assert f(1) == 2 == 2",            # chained
+        "assert f",
+        "x = f(1)\nassert x == 2",          # two statements
+        "assert f(1) == 3 and f(2) == 4",
+        "assert f.x == 3",                  # not a call
+        "def check(candidate):\n    assert candidate(1) == 2\n",
+        "assert f(1 ==",                    # does not parse: the sandbox reports it
+    ):
+        assert comparison_of(other) is None, other
+
+
+EQ_HACKS = {
+    "eq": "class Yes:\n    def __eq__(self, other):\n        return True\n",
+    # a subclass of int: hashes and prints like the int, equals anything
+    "int_subclass": "class Yes(int):\n    def __eq__(self, other):\n        return True\n"
+                    "    __hash__ = int.__hash__\n",
+    # the __ne__/__hash__ variant, as a str subclass, for `!=` and dict/set lookups too
+    "ne_hash": "class Yes(str):\n    def __eq__(self, other):\n        return True\n"
+               "    def __ne__(self, other):\n        return False\n"
+               "    def __hash__(self):\n        return 0\n",
+}
+
+
+@pytest.mark.parametrize("hack", sorted(EQ_HACKS))
+async def test_objects_that_equal_anything_do_not_pass(pool, hack):
+    code = EQ_HACKS[hack] + "def add(a, b):\n    return Yes()\n"
+    # Both orders of the comparison: `3 == Yes()` falls back to Yes.__eq__ inside Python too.
+    task = TaskSpec("add", entry_point="add", test_cases=ADD_TASK.test_cases + ("assert 5 == add(2, 3)",))
+    (out,) = await CodeTestsScorer(pool).score([ScoreInput("hack", "p", f"```python\n{code}```", task)])
+    assert (out.reward, out.passed, out.failed, out.status) == (0.0, 0, 4, "ok"), out
+    assert "is not plain data" in out.error and "Yes" in out.error
+    assert (out.cases_compared_trusted, out.cases_in_sandbox) == (4, 0)
+
+
+async def test_the_hack_is_real_where_a_case_is_judged_inside_the_sandbox(pool):
+    """The residual risk, kept visible: a case of another shape still asks the code's object."""
+    code = EQ_HACKS["eq"] + "def add(a, b):\n    return Yes()\n"
+    task = TaskSpec("add", entry_point="add", test_cases=("assert add(1, 2) == 3 and True",))
+    (out,) = await CodeTestsScorer(pool).score([ScoreInput("hack", "p", f"```python\n{code}```", task)])
+    assert (out.reward, out.cases_compared_trusted, out.cases_in_sandbox) == (1.0, 0, 1)
+
+
+async def test_patched_builtins_do_not_change_the_strict_encoding(pool):
+    code = (
+        "import builtins\n"
+        "class Yes(int):\n    def __eq__(self, other):\n        return True\n"
+        "real_type = type\n"
+        "builtins.type = lambda x: int if real_type(x) is Yes else real_type(x)\n"
+        "builtins.repr = lambda x: '3'\n"
+        "def add(a, b):\n    return Yes(0)\n"
+    )
+    (out,) = await CodeTestsScorer(pool).score([ScoreInput("hack", "p", f"```python\n{code}```", ADD_TASK)])
+    assert (out.reward, out.passed) == (0.0, 0), out
+
+
+async def test_legit_solutions_and_plain_equality(pool):
+    task = TaskSpec("f", entry_point="f", test_cases=(
+        "assert f(1) == [1, (2.0, 'x'), {'k': {3}}, b'\\x00', None, True]",
+        "assert f(2) == 1",        # returns True: 1 == True, as == says
+        "assert f(3) == 0.0",      # returns -0.0
+        "assert f(4) == 1e999",    # returns inf
+        "assert f(5) == 10 ** 30",  # returns a big int (a literal expression)
+        "assert f(6) == (1, 2)",   # returns [1, 2]: a list is not a tuple, as == says
+    ))
+    code = (
+        "def f(i):\n"
+        "    return {1: [1, (2.0, 'x'), {'k': {3}}, b'\\x00', None, True], 2: True, 3: -0.0,\n"
+        "            4: float('inf'), 5: 10 ** 30, 6: [1, 2]}[i]\n"
+    )
+    (out,) = await CodeTestsScorer(pool).score([ScoreInput("ok", "p", f"```python\n{code}```", task)])
+    assert (out.passed, out.failed, out.status) == (5, 1, "ok"), out
+    assert out.error == "test case 5: f(6) returned [1, 2], expected (1, 2)"
+
+
+async def test_nan_follows_plain_equality(pool):
+    task = TaskSpec("f", entry_point="f", test_cases=(
+        "assert f() == 1.0",              # compared here: nan != 1.0
+        "assert f() == float('nan')",     # judged inside the sandbox: nan != nan there too
+        "assert [f()] == [f()] or True",  # another shape, passes inside
+        "assert g() == [1.5]",            # a list holding nan is not [1.5] either
+    ))
+    code = "def f():\n    return float('nan')\ndef g():\n    return [float('nan')]\n"
+    (out,) = await CodeTestsScorer(pool).score([ScoreInput("nan", "p", f"```python\n{code}```", task)])
+    assert (out.passed, out.failed) == (1, 3), out
+    assert out.error == "test case 0: f() returned nan, expected 1.0"
+    assert (out.cases_compared_trusted, out.cases_in_sandbox) == (2, 2)
+
+
+async def test_mixed_shapes_are_counted_both_ways(pool):
+    task = TaskSpec(
+        "add", entry_point="add",
+        test_cases=("assert add(1, 2) == 3", "assert add(1, 2) > 2", "x = add(2, 2)\nassert x == 4",
+                    "assert add(0, 0) == 0"),
+        tests="def check(candidate):\n    assert candidate(5, 5) == 10\n",
+    )
+    right, wrong = await CodeTestsScorer(pool).score([
+        ScoreInput("right", "p", "```python\ndef add(a, b):\n    return a + b\n```", task),
+        ScoreInput("wrong", "p", "```python\ndef add(a, b):\n    return a - b\n```", task),
+    ])
+    assert (right.reward, right.cases_compared_trusted, right.cases_in_sandbox) == (1.0, 2, 3)
+    # a - b: case 0 differs (compared here), 1, 2 and the check block fail inside, case 3 passes
+    assert (wrong.passed, wrong.failed, wrong.cases_compared_trusted, wrong.cases_in_sandbox) == (1, 4, 2, 3)
+    assert wrong.error == "test case 0: add(1, 2) returned -1, expected 3"
+
+
+async def test_values_that_cannot_be_sent_strictly_fail_with_a_reason(pool):
+    task = TaskSpec("f", entry_point="f", test_cases=(
+        "assert f(0) == 0",   # too deep
+        "assert f(1) == 0",   # too large
+        "assert f(2) == 0",   # raises: the sandbox's error
+        "assert f(3) == 3",   # fine
+    ))
+    code = (
+        "def f(i):\n"
+        "    if i == 0:\n        v = []\n        for _ in range(200):\n            v = [v]\n        return v\n"
+        "    if i == 1:\n        return 'x' * (1 << 20)\n"
+        "    if i == 2:\n        raise KeyError('nope')\n"
+        "    return 3\n"
+    )
+    (out,) = await CodeTestsScorer(pool).score([ScoreInput("v", "p", f"```python\n{code}```", task)])
+    assert (out.passed, out.failed) == (1, 3), out
+    assert out.error.startswith("test case 0: f(0): nested deeper than")
+    (run,) = await pool.run([SandboxJob(code, tuple(ValueCase(f"f({i})") for i in range(4)))])
+    assert "larger than" in run.values[1].refused and run.values[2].raised
+    assert "KeyError" in run.error and run.values[3] == Returned(3)
 
 
 # ---- rules and user functions -------------------------------------------------------------
