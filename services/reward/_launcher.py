@@ -579,7 +579,7 @@ def main() -> None:
         # Not dumpable: /proc/<this>/mem and ptrace need CAP_SYS_PTRACE, whatever the uid.
         _check(_libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0), "prctl(DUMPABLE)")
         pidns = setup["mounts"] is not None and os.getpid() == 1
-        for name in PREIMPORT:
+        for name in PREIMPORT if setup["preimport"] else ():
             __import__(name)
         while True:
             head = _read_exact(0, 1 + NONCE_LEN + 8)

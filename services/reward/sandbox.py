@@ -462,7 +462,9 @@ class Sandbox:
                 "nproc": cfg.max_processes if plan.uid is not None else None,
             },
         }
-        return _Workers(plan.argv, setup, reuse=plan.uid is not None, cwd=self._work_root)
+        reuse = plan.uid is not None
+        setup["preimport"] = reuse  # worth its start-up cost only for a worker that serves many
+        return _Workers(plan.argv, setup, reuse=reuse, cwd=self._work_root)
 
     @functools.cached_property
     def _mounts(self) -> dict:
