@@ -13,11 +13,12 @@ MODEL  ?= smollm2-135m-instruct
 MODEL_STAMP := $(VENV)/.model-$(MODEL)
 PYTEST_ARGS ?=
 
-.PHONY: all install model test test-fast demo bench protos clean help
+.PHONY: all install model test test-fast demo demo-online bench protos clean help
 all: help
 
 help:
 	@echo "make demo    start the mesh and run the GRPO demo (writes runs/<id>/report.md)"
+	@echo "make demo-online  simulated users, gateway and online trainer (writes runs/<id>/online-report.md)"
 	@echo "make test    the full test suite (tiny model + a few real-model tests)"
 	@echo "make bench   rollout, hot-update and sandbox benchmarks (ratios in one run)"
 
@@ -49,6 +50,9 @@ test-fast: $(STAMP)
 
 demo: $(MODEL_STAMP)
 	$(BIN)/hotloop demo
+
+demo-online: $(MODEL_STAMP)
+	$(BIN)/hotloop demo-online
 
 bench: $(MODEL_STAMP)
 	$(BIN)/hotloop bench rollout --json runs/bench-rollout.json

@@ -92,6 +92,24 @@ def cmd_demo(args) -> int:
     return demo_main(args)
 
 
+def cmd_simulate(args) -> int:
+    from hotloop.simulate import main as simulate_main
+
+    return simulate_main(args)
+
+
+def cmd_demo_online(args) -> int:
+    from hotloop.online_demo import main as demo_online_main
+
+    return demo_online_main(args)
+
+
+def cmd_bench_update_loop(args) -> int:
+    from hotloop.online_demo import bench_update_loop
+
+    return bench_update_loop(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="hotloop",
@@ -138,6 +156,17 @@ def build_parser() -> argparse.ArgumentParser:
     bs = bsub.add_parser("sandbox", help="scored samples/s: local process pool vs Ray actors")
     bs.add_argument("--samples", type=int, default=64)
     bs.add_argument("--json", help="write results here")
+    bu = bsub.add_parser("update-loop", help="feedback sent -> first token from a version trained on it, "
+                         "with users streaming; stage budget from the traces")
+    _config_args(bu)
+    bu.add_argument("--loops", type=int, default=30)
+    bu.add_argument("--users", type=int, default=2, help="background users streaming meanwhile")
+    bu.add_argument("--max-tokens", type=int, default=64, help="background answers' length")
+    bu.add_argument("--max-words", type=int, default=70, help="the users' hidden preference")
+    bu.add_argument("--loop-timeout-s", type=float, default=60.0, help="count a feedback lost after this")
+    bu.add_argument("--out-dir", default="runs", help="the run's files go under OUT_DIR/update-loop-<time>")
+    bu.add_argument("--json", help="write results here")
+    bu.set_defaults(fn=cmd_bench_update_loop)
     b.set_defaults(fn=cmd_bench)
 
     t = sub.add_parser("train", help="run a training job against a running mesh")
@@ -171,6 +200,41 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("demo", help="start the mesh and run the GRPO demo, then write a report")
     _config_args(d)
     d.set_defaults(fn=cmd_demo)
+
+    sim = sub.add_parser("simulate", help="simulated users against a running gateway")
+    simsub = sim.add_subparsers(dest="what", required=True)
+    su = simsub.add_parser("users", help="N users chat (streaming) and rate answers by a hidden preference")
+    _config_args(su)
+    su.add_argument("--run-dir", help="mesh run directory (default: from config)")
+    su.add_argument("--base-url", help="a gateway URL instead of the mesh's (with --key)")
+    su.add_argument("--key", help="the API key for --base-url")
+    su.add_argument("--users", type=int, default=4)
+    su.add_argument("--requests", type=int, default=0, help="requests per user (default 10 without --duration)")
+    su.add_argument("--duration", type=float, default=0.0, help="stop after this many seconds")
+    su.add_argument("--rate", type=float, default=0.0, help="requests per second, all users (0: no limit)")
+    su.add_argument("--max-tokens", type=int, default=128)
+    su.add_argument("--max-words", type=int, default=70, help="the hidden preference: answers of at most N words")
+    su.add_argument("--no-feedback", action="store_true", help="score locally, send no feedback")
+    su.add_argument("--seed", type=int, default=0)
+    su.add_argument("--progress", type=float, default=5.0, help="seconds between progress lines (0: none)")
+    su.add_argument("--out", default="runs/simulate/requests.jsonl", help="per-request JSONL (appended)")
+    sim.set_defaults(fn=cmd_simulate)
+
+    do = sub.add_parser("demo-online", help="users, gateway and the online trainer: the share of answers "
+                        "matching a hidden preference rises; writes runs/<id>/online-report.md")
+    _config_args(do)
+    do.add_argument("--users", type=int, default=4)
+    do.add_argument("--idle-s", type=float, default=60.0, help="users only, no training: base rate, idle latency")
+    do.add_argument("--train-s", type=float, default=600.0, help="longest training phase")
+    do.add_argument("--no-stop", action="store_true", help="keep training after the target is reached")
+    do.add_argument("--max-tokens", type=int, default=128)
+    do.add_argument("--max-words", type=int, default=70, help="the hidden preference: answers of at most N words")
+    do.add_argument("--window", type=int, default=40, help="answers in the sliding share")
+    do.add_argument("--progress", type=float, default=10.0, help="seconds between progress lines")
+    do.add_argument("--out-dir", default="runs")
+    do.add_argument("--run-id", default="", help="default: online-<time>")
+    do.add_argument("--quiet", action="store_true", help="no mesh start-up lines")
+    do.set_defaults(fn=cmd_demo_online)
     return p
 
 

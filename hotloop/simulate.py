@@ -350,7 +350,9 @@ class Simulation:
         import openai
 
         pi = self._rng.randrange(len(PROMPTS))
+        # the phase at the start decides: an answer begun in the idle phase is never rated
         rec = Record(ts=time.time(), user=uid, phase=self.cfg.phase, prompt=pi)
+        rate = self.cfg.feedback
         t0 = time.perf_counter()
         text: list[str] = []
         gaps: list[float] = []
@@ -397,7 +399,7 @@ class Simulation:
         rec.matched = self.preference.matched(answer)
         rec.score = round(self.preference.score(answer), 4)
         self.share.add(rec.matched)
-        if self.cfg.feedback and rec.response_id:
+        if rate and rec.response_id:
             rec.feedback_ts = time.time()
             rec.feedback = await self.send_feedback(http, rec.response_id, rec.score)
             if rec.feedback in ("accepted", "duplicate"):

@@ -1,0 +1,202 @@
+"""`hotloop demo-online` and `hotloop bench update-loop`: the loop bookkeeping directly (update
+records, versions seen, trace spans), and short real runs on the tiny model through the CLI,
+checked for their reports and for leaving no process behind."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from hotloop.online_demo import LoopTracker, loop_stages, read_trace_spans, target_share
+from hotloop.simulate import Record, VersionClock
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_target_is_three_times_the_base_rate_capped_at_point_eight():
+    assert target_share(0.15) == pytest.approx(0.45)
+    assert target_share(0.5) == 0.8
+    assert target_share(0.0) == 0.8 and target_share(None) == 0.8
+
+
+def test_loops_pair_feedback_with_the_first_token_of_a_version_trained_on_it():
+    t = LoopTracker("nats://unused", Path("/nonexistent"))
+    t.trained_in = {"a": 1, "b": 2, "c": 3}
+    clock = VersionClock()
+    clock.saw(0, 100.0)
+    clock.saw(2, 110.0)  # v1 never reached a user: v2 (trained on a's feedback too) did
+    sent = {"a": 101.0, "b": 102.5, "c": 103.0, "never-trained": 99.0}
+    loops = t.loops(sent, clock)
+    assert [(e["response_id"], e["version"]) for e in loops] == [("a", 1), ("b", 2)]  # c: v3 unseen
+    assert loops[0]["loop_ms"] == pytest.approx(9000) and loops[1]["loop_ms"] == pytest.approx(7500)
+
+
+def test_version_lag_in_versions_and_seconds():
+    t = LoopTracker("nats://unused", Path("/nonexistent"))
+    t.published_at = {1: 100.0, 2: 105.0}
+    recs = [
+        Record(ts=99.0, user=0, phase="training", prompt=0, version=0, ttft_ms=500),  # before v1
+        Record(ts=106.0, user=0, phase="training", prompt=0, version=0, ttft_ms=1000),  # v2 live
+        Record(ts=106.0, user=1, phase="training", prompt=0, version=2, ttft_ms=1000),
+        Record(ts=106.0, user=1, phase="training", prompt=0, error="HTTP 503"),
+    ]
+    lag = t.lag(recs)
+    assert lag["versions"]["p99"] == pytest.approx(1.96)  # [0, 2, 0]: 2 behind at most
+    assert lag["versions"]["p50"] == 0
+    assert lag["seconds"]["p50"] == 0 and lag["seconds"]["p99"] == pytest.approx(6.86)  # 107 - 100
+
+
+def _span(name, trace, span_id, parent, start, end, **attrs):
+    return {"traceId": trace, "spanId": span_id, "parentSpanId": parent, "name": name,
+            "startTimeUnixNano": str(int(start * 1e9)), "endTimeUnixNano": str(int(end * 1e9)),
+            "attributes": [{"key": k, "value": {"intValue": str(v)}} for k, v in attrs.items()]}
+
+
+def test_stage_budget_of_one_loop_from_otlp_json_lines(tmp_path):
+    push = "/hotloop.v1.Rollout/PushAdapter"
+    trainer = [_span("online.step", "t1", "s", "", 10.0, 13.0),
+               _span("consume", "t1", "c", "s", 10.0, 10.1),
+               _span("train", "t1", "tr", "s", 10.2, 12.0),
+               _span("publish", "t1", "p", "s", 12.1, 12.9, **{"hotloop.version": 4}),
+               _span(push, "t1", "pc", "p", 12.2, 12.8)]
+    rollout = [_span(push, "t1", "ps", "pc", 12.3, 12.7)]
+    for name, spans in (("trainer", trainer), ("rollout", rollout)):
+        doc = {"resourceSpans": [{"scopeSpans": [{"spans": spans}]}]}
+        (tmp_path / f"{name}.jsonl").write_text(json.dumps(doc) + "\n")
+    spans = read_trace_spans(sorted(tmp_path.glob("*.jsonl")))
+    assert len(spans) == 6
+    assert [s["attrs"] for s in spans if s["name"] == "publish"] == [{"hotloop.version": "4"}]
+    loop = {"response_id": "r", "version": 4, "sent": 9.5, "first_token": 13.4, "loop_ms": 3900}
+    st = {k: [round(x) for x in v] for k, v in loop_stages(spans, [loop]).items()}
+    assert st == {"ingest": [500], "consume": [100], "train": [1800], "push": [200], "load": [400],
+                  "first_token": [700]}  # from the end of the replica's load
+    # a loop whose version has no publish span in the traces contributes nothing
+    assert loop_stages(spans, [{**loop, "version": 5}]) == {}
+
+
+def test_a_run_stopped_before_any_answer_still_writes_its_report(tmp_path):
+    from hotloop.online_demo import DemoState, write_demo_report
+    from hotloop.simulate import Brevity
+
+    state = DemoState("early", tmp_path, Brevity(), window=40, interrupted=True)
+    report = write_demo_report(state)
+    on_disk = json.loads((tmp_path / "online-report.json").read_text())
+    assert on_disk == json.loads(json.dumps(report))
+    assert set(on_disk["preference_share"]) >= {"base", "final"} and on_disk["interrupted"]
+    assert {"idle_p99", "training_p99"} <= set(on_disk["user_ttft_ms"]) and "p50" in on_disk["loop_ms"]
+    assert (tmp_path / "online.png").read_bytes()[:4] == b"\x89PNG"
+    assert "(interrupted)" in (tmp_path / "online-report.md").read_text()
+
+
+# ---- real runs ---------------------------------------------------------------------------------
+
+
+def _config(tmp_path, tiny_model) -> Path:
+    cfg = tmp_path / "online.toml"
+    cfg.write_text(f"""
+run_dir = "{tmp_path / 'unused'}"
+[model]
+name = "{tiny_model}"
+max_model_len = 512
+[telemetry]
+exporter = "jsonl"
+[rollout]
+kv_cache_gib = 1
+[trainer]
+torch_threads = 1
+[trainer.optimizer]
+lr = 1e-3
+[online]
+batch_size = 2
+batch_window_s = 0.5
+checkpoint_interval = 2
+""")
+    return cfg
+
+
+def _left_behind(marker: str) -> list[str]:
+    out = subprocess.run(["pgrep", "-af", marker], capture_output=True, text=True).stdout
+    return [line for line in out.splitlines() if "pgrep" not in line]
+
+
+@pytest.mark.slow
+def test_demo_online_writes_its_report_and_leaves_nothing_running(tiny_model, tmp_path):
+    out = tmp_path / "runs"
+    cmd = [sys.executable, "-m", "hotloop.cli", "demo-online", "--config", str(_config(tmp_path, tiny_model)),
+           "--idle-s", "6", "--train-s", "20", "--no-stop", "--users", "2", "--max-tokens", "16",
+           "--max-words", "8", "--window", "8", "--progress", "5", "--out-dir", str(out),
+           "--run-id", "t", "--quiet"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "idle phase:" in proc.stdout and "report:" in proc.stdout
+    report = json.loads((out / "t" / "online-report.json").read_text())
+    assert report["preference_share"]["base"] is not None and report["preference_share"]["final"] is not None
+    assert report["loop_ms"]["p50"] > 0 and report["loop_ms"]["n"] >= 1  # a version trained on feedback served
+    for key in ("idle_p99", "training_p99", "idle_p50", "training_p50"):
+        assert report["user_ttft_ms"][key] > 0 and report["user_itl_ms"][key] is not None
+    assert set(report["version_lag"]) == {"versions", "seconds"}
+    assert report["versions"]["trained"] >= 1 and report["versions"]["served"] >= 1
+    png = (out / "t" / "online.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (out / "t" / "online-report.md").read_text().startswith("# hotloop online run")
+    records = [json.loads(line) for line in (out / "t" / "requests.jsonl").read_text().splitlines()]
+    assert {r["phase"] for r in records} == {"idle", "training"}
+    assert all(r["feedback"] == "" for r in records if r["phase"] == "idle")
+    assert any(r["feedback"] == "accepted" for r in records if r["phase"] == "training")
+    assert _left_behind(str(out)) == []
+
+
+@pytest.mark.slow
+def test_demo_online_stops_everything_on_sigterm(tiny_model, tmp_path):
+    out = tmp_path / "runs"
+    cmd = [sys.executable, "-m", "hotloop.cli", "demo-online", "--config", str(_config(tmp_path, tiny_model)),
+           "--idle-s", "6", "--train-s", "600", "--users", "2", "--max-tokens", "16",
+           "--out-dir", str(out), "--run-id", "t", "--quiet", "--progress", "2"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO)
+    try:
+        lines = []
+        for line in proc.stdout:  # wait for the training phase
+            lines.append(line)
+            if "idle phase:" in line:
+                break
+        time.sleep(3)
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        rest, _ = proc.communicate(timeout=90)
+        stopped_in = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, "".join(lines) + rest
+    assert stopped_in < 60
+    report = json.loads((out / "t" / "online-report.json").read_text())
+    assert report["interrupted"] is True  # and it still reports what it saw
+    assert {"base", "final"} <= set(report["preference_share"]) and "p50" in report["loop_ms"]
+    assert _left_behind(str(out)) == []
+
+
+@pytest.mark.slow
+def test_bench_update_loop_times_each_loop_and_its_stages(tiny_model, tmp_path):
+    out = tmp_path / "runs"
+    result = tmp_path / "loop.json"
+    cmd = [sys.executable, "-m", "hotloop.cli", "bench", "update-loop", "--config",
+           str(_config(tmp_path, tiny_model)), "--loops", "3", "--max-tokens", "16",
+           "--out-dir", str(out), "--json", str(result)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.count("loop ") >= 3  # progress, one line per loop
+    data = json.loads(result.read_text())
+    assert data["loops"] == 3 and data["lost_feedback"] == 0
+    assert 0 < data["loop_ms"]["p50"] <= data["loop_ms"]["p95"]
+    stages = data["stages_ms"]
+    assert {"ingest", "consume", "join", "train", "pack", "push", "load", "first_token"} <= set(stages)
+    assert stages["train"] > 0 and stages["load"] > 0
+    # the stages lie on the loop's path: together they are about the loop, never far beyond it
+    assert sum(stages.values()) < 1.5 * data["loop_ms"]["p95"]
+    assert _left_behind(str(out)) == []
