@@ -12,9 +12,12 @@ Test cases of the shape `assert <call> == <literal>` (or `<literal> == <call>`) 
 inside the sandbox: the call's value comes out strictly encoded (plain data of exact builtin
 types, see `strict.py`) and is compared with the literal here, so a returned object whose
 `__eq__` always says True, or a subclass of int or str that overrides it, fails instead of
-passing every case. Any other case (several statements, `is`, `<`, a non-literal expected
-value, a HumanEval `check` block) runs inside the sandbox as before; each output counts how
-many cases went each way (`cases_compared_trusted`, `cases_in_sandbox`).
+passing every case. A HumanEval-style `check(candidate)` block made only of such asserts is
+compared the same way, assert by assert, and still counts as one case. Any other case
+(several statements, `is`, `<`, a non-literal expected value, a block with a loop) runs
+inside the sandbox as before; each output counts how many cases went each way
+(`cases_compared_trusted`, `cases_in_sandbox`); the gRPC result has no field for them, so
+the service logs them per batch (debug level).
 
 Failures are outputs, never exceptions: no code -> `no_code`, unparsable code ->
 `syntax_error`, sandbox outcomes -> `timeout`/`oom`/`crash`, a task without tests or a user
@@ -119,13 +122,64 @@ def comparison_of(case: str) -> Comparison | None:
     Parsed with `ast`, never evaluated here beyond `literal_eval`. An assert message is not
     needed for the comparison and is dropped.
     """
+    tree = _parse(case)
+    if tree is None or len(tree.body) != 1:
+        return None
+    return _assert_comparison(tree.body[0])
+
+
+def check_block_comparisons(block: str, entry_point: str) -> tuple[Comparison, ...] | None:
+    """A HumanEval-style block as trusted comparisons, or None when it has another shape.
+
+    The block may hold literal assignments (METADATA = {...}), docstrings and one
+    `def check(candidate):` whose body is only `assert candidate(...) == <literal>` (either
+    side; `assert True` lines are skipped). Each becomes `<entry_point>(...)` compared here;
+    the block, still one case, passes when all of them do. Anything else (a loop, a helper,
+    an import, `abs(candidate(x) - y) < 1e-6`) keeps the whole block inside the sandbox.
+    """
+    tree = _parse(block)
+    if tree is None or not entry_point.isidentifier():
+        return None
+    checks = []
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef) and node.name == "check":
+            checks.append(node)
+        elif not (_is_docstring(node) or _is_literal_assignment(node)):
+            return None
+    if len(checks) != 1:
+        return None
+    check = checks[0]
+    a = check.args
+    if (check.decorator_list or a.posonlyargs or a.vararg or a.kwonlyargs or a.kwarg or a.defaults
+            or [x.arg for x in a.args] != ["candidate"]):
+        return None
+    out = []
+    for node in check.body:
+        if _is_docstring(node):
+            continue
+        if isinstance(node, ast.Assert) and isinstance(node.test, ast.Constant) and node.test.value is True:
+            continue
+        if not isinstance(node, ast.Assert):
+            return None
+        node = _Rename("candidate", entry_point).visit(node)
+        c = _assert_comparison(node)
+        if c is None:
+            return None
+        out.append(c)
+    return tuple(out) or None
+
+
+def _parse(source: str) -> ast.Module | None:
     try:
-        tree = ast.parse(case)
+        return ast.parse(source)
     except (SyntaxError, ValueError, RecursionError, MemoryError, OverflowError):
         return None
-    if len(tree.body) != 1 or not isinstance(tree.body[0], ast.Assert):
+
+
+def _assert_comparison(node: ast.stmt) -> Comparison | None:
+    if not isinstance(node, ast.Assert):
         return None
-    test = tree.body[0].test
+    test = node.test
     if not (isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], ast.Eq)):
         return None
     for call, literal in ((test.left, test.comparators[0]), (test.comparators[0], test.left)):
@@ -138,6 +192,43 @@ def comparison_of(case: str) -> Comparison | None:
         if strict.is_plain(expected):
             return Comparison(ast.unparse(call), expected)
     return None
+
+
+def _is_docstring(node: ast.stmt) -> bool:
+    return isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)
+
+
+def _is_literal_assignment(node: ast.stmt) -> bool:
+    if not (isinstance(node, ast.Assign) and all(isinstance(t, ast.Name) for t in node.targets)):
+        return False
+    try:
+        ast.literal_eval(node.value)
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+        return False
+    return True
+
+
+class _Rename(ast.NodeTransformer):
+    """`candidate` -> the entry point's name: what `check(<entry_point>)` would have passed."""
+
+    def __init__(self, old: str, new: str):
+        self.old, self.new = old, new
+
+    def visit_Name(self, node: ast.Name) -> ast.Name:
+        return ast.copy_location(ast.Name(self.new, node.ctx), node) if node.id == self.old else node
+
+
+def comparisons_for(task: TaskSpec) -> list[tuple[Comparison, ...] | None]:
+    """Per case of `cases_for(task)`, in the same order: the comparisons that decide it in
+    this process, or None when it is judged inside the sandbox."""
+    out: list[tuple[Comparison, ...] | None] = []
+    for case in task.test_cases:
+        c = comparison_of(case)
+        out.append((c,) if c else None)
+    if task.tests.strip():
+        defines_check = task.entry_point and _DEFINES_CHECK.search(task.tests)
+        out.append(check_block_comparisons(task.tests, task.entry_point) if defines_check else None)
+    return out
 
 
 def _first_difference(value: object, expected: object) -> str:
@@ -170,9 +261,12 @@ class CodeTestsScorer(Scorer):
     def __init__(self, pool: SandboxPool):
         self._pool = pool
 
-    def prepare(self, item: ScoreInput) -> tuple[SandboxJob, tuple[Comparison | None, ...]] | ScoreOutput:
-        """The sandbox job for an input and, per case, its trusted comparison (None: judged
-        inside the sandbox); or the output when it never reaches the sandbox."""
+    def prepare(
+        self, item: ScoreInput
+    ) -> tuple[SandboxJob, tuple[tuple[Comparison, ...] | None, ...]] | ScoreOutput:
+        """The sandbox job for an input and, per case, its trusted comparisons (None: judged
+        inside the sandbox; a check block may need several, each one value case of the job);
+        or the output when it never reaches the sandbox."""
         start = time.perf_counter()
         task = item.task
         cases = cases_for(task)
@@ -194,9 +288,11 @@ class CodeTestsScorer(Scorer):
                 return _output(item, start, reward=0.0, status="no_code", failed=len(cases),
                                error=f"no ```python block, and the text is not Python ({error})")
             return _output(item, start, reward=0.0, status="syntax_error", failed=len(cases), error=error)
-        comparisons = tuple(comparison_of(c) for c in cases)
-        job_cases = tuple(ValueCase(c.expression) if c else case for c, case in zip(comparisons, cases))
-        return SandboxJob(program, job_cases), comparisons
+        comparisons = tuple(comparisons_for(task))
+        job_cases: list[str | ValueCase] = []
+        for case, compare in zip(cases, comparisons):
+            job_cases.extend([ValueCase(c.expression) for c in compare] if compare else [case])
+        return SandboxJob(program, tuple(job_cases)), comparisons
 
     async def score(self, items: Sequence[ScoreInput]) -> list[ScoreOutput]:
         prepared = [self.prepare(item) for item in items]
@@ -211,32 +307,40 @@ class CodeTestsScorer(Scorer):
         return out
 
     @staticmethod
-    def _to_output(item: ScoreInput, r: SandboxResult, comparisons: tuple[Comparison | None, ...]) -> ScoreOutput:
-        total = r.passed + r.failed
+    def _to_output(
+        item: ScoreInput, r: SandboxResult, comparisons: tuple[tuple[Comparison, ...] | None, ...]
+    ) -> ScoreOutput:
+        total = len(comparisons)
         n_trusted = sum(c is not None for c in comparisons)
-        counts = dict(cases_compared_trusted=n_trusted, cases_in_sandbox=len(comparisons) - n_trusted)
-        passed, error = r.passed, r.error
-        if r.values and n_trusted:
-            # The sandbox counts a value case as passed when it produced a plain value;
+        passed, error = 0, r.error
+        if r.case_passed:
+            # The job's cases are the task's, with each compared case split into its value
+            # cases. The sandbox counts a value case as passed when it produced a plain value;
             # whether that value is right is decided here. The first failing case, in case
-            # order, gives the error: for a case that failed inside the sandbox (an assert, an
+            # order, gives the error: for one that failed inside the sandbox (an assert, an
             # exception, code that did not load) that is the sandbox's own first error.
-            passed, error = 0, ""
-            for i, (c, v) in enumerate(zip(comparisons, r.values)):
-                if c is None or v is None or v.raised:
-                    ok, why = r.case_passed[i], r.error
-                elif v.refused:
-                    ok, why = False, f"test case {i}: {c.expression}: {v.refused}"
-                else:
-                    ok = v.value == c.expected  # plain data on both sides: Python's own ==
-                    why = f"test case {i}: {c.expression} {_first_difference(v.value, c.expected)}"
+            error, j = "", 0
+            for i, compare in enumerate(comparisons):
+                ok, why = True, ""
+                for c in compare or (None,):
+                    v = r.values[j]
+                    if c is None or v is None or v.raised:
+                        sub_ok, sub_why = r.case_passed[j], r.error
+                    elif v.refused:
+                        sub_ok, sub_why = False, f"test case {i}: {c.expression}: {v.refused}"
+                    else:
+                        sub_ok = v.value == c.expected  # plain data on both sides: Python's own ==
+                        sub_why = f"test case {i}: {c.expression} {_first_difference(v.value, c.expected)}"
+                    if ok and not sub_ok:
+                        ok, why = False, sub_why
+                    j += 1
                 passed += ok
-                error = error or ("" if ok else why)
+                error = error or why
         return ScoreOutput(
             id=item.id, reward=passed / total if total else 0.0, passed=passed, failed=total - passed,
             timed_out=r.timed_out, error=error, status=_SANDBOX_STATUS[r.status],
             seconds=r.seconds,  # the run itself; time queued behind other runs is not the sample's
-            **counts,
+            cases_compared_trusted=n_trusted, cases_in_sandbox=total - n_trusted,
         )
 
 

@@ -11,8 +11,8 @@ from services.reward.config import RegexRule, RewardConfig, SandboxConfig
 from services.reward.pool import LocalPool, SandboxPool
 from services.reward.sandbox import SandboxJob, SandboxResult, ValueCase
 from services.reward.scorers import (
-    CodeTestsScorer, Comparison, PythonScorer, RegexScorer, build_scorers, cases_for, comparison_of,
-    extract_code,
+    CodeTestsScorer, Comparison, PythonScorer, RegexScorer, build_scorers, cases_for, check_block_comparisons,
+    comparison_of, extract_code,
 )
 from services.reward.strict import Returned
 from services.reward.types import CODE_PREFIX_KEY, ScoreInput, TaskSpec
@@ -160,6 +160,54 @@ def test_which_cases_are_compared_outside_the_sandbox():
         assert comparison_of(other) is None, other
 
 
+def test_which_check_blocks_are_compared_outside_the_sandbox():
+    block = (
+        "METADATA = {'author': 'x'}\n\n"
+        "def check(candidate):\n"
+        "    'docstring'\n"
+        "    assert candidate([1, 2], 3) == 3\n"
+        "    assert True, 'debugging aid'\n"
+        "    assert [1] == candidate(candidate([], 0), 1), 'a message'\n"
+    )
+    assert check_block_comparisons(block, "f") == (
+        Comparison("f([1, 2], 3)", 3), Comparison("f(f([], 0), 1)", [1]),
+    )
+    loop = "def check(candidate):\n    for x in range(3):\n        assert candidate(x) == x\n"
+    close = "def check(candidate):\n    assert abs(candidate(1) - 0.5) < 1e-6\n"
+    helper = "import math\ndef check(candidate):\n    assert candidate(1) == 1\n"
+    other_arg = "def check(f):\n    assert f(1) == 1\n"
+    only_true = "def check(candidate):\n    assert True\n"
+    for other in (loop, close, helper, other_arg, only_true, "assert f(1) == 1"):
+        assert check_block_comparisons(other, "f") is None, other
+
+
+@pytest.mark.timeout(120)
+async def test_every_humaneval_canonical_solution_still_passes(pool):
+    """The check blocks compared outside the sandbox (most of HumanEval) give the canonical
+    solutions the same full reward as running `check` inside did."""
+    from hotloop.tasks import load_tasks
+    from services.reward.types import task_spec_from_code_task
+
+    tasks = load_tasks("humaneval", "test")
+    items = [ScoreInput(t.task_id, t.prompt, t.solution, task_spec_from_code_task(t)) for t in tasks]
+    outs = await CodeTestsScorer(pool).score(items)
+    assert [o for o in outs if (o.status, o.reward) != ("ok", 1.0)] == []
+    assert sum(o.cases_compared_trusted for o in outs) >= 100  # 112 of 164 blocks today
+    assert sum(o.cases_compared_trusted + o.cases_in_sandbox for o in outs) == len(tasks)
+
+
+async def test_an_object_equal_to_anything_fails_a_humaneval_check_block(pool):
+    from hotloop.tasks import load_tasks
+    from services.reward.types import task_spec_from_code_task
+
+    task = load_tasks("humaneval", "test")[0]
+    spec = task_spec_from_code_task(task)
+    hack = EQ_HACKS["eq"] + f"def {task.entry_point}(*args):\n    return Yes()\n"
+    (out,) = await CodeTestsScorer(pool).score([ScoreInput("hack", task.prompt, f"```python\n{hack}```", spec)])
+    assert (out.reward, out.status, out.cases_compared_trusted) == (0.0, "ok", 1), out
+    assert "is not plain data" in out.error
+
+
 EQ_HACKS = {
     "eq": "class Yes:\n    def __eq__(self, other):\n        return True\n",
     # a subclass of int: hashes and prints like the int, equals anything
@@ -248,9 +296,10 @@ async def test_mixed_shapes_are_counted_both_ways(pool):
         ScoreInput("right", "p", "```python\ndef add(a, b):\n    return a + b\n```", task),
         ScoreInput("wrong", "p", "```python\ndef add(a, b):\n    return a - b\n```", task),
     ])
-    assert (right.reward, right.cases_compared_trusted, right.cases_in_sandbox) == (1.0, 2, 3)
-    # a - b: case 0 differs (compared here), 1, 2 and the check block fail inside, case 3 passes
-    assert (wrong.passed, wrong.failed, wrong.cases_compared_trusted, wrong.cases_in_sandbox) == (1, 4, 2, 3)
+    # cases 0, 3 and the check block (only `assert candidate(..) == <literal>`) compared here
+    assert (right.reward, right.cases_compared_trusted, right.cases_in_sandbox) == (1.0, 3, 2)
+    # a - b: case 0 differs, 1 and 2 fail inside, case 3 passes, the block's value differs
+    assert (wrong.passed, wrong.failed, wrong.cases_compared_trusted, wrong.cases_in_sandbox) == (1, 4, 3, 2)
     assert wrong.error == "test case 0: add(1, 2) returned -1, expected 3"
 
 
