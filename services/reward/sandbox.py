@@ -79,10 +79,12 @@ compares them outside the code's reach: an object whose `__eq__` always returns 
 subclass of int/str overriding it, is refused rather than equal (see `scorers.py` for which
 cases go that way). Residual risk: the nonce, and the harness's encoder, are in the child's
 memory while the code runs, so code that deliberately reads or patches the harness
-(`sys._getframe(1).f_locals`, gc, ctypes), writes a report line and exits wins; and a case
-judged inside the sandbox (any shape but `assert <call> == <literal>`) still asks the code's
-own objects whether they are equal. Nothing run in the same process as the code can rule the
-first out; treat a policy that learns such tricks as a finding, not a success.
+(`sys._getframe(1).f_locals`, gc, ctypes), writes a report line and exits wins the cases
+judged inside the sandbox; for compared cases the expected values never enter the sandbox,
+so a forged report must still carry the right values. And a case judged inside the sandbox
+(any shape `scorers.py` does not compare outside) still asks the code's own objects whether
+they are equal. Nothing run in the same process as the code can rule the first out; treat a
+policy that learns such tricks as a finding, not a success.
 """
 
 from __future__ import annotations
@@ -115,8 +117,9 @@ log = logging.getLogger(__name__)
 Status = Literal["ok", "failed", "timeout", "oom", "crash", "error"]
 
 _LAUNCHER_SOURCE = (Path(__file__).parent / "_launcher.py").read_text()
-# Python start-up and mount setup happen before the reaper's deadline starts; the service
-# waits this much longer before killing the launcher itself (only a wedged host needs it).
+# A worker's start-up (interpreter, mounts, imports) and a run's own setup happen before the
+# worker's per-run deadline starts; the service waits this much longer before killing the
+# worker itself (only a wedged host needs it).
 _STARTUP_SLACK_S = 5.0
 _RESULT_MAX = 8 << 20  # any one blob of a record (the launcher caps a report at 4 MiB)
 _PRIVATE_DIRS = ("/var/tmp", "/dev/shm", "/run/lock")

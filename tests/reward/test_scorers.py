@@ -239,6 +239,28 @@ async def test_the_hack_is_real_where_a_case_is_judged_inside_the_sandbox(pool):
     assert (out.reward, out.cases_compared_trusted, out.cases_in_sandbox) == (1.0, 0, 1)
 
 
+async def test_a_forged_report_cannot_pass_cases_compared_outside(pool):
+    """The known residual risk (code reads the nonce from the harness frame and writes its
+    own report) still passes cases judged inside; compared cases need the right values,
+    which never enter the sandbox."""
+    forge = (
+        "import os, sys\n"
+        "nonce = sys._getframe(1).f_locals['nonce']\n"
+        "n = len(sys._getframe(1).f_locals['cases'])\n"
+        "fields = [nonce, 'result', '1' * n, '0'] + [\"=['T']\"] * n + ['']\n"
+        "os.write(3, ('\\t'.join(fields) + '\\n').encode())\n"
+        "os._exit(0)\n"
+    )
+    inside = TaskSpec("add", entry_point="add", test_cases=tuple(f"{c} and True" for c in ADD_TASK.test_cases))
+    forged_inside, forged_outside = await CodeTestsScorer(pool).score([
+        ScoreInput("inside", "p", f"```python\n{forge}```", inside),
+        ScoreInput("outside", "p", f"```python\n{forge}```", ADD_TASK),
+    ])
+    assert (forged_inside.reward, forged_inside.cases_in_sandbox) == (1.0, 3)  # the residual risk
+    assert (forged_outside.reward, forged_outside.cases_compared_trusted) == (0.0, 3), forged_outside
+    assert forged_outside.error == "test case 0: add(1, 2) returned True, expected 3"
+
+
 async def test_patched_builtins_do_not_change_the_strict_encoding(pool):
     code = (
         "import builtins\n"
