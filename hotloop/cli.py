@@ -62,22 +62,32 @@ def cmd_serve(args) -> int:
     return 0  # not reached
 
 
+def _module_main(module: str, fn: str, args) -> int:
+    """Run a command body that lives next to the service it drives. Reached by module name,
+    so nothing in hotloop/ imports services/, and `hotloop --help` imports neither."""
+    import importlib
+
+    return getattr(importlib.import_module(module), fn)(args)
+
+
+# `hotloop bench <name>` bodies that live next to their service.
+SERVICE_BENCHES = {"threads": "services.trainer.bench_threads"}
+
+
 def cmd_bench(args) -> int:
+    if args.bench in SERVICE_BENCHES:
+        return _module_main(SERVICE_BENCHES[args.bench], "main", args)
     from hotloop import bench
 
     return bench.main(args)
 
 
 def cmd_train(args) -> int:
-    from hotloop.train import main as train_main
-
-    return train_main(args)
+    return _module_main("services.trainer.commands", "train", args)
 
 
 def cmd_eval(args) -> int:
-    from hotloop.evaluate import main as eval_main
-
-    return eval_main(args)
+    return _module_main("services.trainer.commands", "evaluate", args)
 
 
 def cmd_trace(args) -> int:
@@ -87,9 +97,7 @@ def cmd_trace(args) -> int:
 
 
 def cmd_demo(args) -> int:
-    from hotloop.demo import main as demo_main
-
-    return demo_main(args)
+    return _module_main("services.trainer.demo", "main", args)
 
 
 def cmd_simulate(args) -> int:
@@ -156,6 +164,13 @@ def build_parser() -> argparse.ArgumentParser:
     bs = bsub.add_parser("sandbox", help="scored samples/s: local process pool vs Ray actors")
     bs.add_argument("--samples", type=int, default=64)
     bs.add_argument("--json", help="write results here")
+    bt = bsub.add_parser("threads", help="A/B of OpenMP wait policy and thread binding: engine tok/s and "
+                                          "trainer step time beside an idle engine")
+    bt.add_argument("--model", default="smollm2-135m-instruct")
+    bt.add_argument("--dtype", default="auto", help="auto | bfloat16 | float32")
+    bt.add_argument("--threads", type=int, default=2, help="trainer torch threads")
+    bt.add_argument("--steps", type=int, default=3, help="timed LoRA steps per setting (median)")
+    bt.add_argument("--json", help="write results here")
     bu = bsub.add_parser("update-loop", help="feedback sent -> first token from a version trained on it, "
                          "with users streaming; stage budget from the traces")
     _config_args(bu)

@@ -19,7 +19,7 @@ def test_grpo_job_through_the_mesh(tiny_model, tmp_path, monkeypatch):
     from hotloop.clients import RolloutClient
     from hotloop.launcher import Mesh
     from hotloop.proto.v1 import common_pb2
-    from hotloop.train import load_job_configs
+    from services.trainer.commands import load_job_configs
 
     cfg_path = tmp_path / "e2e.toml"
     cfg_path.write_text(f"""

@@ -12,13 +12,15 @@ import signal
 import time
 from pathlib import Path
 
-DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "demo.toml"
+from .commands import load_job_configs
+from .job import run_job
+
+DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "demo.toml"
 
 
 def main(args) -> int:
     from hotloop.launcher import Mesh
     from hotloop.service import run_interruptible
-    from hotloop.train import load_job_configs
 
     logging.basicConfig(level=os.environ.get("HOTLOOP_LOG_LEVEL", "WARNING"))
     config_path = args.config or str(DEFAULT_CONFIG)
@@ -35,7 +37,6 @@ def main(args) -> int:
         mesh_cfg, job, trainer_cfg = load_job_configs(config_path, args.set)
         if not job.run_id:  # fixed here so that an interrupted run can name itself for resume
             job = job.model_copy(update={"run_id": time.strftime("%Y%m%d-%H%M%S")})
-        from services.trainer.job import run_job
 
         print(f"[demo] GRPO: {trainer_cfg.num_steps} steps x {trainer_cfg.batch_prompts} prompts x "
               f"{trainer_cfg.group_size} samples; held-out eval before and after", flush=True)

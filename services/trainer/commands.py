@@ -1,11 +1,16 @@
-"""`hotloop train grpo` / `hotloop train online`: a training job against a running mesh (see
-`hotloop up`). `online` learns from the feedback users give through the gateway."""
+"""`hotloop train grpo|online` and `hotloop eval`: jobs against a running mesh (`hotloop up`).
+
+The CLI (hotloop/cli.py) reaches these bodies by module name, so the shared library never
+imports a service. `online` learns from the feedback users give through the gateway.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
+from dataclasses import asdict
 from pathlib import Path
 
 
@@ -30,7 +35,7 @@ def load_online_configs(config_path: str | None, overrides: list[str]):
             config.load_section(tree, "trainer", TrainerConfig))
 
 
-def main(args) -> int:
+def train(args) -> int:
     from hotloop.launcher import MeshInfo
 
     logging.basicConfig(level=os.environ.get("HOTLOOP_LOG_LEVEL", "WARNING"))
@@ -60,4 +65,43 @@ def main(args) -> int:
     text = Path(args.config).read_text() if args.config else ""
     summary, report = asyncio.run(run_job(mesh_cfg, job, trainer_cfg, text))
     print(f"report: {report}")
+    return 0
+
+
+def evaluate(args) -> int:
+    """`hotloop eval`: pass@k of a policy version on held-out tasks or HumanEval."""
+    from hotloop.clients import RewardClient, RolloutClient
+    from hotloop.launcher import MeshInfo
+    from hotloop.tasks import load_tasks
+    from services.trainer.grpo import evaluate
+
+    mesh_cfg, job, trainer_cfg = load_job_configs(args.config, args.set)
+    try:
+        info = MeshInfo.load(mesh_cfg.run_dir)
+    except FileNotFoundError as e:
+        print(e)
+        return 2
+    tasks = load_tasks(args.tasks, args.split)
+    if args.limit:
+        tasks = tasks[: args.limit]
+    ks = tuple(sorted(set(args.k or [1])))
+    if max(ks) > args.samples:
+        print(f"pass@{max(ks)} needs at least {max(ks)} samples per task (--samples)")
+        return 2
+
+    async def run():
+        rollout = RolloutClient(info.endpoints["rollout"][0])
+        reward = RewardClient(info.endpoints["reward"])
+        try:
+            return await evaluate(rollout, reward, tasks, samples=args.samples,
+                                  temperature=job.eval_temperature, max_tokens=trainer_cfg.max_new_tokens,
+                                  version=args.version, ks=ks)
+        finally:
+            await rollout.close()
+            await reward.close()
+
+    rec = asyncio.run(run())
+    print(json.dumps(asdict(rec), indent=2))
+    print(f"pass@1 = {rec.pass_at_1:.3f} ± {rec.ci95:.3f} (95% CI over {rec.tasks} tasks, "
+          f"{rec.samples_per_task} samples each, version {rec.version})")
     return 0
