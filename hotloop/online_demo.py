@@ -47,6 +47,7 @@ from hotloop.simulate import (
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "online.toml"
 TRAINER_RUN = "trainer"  # the trainer's metrics and checkpoints: runs/<id>/trainer/
+WARMUP_MAX_S = 300.0  # the longest wait for every user's first answer
 log = logging.getLogger(__name__)
 
 
@@ -287,35 +288,41 @@ async def run_demo(state: DemoState, stack: Stack, users: int, idle_s: float, tr
             parts.append(f"loop p50 {percentile([e['loop_ms'] for e in loops], 50) / 1e3:.1f} s")
         return "  ".join(parts)
 
-    cfg = SimConfig(users=users, duration_s=idle_s + train_s, max_tokens=max_tokens, feedback=False,
-                    phase="idle", window=state.window, progress_s=progress_s)
+    # Phases: warm-up (each user's first answer: the engine's first batches are slow and say
+    # nothing about serving), idle (users only: base rate, idle latency), training.
+    cfg = SimConfig(users=users, duration_s=WARMUP_MAX_S + idle_s + train_s, max_tokens=max_tokens,
+                    feedback=False, phase="warmup", window=state.window, progress_s=progress_s)
     sim = state.sim = Simulation(stack.target, cfg, state.preference, state.out / "requests.jsonl",
                                  status_extra=extra)
     run = asyncio.create_task(sim.run())
     try:
-        await _sleep_or_done(run, idle_s)
+        t0 = time.monotonic()
+        while not run.done() and len(sim.records) < users and time.monotonic() - t0 < WARMUP_MAX_S:
+            await _tick(run, stack, state)
+        cfg.phase = "idle"
+        idle_until = time.monotonic() + idle_s
+        while not run.done() and time.monotonic() < idle_until:
+            await _tick(run, stack, state)
         idle = [r for r in sim.records if r.phase == "idle" and not r.error]
         state.base = sum(bool(r.matched) for r in idle) / len(idle) if idle else None
         state.target = target_share(state.base)
-        print(f"[demo-online] idle phase: {len(idle)} answers, base rate of the hidden preference "
-              f"({state.preference.describe()}): {_f(state.base)}; training until the last "
-              f"{state.window} answers reach {state.target:.2f}", flush=True)
+        if not run.done():
+            print(f"[demo-online] idle phase: {len(idle)} answers, base rate of the hidden preference "
+                  f"({state.preference.describe()}): {_f(state.base)}; training until the last "
+                  f"{state.window} answers reach {state.target:.2f}", flush=True)
         cfg.phase, cfg.feedback = "training", True
         state.training_started = time.time()
-        while not run.done():
-            await _sleep_or_done(run, 1.0)
-            if (why := stack.dead()) is not None:
-                state.failed = why
-                print(f"[demo-online] {why}\n[demo-online] stopping", flush=True)
-                sim.stop()
-                break
+        train_until = time.monotonic() + train_s
+        while not run.done() and time.monotonic() < train_until:
+            await _tick(run, stack, state)
             share = training_window(sim.records, state.training_started, state.window)
             if len(share) == state.window and share.value >= state.target and state.reached_at is None:
                 state.reached_at = time.time()
                 print(f"[demo-online] target reached after "
                       f"{state.reached_at - state.training_started:.0f} s of training", flush=True)
                 if until_target:
-                    sim.stop()
+                    break
+        sim.stop()
         await run
     finally:
         sim.stop()
@@ -330,8 +337,13 @@ async def run_demo(state: DemoState, stack: Stack, users: int, idle_s: float, tr
         sim.close()
 
 
-async def _sleep_or_done(task: asyncio.Task, seconds: float) -> None:
-    await asyncio.wait({task}, timeout=seconds)
+async def _tick(run: asyncio.Task, stack: Stack, state: DemoState) -> None:
+    """Wait a second (or until the users stop); a dead mesh process stops the users."""
+    await asyncio.wait({run}, timeout=1.0)
+    if not state.failed and (why := stack.dead()) is not None:
+        state.failed = why
+        print(f"[demo-online] {why}\n[demo-online] stopping", flush=True)
+        state.sim.stop()
 
 
 def demo_report(state: DemoState) -> dict:
@@ -464,6 +476,11 @@ def _plot(state: DemoState, path: Path) -> None:
     plt.close(fig)
 
 
+def _interrupt(signum, frame):
+    """SIGTERM during start-up stops what started, like Ctrl-C (the launcher's cleanup runs)."""
+    raise KeyboardInterrupt
+
+
 def main(args) -> int:
     """`hotloop demo-online`."""
     from hotloop.service import run_interruptible
@@ -479,10 +496,7 @@ def main(args) -> int:
         "train_s": args.train_s, "max_tokens": args.max_tokens, "max_words": args.max_words,
         "until_target": not args.no_stop, "window": args.window})
 
-    def _terminate(signum, frame):  # SIGTERM during start-up stops the mesh, like Ctrl-C
-        raise KeyboardInterrupt
-
-    old = signal.signal(signal.SIGTERM, _terminate)
+    old = signal.signal(signal.SIGTERM, _interrupt)
     print(f"[demo-online] starting the mesh (NATS, rollout with vLLM, gateway, online trainer); "
           f"run files under {out}", flush=True)
     try:
@@ -602,7 +616,7 @@ def bench_update_loop(args) -> int:
     # One feedback per update: each loop is one feedback, trained alone, published, served.
     overrides = ["online.batch_size=1", "online.batch_window_s=0", "telemetry.exporter=jsonl", *args.set]
     print(f"[bench update-loop] starting the mesh; run files under {out}", flush=True)
-    old = signal.signal(signal.SIGTERM, lambda s, f: (_ for _ in ()).throw(KeyboardInterrupt()))
+    old = signal.signal(signal.SIGTERM, _interrupt)
     try:
         stack = start_stack(config_path, overrides, out, quiet=True)
     except KeyboardInterrupt:

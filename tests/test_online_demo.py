@@ -146,8 +146,9 @@ def test_demo_online_writes_its_report_and_leaves_nothing_running(tiny_model, tm
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
     assert (out / "t" / "online-report.md").read_text().startswith("# hotloop online run")
     records = [json.loads(line) for line in (out / "t" / "requests.jsonl").read_text().splitlines()]
-    assert {r["phase"] for r in records} == {"idle", "training"}
-    assert all(r["feedback"] == "" for r in records if r["phase"] == "idle")
+    assert {r["phase"] for r in records} == {"warmup", "idle", "training"}
+    assert sum(r["phase"] == "warmup" for r in records) >= 2  # each user's first answer
+    assert all(r["feedback"] == "" for r in records if r["phase"] != "training")
     assert any(r["feedback"] == "accepted" for r in records if r["phase"] == "training")
     assert _left_behind(str(out)) == []
 
