@@ -71,15 +71,16 @@ def _module_main(module: str, fn: str, args) -> int:
 
 
 # `hotloop bench <name>` bodies that live next to their service.
-SERVICE_BENCHES = {"threads": "services.trainer.bench_threads"}
+SERVICE_BENCHES = {
+    "rollout": "services.rollout.bench",
+    "hot-update": "services.rollout.bench",
+    "sandbox": "services.reward.bench",
+    "threads": "services.trainer.bench_threads",
+}
 
 
 def cmd_bench(args) -> int:
-    if args.bench in SERVICE_BENCHES:
-        return _module_main(SERVICE_BENCHES[args.bench], "main", args)
-    from hotloop import bench
-
-    return bench.main(args)
+    return _module_main(SERVICE_BENCHES[args.bench], "main", args)
 
 
 def cmd_train(args) -> int:

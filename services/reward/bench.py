@@ -72,6 +72,19 @@ def bench_sandbox(n: int, backend: str, repeats: int = 3, concurrency: int | Non
     return asyncio.run(run())
 
 
+def main(args) -> int:
+    """`hotloop bench sandbox`: local process pool and Ray actors, in one run."""
+    result = {"local": bench_sandbox(args.samples, "local"), "ray": bench_sandbox(args.samples, "ray")}
+    print(json.dumps(result, indent=2))
+    if args.json:
+        from pathlib import Path
+
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(result, indent=2))
+        print(f"wrote {args.json}")
+    return 0
+
+
 if __name__ == "__main__":
     n = int(sys.argv[1]) if len(sys.argv) > 1 else 64
     which = sys.argv[2] if len(sys.argv) > 2 else "both"

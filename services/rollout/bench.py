@@ -1,8 +1,9 @@
-"""`hotloop bench ...`: performance numbers as ratios against a baseline measured in the same run.
+"""`hotloop bench rollout|hot-update`: rollout performance as ratios against a baseline measured
+in the same run.
 
 Owns the rollout benchmark (HF `generate` per prompt and batched vs vLLM with and without a
-fresh adapter), the hot-update benchmark (push-to-first-token of new versions while requests
-are in flight) and the sandbox benchmark (local pool vs Ray actors). Machines here are noisy:
+fresh adapter) and the hot-update benchmark (push-to-first-token of new versions while requests
+are in flight). The sandbox benchmark is services/reward/bench.py. Machines here are noisy:
 every figure is a median over repeats, and only ratios from one run are comparable.
 """
 
@@ -373,23 +374,11 @@ async def _hot_update_one(args, mode: str, swap: str) -> dict:
     return result
 
 
-def bench_sandbox(args) -> dict:
-    from services.reward.bench import bench_sandbox as run
-
-    local = run(args.samples, "local")
-    ray = run(args.samples, "ray")
-    result = {"local": local, "ray": ray}
-    print(json.dumps(result, indent=2))
-    return result
-
-
 def main(args) -> int:
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
     if args.bench == "rollout":
         result = bench_rollout(args)
-    elif args.bench == "hot-update":
-        result = asyncio.run(_hot_update(args))
     else:
-        result = bench_sandbox(args)
+        result = asyncio.run(_hot_update(args))
     _write_json(args.json, result)
     return 0
