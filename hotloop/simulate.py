@@ -189,6 +189,7 @@ class Record:
     feedback: str = ""  # "" (not sent) | "accepted" | "duplicate" | "error: ..."
     feedback_ts: float | None = None  # unix seconds when the feedback was sent
     error: str = ""
+    answer: str = ""  # the text, to see what the users rewarded
 
 
 def itl_summary(gaps_ms: list[float]) -> dict[str, float | None]:
@@ -393,7 +394,7 @@ class Simulation:
         rec.total_ms = (time.perf_counter() - t0) * 1e3
         if rec.error:
             return rec
-        answer = "".join(text)
+        answer = rec.answer = "".join(text)
         rec.itl_ms = itl_summary(gaps)
         rec.words = word_count(answer)
         rec.matched = self.preference.matched(answer)
