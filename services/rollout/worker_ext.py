@@ -26,6 +26,10 @@ Two ways to build a version (``hotloop_prepare(..., mode=)``):
             below base. A version can go live factored and later be replaced by its merged build
             under the same version number.
 
+The building blocks of each path live in ``services/rollout/updates/`` (``merged``, ``factored``,
+``device``; what they share in ``common``); this module owns the worker-side state, the RPCs and
+the only code that touches live layers.
+
 Protocol (one pending version at a time):
   hotloop_init(model_dir)                read base weights of every linear layer from safetensors
   hotloop_prepare(v, dir, background=, mode=)  validate + build a pending set; live untouched
@@ -70,77 +74,29 @@ are fast on GPUs, so there the merged path is optional.
 
 from __future__ import annotations
 
-import json
-import math
-import re
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 
-# Prefix that peft puts in front of module names when it saves an adapter.
-_PEFT_PREFIX = "base_model.model."
-# Embedding / output-head module names: their LoRA would change the (tied) embedding matrix,
-# which vLLM serves through a different layer type; refused explicitly.
-_EMBEDDING_NAMES = ("embed_tokens", "lm_head", "wte", "word_embeddings")
-# Config flags that change the LoRA math beyond base + scale * B @ A.
-_UNSUPPORTED_FLAGS = ("use_dora", "lora_bias", "use_qalora")
-
-
-@dataclass(frozen=True)
-class LinearSpec:
-    """One vLLM linear layer an adapter may touch.
-
-    ``hf_names[i]`` (a checkpoint / peft module name) fills output rows
-    ``[offsets[i], offsets[i] + shard_sizes[i])`` of the fused weight, shape (N, K).
-    """
-
-    vllm_name: str  # e.g. "model.layers.0.self_attn.qkv_proj"
-    hf_names: tuple[str, ...]  # e.g. ("model.layers.0.self_attn.q_proj", "...k_proj", "...v_proj")
-    shard_sizes: tuple[int, ...]  # rows per shard; q != k == v under GQA
-    in_features: int  # K
-
-    @property
-    def out_features(self) -> int:  # N
-        return sum(self.shard_sizes)
-
-    @property
-    def offsets(self) -> tuple[int, ...]:
-        out, acc = [], 0
-        for n in self.shard_sizes:
-            out.append(acc)
-            acc += n
-        return tuple(out)
-
-
-@dataclass
-class LoraFactor:
-    """LoRA factors of one checkpoint module: delta W = scale * B @ A, A (r, K), B (n, r)."""
-
-    a: torch.Tensor
-    b: torch.Tensor
-    scale: float
-
-
-@dataclass
-class _Packed:
-    """What commit applies to one live layer.
-
-    CPU: the ``cpu_linear`` closure (owns the packed handle; or, factored, wraps the load-time
-    handle) and the ``weight`` Parameter that dispatch left behind (empty when the handle owns
-    the data; the full weight on fallback paths, whose closure reads the weight passed at call
-    time). Other platforms: ``shards`` (factors
-    already on the device) that commit merges with the base straight into ``layer.weight``, or
-    nothing (``shards is None``: copy the base back).
-    """
-
-    cpu_linear: Callable[..., torch.Tensor] | None
-    weight: torch.Tensor | None
-    shards: list[LoraFactor | None] | None = None
+from .updates import device, factored
+from .updates import merged as merged_path
+# Re-exported: the shared pieces are part of this module's tested surface.
+from .updates.common import (  # noqa: F401
+    LinearSpec,
+    LoraFactor,
+    _Packed,
+    build_hf_index,
+    discover_linear_specs,
+    load_base_weights,
+    merge_layer,
+    plan_merge,
+    read_peft_adapter,
+)
+from .updates.factored import factor_layer, factored_linear  # noqa: F401
+from .updates.merged import pack_cpu  # noqa: F401
 
 
 @dataclass
@@ -172,302 +128,6 @@ class _State:
     job: threading.Thread | None = None
     job_version: int | None = None
     job_error: BaseException | None = None
-
-
-# --------------------------------------------------------------------------------------------
-# Pure helpers (no engine needed; unit-tested directly)
-
-
-def discover_linear_specs(
-    model: torch.nn.Module,
-) -> tuple[dict[str, LinearSpec], dict[str, torch.nn.Module]]:
-    """Map every unquantized linear layer of a vLLM model to checkpoint module names.
-
-    Fused layers are expanded with the model's ``packed_modules_mapping`` (e.g. ``qkv_proj`` ->
-    q, k, v) and the layer's ``output_sizes`` (per-shard rows, so GQA's smaller k/v are right).
-    Layers wrapped for LoRA slots are unwrapped to their ``base_layer``, whose handle is the one
-    the forward pass calls.
-    """
-    from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
-
-    packed_map: dict[str, list[str]] = dict(getattr(model, "packed_modules_mapping", {}) or {})
-    specs: dict[str, LinearSpec] = {}
-    layers: dict[str, torch.nn.Module] = {}
-    for name, module in model.named_modules():
-        if not isinstance(module, LinearBase):
-            continue
-        if not isinstance(getattr(module, "quant_method", None), UnquantizedLinearMethod):
-            continue  # quantized layers: merging into them is not supported
-        if getattr(module, "tp_size", 1) != 1:
-            raise NotImplementedError("hotloop merged updates support tensor parallel size 1 only")
-        vname = name.removesuffix(".base_layer")
-        parent, _, leaf = vname.rpartition(".")
-        n_out = int(module.output_size_per_partition)
-        k_in = int(module.input_size_per_partition)
-        if leaf in packed_map:
-            subs = packed_map[leaf]
-            sizes = tuple(int(s) for s in getattr(module, "output_sizes", []))
-            if len(sizes) != len(subs) or sum(sizes) != n_out:
-                raise NotImplementedError(
-                    f"{vname}: cannot split fused outputs {sizes} over {subs} (N={n_out})"
-                )
-            hf = tuple(f"{parent}.{s}" if parent else s for s in subs)
-        else:
-            sizes, hf = (n_out,), (vname,)
-        specs[vname] = LinearSpec(vname, hf, sizes, k_in)
-        layers[vname] = module
-    if not specs:
-        raise NotImplementedError("no unquantized linear layers found in the served model")
-    return specs, layers
-
-
-def build_hf_index(specs: dict[str, LinearSpec]) -> dict[str, tuple[str, int]]:
-    """Checkpoint module name -> (vLLM layer name, shard index)."""
-    return {hf: (s.vllm_name, i) for s in specs.values() for i, hf in enumerate(s.hf_names)}
-
-
-def load_base_weights(
-    model_dir: str | Path, specs: dict[str, LinearSpec], dtype: torch.dtype
-) -> dict[str, torch.Tensor]:
-    """Read the base weight of every spec from the model's safetensors, fused like vLLM: (N, K).
-
-    Handles single-file and sharded (``model.safetensors.index.json``) checkpoints.
-    """
-    from safetensors import safe_open
-
-    model_dir = Path(model_dir)
-    index = model_dir / "model.safetensors.index.json"
-    if index.exists():
-        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
-    else:
-        files = sorted(model_dir.glob("*.safetensors"))
-        if not files:
-            raise FileNotFoundError(f"{model_dir} has no *.safetensors")
-        weight_map = {}
-        for f in files:
-            with safe_open(str(f), framework="pt") as fh:
-                weight_map.update({k: f.name for k in fh.keys()})
-    needed = {hf + ".weight" for s in specs.values() for hf in s.hf_names}
-    missing = sorted(needed - weight_map.keys())
-    if missing:
-        raise ValueError(
-            f"{model_dir} lacks {len(missing)} linear weights the engine serves "
-            f"(first: {missing[:3]}); is it the model the engine was started with?"
-        )
-    by_file: dict[str, list[str]] = {}
-    for key in needed:
-        by_file.setdefault(weight_map[key], []).append(key)
-    raw: dict[str, torch.Tensor] = {}
-    for fname, keys in by_file.items():
-        with safe_open(str(model_dir / fname), framework="pt") as fh:
-            for key in keys:
-                raw[key] = fh.get_tensor(key)
-    base: dict[str, torch.Tensor] = {}
-    for s in specs.values():
-        out = torch.empty(s.out_features, s.in_features, dtype=dtype)
-        for hf, off, n in zip(s.hf_names, s.offsets, s.shard_sizes):
-            w = raw.pop(hf + ".weight")
-            if tuple(w.shape) != (n, s.in_features):
-                raise ValueError(
-                    f"{hf}.weight has shape {tuple(w.shape)}, "
-                    f"the engine expects {(n, s.in_features)}"
-                )
-            out[off : off + n].copy_(w)  # casts fp32 checkpoints to the engine dtype
-        base[s.vllm_name] = out
-    return base
-
-
-def _pattern_value(patterns: dict[str, Any], module: str, default: Any) -> Any:
-    # Same matching as peft.utils.other.get_pattern_key: a key matches a module-name suffix.
-    for key, value in patterns.items():
-        if re.match(rf"(.*\.)?({key})$", module):
-            return value
-    return default
-
-
-def read_peft_adapter(adapter_dir: str | Path, max_rank: int) -> dict[str, LoraFactor]:
-    """Read a peft LoRA directory -> {checkpoint module name: LoraFactor}; validates everything.
-
-    Raises ValueError for anything this merge path cannot represent exactly.
-    """
-    from safetensors.torch import load_file
-
-    adapter_dir = Path(adapter_dir)
-    cfg_path = adapter_dir / "adapter_config.json"
-    weights_path = adapter_dir / "adapter_model.safetensors"
-    if not cfg_path.exists() or not weights_path.exists():
-        raise ValueError(f"{adapter_dir} is not a peft adapter dir (needs adapter_config.json and "
-                         "adapter_model.safetensors)")
-    cfg = json.loads(cfg_path.read_text())
-    if str(cfg.get("peft_type", "LORA")).upper() != "LORA":
-        raise ValueError(f"{adapter_dir}: peft_type {cfg.get('peft_type')!r} is not LORA")
-    bad = [f for f in _UNSUPPORTED_FLAGS if cfg.get(f)]
-    if bad:
-        raise ValueError(f"{adapter_dir}: {bad} not supported by merged updates")
-    if cfg.get("bias", "none") != "none":
-        raise ValueError(f"{adapter_dir}: bias={cfg['bias']!r} not supported (needs 'none')")
-    if cfg.get("modules_to_save") or cfg.get("trainable_token_indices"):
-        raise ValueError(f"{adapter_dir}: modules_to_save / trainable_token_indices not supported")
-    if cfg.get("fan_in_fan_out"):
-        raise ValueError(f"{adapter_dir}: fan_in_fan_out (Conv1D models) not supported")
-    r_default = int(cfg.get("r", 8))
-    alpha_default = float(cfg.get("lora_alpha", r_default))
-    rank_pattern: dict[str, int] = cfg.get("rank_pattern") or {}
-    alpha_pattern: dict[str, float] = cfg.get("alpha_pattern") or {}
-    rslora = bool(cfg.get("use_rslora", False))
-
-    tensors = load_file(str(weights_path))
-    parts: dict[str, dict[str, torch.Tensor]] = {}
-    for key, t in tensors.items():
-        m = re.fullmatch(r"(.+)\.(lora_A|lora_B)(?:\.[^.]+)?\.weight", key)
-        if m is None:
-            if "lora_embedding" in key or any(f".{e}." in f".{key}" for e in _EMBEDDING_NAMES):
-                raise ValueError(
-                    f"{adapter_dir}: {key!r}: adapters on embeddings / lm_head are not supported "
-                    "by merged updates (the output head is tied to the embeddings); train with "
-                    "target_modules limited to the linear layers"
-                )
-            raise ValueError(f"{adapter_dir}: unexpected tensor {key!r} (only lora_A/lora_B)")
-        module = m.group(1).removeprefix(_PEFT_PREFIX)
-        parts.setdefault(module, {})[m.group(2)] = t
-
-    out: dict[str, LoraFactor] = {}
-    for module, ab in sorted(parts.items()):
-        if module.rpartition(".")[2] in _EMBEDDING_NAMES:
-            raise ValueError(
-                f"{adapter_dir}: LoRA on {module!r}: adapters on embeddings / lm_head are not "
-                "supported by merged updates (the output head is tied to the embeddings)"
-            )
-        if set(ab) != {"lora_A", "lora_B"}:
-            raise ValueError(f"{adapter_dir}: {module} has {sorted(ab)}, needs lora_A and lora_B")
-        a, b = ab["lora_A"], ab["lora_B"]
-        if a.ndim != 2 or b.ndim != 2 or a.shape[0] != b.shape[1]:
-            raise ValueError(
-                f"{adapter_dir}: {module}: lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)} "
-                "are not (r, in) / (out, r)"
-            )
-        r = int(a.shape[0])
-        r_cfg = int(_pattern_value(rank_pattern, module, r_default))
-        if r != r_cfg:
-            raise ValueError(f"{adapter_dir}: {module}: rank {r} in weights, config says {r_cfg}")
-        if r > max_rank:
-            raise ValueError(f"{adapter_dir}: {module}: rank {r} exceeds the limit {max_rank}")
-        if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
-            raise ValueError(f"{adapter_dir}: {module}: non-finite values in lora_A / lora_B")
-        alpha = float(_pattern_value(alpha_pattern, module, alpha_default))
-        scale = alpha / math.sqrt(r) if rslora else alpha / r
-        if not math.isfinite(scale):
-            raise ValueError(f"{adapter_dir}: {module}: non-finite scaling {scale}")
-        out[module] = LoraFactor(a, b, scale)
-    if not out:
-        raise ValueError(f"{adapter_dir}: no LoRA tensors found")
-    return out
-
-
-def plan_merge(
-    factors: dict[str, LoraFactor],
-    specs: dict[str, LinearSpec],
-    hf_index: dict[str, tuple[str, int]],
-) -> dict[str, list[LoraFactor | None]]:
-    """Group adapter factors by vLLM layer (per shard, None = shard untouched); check shapes."""
-    plan: dict[str, list[LoraFactor | None]] = {}
-    unknown = sorted(m for m in factors if m not in hf_index)
-    if unknown:
-        raise ValueError(
-            f"adapter targets {len(unknown)} modules the engine does not serve as linear layers "
-            f"(first: {unknown[:3]}); was it trained on this base model?"
-        )
-    for module, f in factors.items():
-        vname, shard = hf_index[module]
-        spec = specs[vname]
-        n = spec.shard_sizes[shard]
-        if tuple(f.a.shape)[1] != spec.in_features or tuple(f.b.shape)[0] != n:
-            raise ValueError(
-                f"{module}: lora_A {tuple(f.a.shape)} / lora_B {tuple(f.b.shape)} do not fit the "
-                f"base weight ({n}, {spec.in_features}); was it trained on this base model?"
-            )
-        plan.setdefault(vname, [None] * len(spec.shard_sizes))[shard] = f
-    return plan
-
-
-def merge_layer(
-    base: torch.Tensor,
-    spec: LinearSpec,
-    shards: list[LoraFactor | None],
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """base (N, K) + per-shard scale * B (n, r) @ A (r, K), in base's dtype and device.
-
-    One ``addmm`` per shard writes straight into the output rows (fp32 accumulation inside the
-    GEMM, one rounding to the engine dtype); untouched shards are copied from base.
-    """
-    merged = torch.empty_like(base) if out is None else out
-    for f, off, n in zip(shards, spec.offsets, spec.shard_sizes):
-        rows = slice(off, off + n)
-        if f is None:
-            merged[rows].copy_(base[rows])
-        else:
-            a = f.a.to(device=base.device, dtype=base.dtype)
-            b = f.b.to(device=base.device, dtype=base.dtype)
-            torch.addmm(base[rows], b, a, alpha=f.scale, out=merged[rows])
-    return merged
-
-
-def pack_cpu(weight: torch.Tensor) -> _Packed:
-    """Build a packed CPU GEMM for ``weight`` (N, K) without touching any live layer.
-
-    Runs vLLM's own load-time dispatch on a throwaway module, so the kernel choice (oneDNN,
-    AMX "sgl" for small weights, zentorch, plain F.linear fallback) is exactly vLLM's. The
-    throwaway has no bias: the closure takes bias at call time from the live layer, whose bias
-    vLLM already converted at load; giving it the live bias would let the sgl path mutate it.
-    """
-    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
-
-    holder = torch.nn.Module()
-    holder.weight = torch.nn.Parameter(weight, requires_grad=False)
-    holder.bias = None
-    dispatch_cpu_unquantized_gemm(holder, remove_weight=True)
-    return _Packed(holder.cpu_linear, holder.weight)
-
-
-def factor_layer(
-    spec: LinearSpec, shards: list[LoraFactor | None], dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Stack one layer's factors for ``y += (x @ at) @ bt``: at (K, R), bt (R, N), scale in bt.
-
-    R = sum of the ranks of the shards present. bt is block-structured: the rows of shard s's
-    rank block are non-zero only in shard s's output columns, so one pair of GEMMs serves a
-    fused qkv / gate_up layer. Zero-padding costs R * N extra MACs per token, negligible.
-    """
-    present = [
-        (f, off, n)
-        for f, off, n in zip(shards, spec.offsets, spec.shard_sizes)
-        if f is not None
-    ]
-    r_total = sum(int(f.a.shape[0]) for f, _, _ in present)
-    at = torch.empty(spec.in_features, r_total, dtype=dtype)
-    bt = torch.zeros(r_total, spec.out_features, dtype=dtype)
-    r0 = 0
-    for f, off, n in present:
-        r = int(f.a.shape[0])
-        at[:, r0 : r0 + r].copy_(f.a.T)
-        bt[r0 : r0 + r, off : off + n].copy_((f.b * f.scale).T)  # scale folded in fp32
-        r0 += r
-    return at, bt
-
-
-def factored_linear(
-    base_fn: Callable[..., torch.Tensor], at: torch.Tensor, bt: torch.Tensor
-) -> Callable[..., torch.Tensor]:
-    """A ``cpu_linear`` that runs the packed base GEMM and adds the low-rank term unmerged."""
-
-    def fn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        y = base_fn(x, weight, bias)  # (M, N) from the load-time packed handle
-        # (M, K) @ (K, R) -> (M, R); then y += (M, R) @ (R, N), accumulated in place.
-        y.view(-1, y.shape[-1]).addmm_(x.reshape(-1, x.shape[-1]) @ at, bt)
-        return y
-
-    return fn
 
 
 # --------------------------------------------------------------------------------------------
@@ -736,27 +396,16 @@ def _build_prepared(st: _State, version: int, adapter_dir: str, mode: str) -> _P
         for vname, shards in plan.items():
             ta = time.perf_counter()
             if mode == "factored":
-                at, bt = factor_layer(st.specs[vname], shards, st.dtype)
-                base = st.v0[vname]
-                assert base.cpu_linear is not None
-                packed[vname] = _Packed(factored_linear(base.cpu_linear, at, bt), base.weight)
+                packed[vname] = factored.build_layer(st.specs[vname], shards, st.dtype, st.v0[vname])
                 t_merge += time.perf_counter() - ta
                 continue
             if not st.is_cpu:
-                # Device: no pending full copy. Move the (small) factors now; commit merges into
-                # the live weight in place, which costs a few ms of device time even for 7B.
-                dev = st.base[vname].device
-                on_dev = [
-                    None if f is None
-                    else LoraFactor(f.a.to(dev, st.dtype), f.b.to(dev, st.dtype), f.scale)
-                    for f in shards
-                ]
-                packed[vname] = _Packed(None, None, on_dev)
+                packed[vname] = device.prepare_layer(st.base[vname], shards, st.dtype)
                 t_merge += time.perf_counter() - ta
                 continue
             merged = merge_layer(st.base[vname], st.specs[vname], shards)
             tb = time.perf_counter()
-            packed[vname] = pack_cpu(merged)
+            packed[vname] = merged_path.pack_cpu(merged)
             t_merge += tb - ta
             t_pack += time.perf_counter() - tb
     return _Prepared(
@@ -777,8 +426,5 @@ def _swap_in(st: _State, new_set: dict[str, _Packed]) -> None:
                 # bias) on every forward, so the next forward uses the new handle.
                 layer.cpu_linear = p.cpu_linear
                 layer._parameters["weight"] = p.weight
-            elif p.shards is not None:
-                # In place (CUDA graphs captured this storage): base + delta written directly.
-                merge_layer(st.base[vname], st.specs[vname], p.shards, out=layer.weight.data)
             else:
-                layer.weight.data.copy_(st.base[vname])
+                device.write_layer(layer, st.base[vname], st.specs[vname], p)
