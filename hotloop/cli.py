@@ -161,6 +161,8 @@ def build_parser() -> argparse.ArgumentParser:
     bh.add_argument("--pushes", type=int, default=20)
     bh.add_argument("--mode", choices=["merged", "lora", "auto"], default="auto")
     bh.add_argument("--rank", type=int, default=16)
+    bh.add_argument("--swap", choices=["inflight", "drain"],
+                    help="merged mode: measure one swap (default: both, on separate engines)")
     bh.add_argument("--json", help="write results here")
     bs = bsub.add_parser("sandbox", help="scored samples/s: local process pool vs Ray actors")
     bs.add_argument("--samples", type=int, default=64)
