@@ -58,6 +58,7 @@ bench: $(MODEL_STAMP)
 	$(BIN)/hotloop bench rollout --json runs/bench-rollout.json
 	$(BIN)/hotloop bench hot-update --json runs/bench-hot-update.json
 	$(BIN)/hotloop bench sandbox --json runs/bench-sandbox.json
+	$(BIN)/hotloop bench threads --json runs/bench-threads.json
 
 protos: $(STAMP)
 	$(BIN)/python -m hotloop.protogen
