@@ -84,7 +84,14 @@ class Stack:
                         f"{_tail(log_path, 8)}")
         return None
 
-    def stop(self) -> None:
+    def stop(self) -> str | None:
+        """Stop everything; returns why a process had failed on its own (it can report a
+        fatal error and still be shutting down when the demo ends), else None."""
+        from hotloop.launcher import _tail
+
+        procs = [(p.name, p.popen, p.log_path) for p in self.mesh.procs]
+        if self.trainer is not None:
+            procs.append(("trainer", self.trainer, self.out / "mesh" / "logs" / "trainer.log"))
         if self.trainer is not None and self.trainer.poll() is None:
             self.trainer.send_signal(signal.SIGTERM)
             try:
@@ -93,6 +100,12 @@ class Stack:
                 os.killpg(self.trainer.pid, signal.SIGKILL)
                 self.trainer.wait()
         self.mesh.stop()
+        # A process that failed exits 1 (`hotloop.service`); a negative code is a signal, and
+        # a SIGKILL here is the launcher's own, after its grace period (it says so itself).
+        for name, popen, log_path in procs:
+            if popen.returncode is not None and popen.returncode > 0:
+                return f"{name} exited with code {popen.returncode}; last lines of {log_path}:\n{_tail(log_path, 8)}"
+        return None
 
 
 def start_stack(config_path: str, overrides: list[str], out: Path, quiet: bool = False) -> Stack:
@@ -362,7 +375,10 @@ def demo_report(state: DemoState) -> dict:
         "failed": state.failed,
         "preference": state.preference.describe(),
         "preference_share": {
-            "base": state.base, "final": final, "target": state.target,
+            # every idle-phase answer (some finish after the switch, all from the base model);
+            # the target was set from those finished at the switch (`base_at_switch`)
+            "base": s_idle["matched_share"], "base_at_switch": state.base,
+            "final": final, "target": state.target,
             "reached": state.reached_at is not None,
             "time_to_target_s": (state.reached_at - t0) if state.reached_at and t0 else None,
             "window": state.window,
@@ -513,7 +529,10 @@ def main(args) -> int:
             state, stack, args.users, args.idle_s, args.train_s, args.max_tokens,
             not args.no_stop, args.progress))
     finally:
-        stack.stop()
+        why = stack.stop()
+    if why and not state.failed:
+        state.failed = why
+        print(f"[demo-online] {why}", flush=True)
     report = write_demo_report(state)
     ps = report["preference_share"]
     print(f"[demo-online] preference share: base {_f(ps['base'])} -> final {_f(ps['final'])}"
@@ -564,7 +583,8 @@ def loop_stages(spans: list[dict], loops: list[dict]) -> dict[str, list[float]]:
     trainer's `online.step` children; push (publish started -> the replica started loading:
     archive, send); load (the replica's PushAdapter server span: verify, merge, swap); and the
     ends the traces cannot see: ingest (feedback sent -> the update started) and first token
-    (the replica loaded it -> a user's first token from it). The announce on the bus runs
+    (the replica loaded it -> a user's first token from it, 0 when a token came first). The
+    stages follow each other in time, so they add up to the loop. The announce on the bus runs
     after the load and is off the path."""
     by_id = {s["span_id"]: s for s in spans}
     children = defaultdict(list)
@@ -587,15 +607,18 @@ def loop_stages(spans: list[dict], loops: list[dict]) -> dict[str, list[float]]:
                 out[name].append((kids[name]["end"] - kids[name]["start"]) * 1e3)
         loads = [s for s in spans if s["trace"] == pub["trace"] and s["name"].endswith("PushAdapter")
                  and s["start"] >= pub["start"] and _is_server(s, by_id)]
+        first = lp["first_token"]
         if loads:  # one replica here; with several, the slowest one bounds the path
             load = max(loads, key=lambda s: s["end"])
             out["push"].append((load["start"] - pub["start"]) * 1e3)
-            out["load"].append((load["end"] - load["start"]) * 1e3)
+            # An in-flight swap serves the new weights before PushAdapter returns (it still
+            # retires old versions): the load ends, for the loop, at the first token if sooner.
+            out["load"].append((min(load["end"], first) - load["start"]) * 1e3)
             live = load["end"]
         else:
             out["push"].append((pub["end"] - pub["start"]) * 1e3)
             live = pub["end"]
-        out["first_token"].append((lp["first_token"] - live) * 1e3)
+        out["first_token"].append(max(0.0, first - live) * 1e3)
     return out
 
 
@@ -638,6 +661,9 @@ def bench_update_loop(args) -> int:
         "loops": len(loop_ms),
         "lost_feedback": result["lost"],
         "stages_ms": {s: percentile(stages[s], 50) for s in LOOP_STAGES if stages.get(s)},
+        "stages_p95_ms": {s: percentile(stages[s], 95) for s in LOOP_STAGES if stages.get(s)},
+        "per_loop": [{"version": e["version"], "loop_ms": round(e["loop_ms"], 1)}
+                     for e in result["loops_detail"]],
         "background": result["background"],
         "interrupted": interrupted,
     }
@@ -722,9 +748,9 @@ def _print_budget(summary: dict) -> None:
           f"p50 {_f(lm['p50'], '.0f')} ms, p95 {_f(lm['p95'], '.0f')} ms", flush=True)
     stages = summary["stages_ms"]
     total = sum(v for v in stages.values() if v) or 1.0
-    print(f"{'stage':<14}{'p50 ms':>10}{'share':>8}")
+    print(f"{'stage':<14}{'p50 ms':>10}{'share':>8}{'p95 ms':>10}")
     for name, v in stages.items():
-        print(f"{name:<14}{v:>10.0f}{v / total:>8.0%}")
+        print(f"{name:<14}{v:>10.0f}{v / total:>8.0%}{summary['stages_p95_ms'][name]:>10.0f}")
     if lm["p50"] is not None and lm["p50"] >= 1000 and stages:
         over = lm["p50"] - 1000
         print(f"[bench update-loop] p50 is {over:.0f} ms over the 1000 ms aim. Largest stages first:")

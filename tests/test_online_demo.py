@@ -76,6 +76,9 @@ def test_stage_budget_of_one_loop_from_otlp_json_lines(tmp_path):
     st = {k: [round(x) for x in v] for k, v in loop_stages(spans, [loop]).items()}
     assert st == {"ingest": [500], "consume": [100], "train": [1800], "push": [200], "load": [400],
                   "first_token": [700]}  # from the end of the replica's load
+    # in-flight swap: a user got a token from v4 before PushAdapter returned
+    early = loop_stages(spans, [{**loop, "first_token": 12.5, "loop_ms": 3000}])
+    assert round(early["load"][0]) == 200 and early["first_token"] == [0.0]
     # a loop whose version has no publish span in the traces contributes nothing
     assert loop_stages(spans, [{**loop, "version": 5}]) == {}
 
