@@ -12,6 +12,7 @@ version instead of misreading it.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -236,7 +237,9 @@ class PullConsumer:
 
         try:
             raws = await self.sub.fetch(batch or self.batch, timeout=timeout_s or self.timeout_s)
-        except nats.errors.TimeoutError:
+        except (nats.errors.TimeoutError, asyncio.TimeoutError):
+            # nats-py raises the builtin TimeoutError instead of its own when the event loop
+            # stalled past the fetch deadline (a busy 2-core host): still just "nothing yet".
             return []
         out = []
         for raw in raws:
