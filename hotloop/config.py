@@ -34,7 +34,7 @@ class ModelConfig(Section):
     """Base model: a known name (`hotloop models list`), a local HF directory, or a hub id."""
     dtype: Literal["auto", "bfloat16", "float32"] = "auto"
     """Weights dtype of the rollout engine. `auto`: bf16 where the hardware computes it
-    natively (CUDA, AMX-BF16 or AVX512-BF16 CPUs), else fp32 (`hotloop.hardware`)."""
+    fast (CUDA, AMX-BF16 CPUs; measured), else fp32 (`hotloop.hardware`)."""
     max_model_len: int = Field(2048, ge=64, le=131072)
     """Longest prompt + completion, in tokens, that any service accepts."""
 

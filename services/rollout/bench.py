@@ -150,8 +150,8 @@ def bench_rollout(args) -> dict:
 
     model_dir = models.resolve(args.model)
     prompts = _prompts(args.prompts)
-    # Each path in its best dtype. vLLM: the one this host computes natively (bf16 on CUDA and
-    # on AMX / AVX512-BF16 CPUs, fp32 elsewhere). HF generate: the faster of fp32 and that dtype
+    # Each path in its best dtype. vLLM: `auto` (bf16 on CUDA and AMX CPUs, where it measured
+    # faster; fp32 elsewhere). HF generate: the faster of fp32 and that dtype
     # on a short probe, because at small batches it is bound by per-op overhead, not by matmul
     # throughput (on an AVX512-BF16 CPU without AMX the probe gave fp32 67, bf16 60 tok/s).
     dtype = resolve_dtype("auto")

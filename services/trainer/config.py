@@ -105,8 +105,9 @@ class TrainerConfig(_Strict):
     """Completion positions per output-head chunk (each chunk holds a [chunk, vocab] fp32
     block)."""
     dtype: Literal["auto", "bfloat16", "float32"] = "auto"
-    """Compute dtype. `auto`: bf16 where the hardware computes it natively, else fp32
-    (`hotloop.hardware.resolve_dtype`; on an AVX2-only CPU bf16 is 40x slower). bfloat16 stores the frozen base in bf16 and runs under CPU/CUDA autocast;
+    """Compute dtype. `auto`: bf16 on CUDA and AMX CPUs, where it measured faster, else fp32
+    (`hotloop.hardware.resolve_dtype`; on an AVX2-only CPU bf16 is 40x slower, on AVX512-BF16
+    without AMX 1.7x). bfloat16 stores the frozen base in bf16 and runs under CPU/CUDA autocast;
     the LoRA weights, optimizer state and log-softmax stay float32."""
     torch_threads: int | None = Field(None, ge=1)
     """torch intra-op threads (None: torch's default). vLLM on the same host competes for the
