@@ -396,10 +396,11 @@ class RolloutCore:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.cfg.kv_cache_gib))
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", self.cfg.cpu_omp_threads_bind)
         os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", str(self.cfg.cpu_reserved_cpus))
-        # Idle OpenMP threads otherwise spin: an idle engine took ~28% of a core (psutil, tiny
-        # model), stolen from the trainer and reference that run between generations; with
-        # PASSIVE it takes ~1%.
-        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+        # Measured (`hotloop bench threads`, docs/architecture.md "Threads and cores"): PASSIVE
+        # cut an idle engine's CPU share (28% -> 1% of a core) but did not speed up a trainer
+        # beside it, and generated 2-9% slower; so the default leaves OpenMP's own policy.
+        if self.cfg.omp_wait_policy != "default":
+            os.environ.setdefault("OMP_WAIT_POLICY", self.cfg.omp_wait_policy.upper())
 
     async def stop(self) -> None:
         if self.engine is not None:
