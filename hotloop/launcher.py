@@ -94,7 +94,7 @@ def available(name: str) -> bool:
     return importlib.util.find_spec(f"services.{name}.__main__") is not None
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """In the child, before exec: get SIGTERM when the launcher dies, even by SIGKILL, so a
     killed `hotloop up` or demo never leaves services (and their vLLM engines) running.
     Services run in their own session so that Ctrl-C reaches only the launcher, which stops
@@ -108,7 +108,7 @@ def _die_with_parent() -> None:
         pass
 
 
-def _tail(path: Path, lines: int = 25) -> str:
+def tail_log(path: Path, lines: int = 25) -> str:
     try:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
     except OSError:
@@ -147,7 +147,7 @@ class Mesh:
             token_file.write_text(secrets.token_hex(24))
         token_file.chmod(0o600)
         self.nats = NatsServer(self.run_dir / "nats", self.run_dir / "logs" / "nats.log").start(
-            preexec_fn=_die_with_parent)
+            preexec_fn=die_with_parent)
         self.say(f"nats-server (JetStream) on {self.nats.url}")
         self.info = MeshInfo(str(self.run_dir), self.nats.url, {}, str(token_file), self.config_path,
                              user_keys_file=self._user_keys_file())
@@ -196,7 +196,7 @@ class Mesh:
             env = {**os.environ, **self.info.env(), "PYTHONUNBUFFERED": "1"}
             with open(log_path, "ab") as log:
                 popen = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                         start_new_session=True, preexec_fn=_die_with_parent)
+                                         start_new_session=True, preexec_fn=die_with_parent)
             proc = Proc(name, popen, log_path)
             self.procs.append(proc)
             started.append((proc, port_file))
@@ -207,7 +207,7 @@ class Mesh:
                 if proc.popen.poll() is not None:
                     raise RuntimeError(
                         f"{proc.name} exited with code {proc.popen.returncode} during start-up; "
-                        f"last lines of {proc.log_path}:\n{_tail(proc.log_path)}"
+                        f"last lines of {proc.log_path}:\n{tail_log(proc.log_path)}"
                     )
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"{proc.name} did not start within {timeout_s:.0f}s; see {proc.log_path}")
@@ -238,7 +238,7 @@ class Mesh:
                 for p in self.procs:
                     if p.popen.poll() is not None:
                         self.say(f"{p.name} died with exit code {p.popen.returncode}; stopping the "
-                                 f"mesh. Last lines of {p.log_path}:\n{_tail(p.log_path)}")
+                                 f"mesh. Last lines of {p.log_path}:\n{tail_log(p.log_path)}")
                         return 1
                 if self.nats and self.nats.proc.poll() is not None:
                     self.say("nats-server died; stopping the mesh")

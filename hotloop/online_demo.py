@@ -73,7 +73,7 @@ class Stack:
 
     def dead(self) -> str | None:
         """Which process of the stack died, with its log's last lines; None while all run."""
-        from hotloop.launcher import _tail
+        from hotloop.launcher import tail_log
 
         procs = [(p.name, p.popen, p.log_path) for p in self.mesh.procs]
         if self.trainer is not None:
@@ -81,13 +81,13 @@ class Stack:
         for name, popen, log_path in procs:
             if popen.poll() is not None:
                 return (f"{name} died with exit code {popen.returncode}; last lines of {log_path}:\n"
-                        f"{_tail(log_path, 8)}")
+                        f"{tail_log(log_path, 8)}")
         return None
 
     def stop(self) -> str | None:
         """Stop everything; returns why a process had failed on its own (it can report a
         fatal error and still be shutting down when the demo ends), else None."""
-        from hotloop.launcher import _tail
+        from hotloop.launcher import tail_log
 
         procs = [(p.name, p.popen, p.log_path) for p in self.mesh.procs]
         if self.trainer is not None:
@@ -104,7 +104,7 @@ class Stack:
         # a SIGKILL here is the launcher's own, after its grace period (it says so itself).
         for name, popen, log_path in procs:
             if popen.returncode is not None and popen.returncode > 0:
-                return f"{name} exited with code {popen.returncode}; last lines of {log_path}:\n{_tail(log_path, 8)}"
+                return f"{name} exited with code {popen.returncode}; last lines of {log_path}:\n{tail_log(log_path, 8)}"
         return None
 
 
@@ -113,7 +113,7 @@ def start_stack(config_path: str, overrides: list[str], out: Path, quiet: bool =
     online trainer, with the mesh's files under `out/mesh` and the trainer's under
     `out/trainer`. Raises if any of them does not come up (and stops what did)."""
     from hotloop import config
-    from hotloop.launcher import Mesh, _die_with_parent, available
+    from hotloop.launcher import Mesh, die_with_parent, available
 
     out = out.resolve()
     overrides = [*overrides, f"run_dir={out / 'mesh'}", f"online.out_dir={out}",
@@ -132,7 +132,7 @@ def start_stack(config_path: str, overrides: list[str], out: Path, quiet: bool =
                    "--run-dir", str(out / "mesh")] + [a for o in overrides for a in ("--set", o)]
             with open(log_path, "ab") as f:
                 trainer = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT,
-                                           start_new_session=True, preexec_fn=_die_with_parent)
+                                           start_new_session=True, preexec_fn=die_with_parent)
         from hotloop.simulate import find_target
 
         return Stack(mesh, trainer, out, find_target(out / "mesh"))
