@@ -1,14 +1,16 @@
 """Configuration of the reward service (section `[reward]`).
 
 Owns the typed knobs of scoring: which scorers exist and which is the default, the sandbox's
-limits and required isolation, the sandbox backend and how much runs at once.
+limits and required isolation, the sandbox backend and how much runs at once, and the scorer
+name space: built-ins, `python:` functions, and the named tables (`rules`, `length_rules`,
+`reward_models`, `composites`), where one name means one scorer and composites form no cycle.
 Does not own: the shared sections (model, NATS, telemetry) or the loader (`hotloop.config`).
 """
 
 from __future__ import annotations
 
 import re
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -93,6 +95,71 @@ class RegexRule(BaseModel):
         return pattern
 
 
+class LengthRule(BaseModel):
+    """A brevity rule: `reward_under` when the completion has at most `max_words` words, else
+    `reward_over`. Words are whitespace-separated runs (`str.split()`), code included."""
+
+    model_config = ConfigDict(extra="forbid", validate_default=True)
+
+    max_words: int = Field(ge=0)
+    """Most words a completion may have and still get `reward_under`."""
+    reward_under: float = Field(1.0, allow_inf_nan=False)
+    """Reward of a completion of at most `max_words` words."""
+    reward_over: float = Field(0.0, allow_inf_nan=False)
+    """Reward of a longer one."""
+
+
+class RewardModelConfig(BaseModel):
+    """A Hugging Face sequence-classification model that scores (prompt, completion) pairs
+    (`reward_model.py`). Loaded once at start-up, and only when some enabled scorer uses it."""
+
+    model_config = ConfigDict(extra="forbid", validate_default=True)
+
+    model: str
+    """A local Hugging Face directory or a name `hotloop models` provisioned; loaded with
+    `AutoModelForSequenceClassification` and its own tokenizer. Never downloaded at start-up."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where the model runs. `auto`: the first CUDA device if torch sees one, else the CPU.
+    `cuda` on a host without one stops start-up."""
+    dtype: Literal["auto", "bfloat16", "float32"] = "auto"
+    """Weights and compute dtype. `auto`: bf16 on CUDA or a CPU with AMX-BF16, else fp32
+    (`hotloop.hardware.resolve_dtype`, the rule every service follows)."""
+    batch_size: int = Field(8, ge=1, le=4096)
+    """Most pairs per forward. Requests queued while a forward runs form the next batch, so a
+    busy stream fills batches without waiting for stragglers."""
+    max_length: int = Field(2048, ge=16, le=1 << 20)
+    """Most tokens per pair. Longer pairs lose prompt tokens from the left (the completion,
+    whose last token the model scores, is kept); a completion longer than this on its own
+    keeps its last `max_length` tokens."""
+    label_index: int = Field(0, ge=0)
+    """Which output logit is the reward (0 for the usual single-logit reward model); must be
+    below the model's `num_labels`, checked at start-up."""
+    scale: float = Field(1.0, allow_inf_nan=False)
+    """reward = scale * logit + offset. A fixed affine map, not running normalization: a
+    reward that drifts with the batch's statistics would move the PPO target under the value
+    head, and GRPO/PPO already normalize advantages."""
+    offset: float = Field(0.0, allow_inf_nan=False)
+    """Added after `scale`."""
+    use_chat_template: bool = True
+    """Render the pair as [user: prompt, assistant: completion] with the tokenizer's chat
+    template, as reward models are trained; a tokenizer without one (or false here) scores
+    `prompt + completion` as plain text, with the tokenizer's special tokens."""
+    trust_remote_code: bool = False
+    """Let transformers run Python code shipped in the model directory (models whose class is
+    not in transformers). Only for directories you trust: that code runs in this service."""
+
+
+class CompositeConfig(BaseModel):
+    """A weighted sum of other scorers, run concurrently on the same sample (`scorers.py`)."""
+
+    model_config = ConfigDict(extra="forbid", validate_default=True)
+
+    parts: dict[str, Annotated[float, Field(allow_inf_nan=False)]] = Field(min_length=1)
+    """Scorer name -> weight. Any scorer this config defines (`code_tests`, a rule, a length
+    rule, a reward model, `python:<module>:<function>`, another composite), enabled in
+    `scorers` or not; no cycles."""
+
+
 def _default_rules() -> dict[str, RegexRule]:
     # "format": the completion contains a fenced Python block (what every built-in prompt asks for).
     return {"format": RegexRule(pattern=r"```(?:python|py|python3)[ \t]*\n.*?```")}
@@ -104,12 +171,19 @@ class RewardConfig(Section):
     port: int = Field(0, ge=0, le=65535)
     """Port to listen on; 0 picks a free one (written to the port file)."""
     scorers: list[str] = ["code_tests", "format"]
-    """Scorers a request may name: `code_tests`, a key of `rules`, or
-    `python:<module>:<function>` (imported at start-up). Nothing else can be requested."""
+    """Scorers a request may name: `code_tests`, a key of `rules`, `length_rules`,
+    `reward_models` or `composites`, or `python:<module>:<function>` (imported at start-up).
+    Nothing else can be requested; a composite's parts are built for it whether listed or not."""
     default_scorer: str = "code_tests"
     """Scorer used when a request leaves `scorer` empty; must be one of `scorers`."""
     rules: dict[str, RegexRule] = Field(default_factory=_default_rules)
     """Named regex rule scorers."""
+    length_rules: dict[str, LengthRule] = {}
+    """Named brevity rule scorers."""
+    reward_models: dict[str, RewardModelConfig] = {}
+    """Named reward-model scorers (one loaded model each)."""
+    composites: dict[str, CompositeConfig] = {}
+    """Named weighted sums of other scorers."""
     sandbox: SandboxConfig = SandboxConfig()
     """How code is run (limits, isolation)."""
     backend: Literal["local", "ray"] = "local"
@@ -127,15 +201,62 @@ class RewardConfig(Section):
 
     @model_validator(mode="after")
     def _scorers_known(self) -> "RewardConfig":
+        tables = self._tables()
+        seen: dict[str, str] = {}
+        for kind, table in tables.items():
+            for name in table:
+                if name in BUILTIN_SCORERS or name.startswith(PYTHON_SCORER_PREFIX):
+                    raise ValueError(f"{kind}.{name}: {name!r} is reserved for a built-in or python: scorer")
+                if name in seen:
+                    # one name, one scorer: a request for it must not depend on table order
+                    raise ValueError(f"scorer name {name!r} is defined in both {seen[name]} and {kind}")
+                seen[name] = kind
         for name in self.scorers:
-            if name in BUILTIN_SCORERS or name in self.rules:
-                continue
-            if name.startswith(PYTHON_SCORER_PREFIX) and len(name.split(":")) == 3 and all(name.split(":")):
-                continue
-            raise ValueError(
-                f"scorer {name!r} is not `code_tests`, a rule ({sorted(self.rules)}) or "
-                "`python:<module>:<function>`"
-            )
+            if not self.defines(name):
+                raise ValueError(
+                    f"scorer {name!r} is not `code_tests`, a rule, length rule, reward model or "
+                    f"composite ({sorted(seen)}) or `python:<module>:<function>`"
+                )
+        for name, composite in self.composites.items():
+            for part in composite.parts:
+                if not self.defines(part):
+                    raise ValueError(f"composite {name!r}: part {part!r} is not a scorer this config defines")
+        for name in self.composites:
+            self._no_cycle(name, ())
         if self.default_scorer not in self.scorers:
             raise ValueError(f"default_scorer {self.default_scorer!r} is not in scorers {self.scorers}")
         return self
+
+    def _tables(self) -> dict[str, dict]:
+        return {"rules": self.rules, "length_rules": self.length_rules,
+                "reward_models": self.reward_models, "composites": self.composites}
+
+    def defines(self, name: str) -> bool:
+        """Whether `name` is a scorer of this config (enabled in `scorers` or not)."""
+        if name in BUILTIN_SCORERS or any(name in t for t in self._tables().values()):
+            return True
+        parts = name.split(":")
+        return name.startswith(PYTHON_SCORER_PREFIX) and len(parts) == 3 and all(parts)
+
+    def _no_cycle(self, name: str, path: tuple[str, ...]) -> None:
+        if name in path:
+            raise ValueError(f"composites form a cycle: {' -> '.join((*path, name))}")
+        if name in self.composites:
+            for part in self.composites[name].parts:
+                self._no_cycle(part, (*path, name))
+
+    def needed_scorers(self) -> list[str]:
+        """Every scorer to build: the enabled ones and, transitively, the parts of enabled
+        composites; parts before the composites that use them, each name once."""
+        order: list[str] = []
+
+        def visit(name: str) -> None:
+            if name in order:
+                return
+            for part in self.composites[name].parts if name in self.composites else ():
+                visit(part)
+            order.append(name)
+
+        for name in self.scorers:
+            visit(name)
+        return order

@@ -4,8 +4,11 @@ Owns: turning `ScoreInput`s into `ScoreOutput`s for each kind of scorer:
 - `code_tests`: extract the code from the completion, run it against the task's tests in the
   sandbox pool, reward = fraction of test cases passed;
 - regex rules (e.g. `format`: the completion has a fenced Python block);
-- `python:<module>:<function>`: a user's function, imported at start-up.
-and `build_scorers(config, pool)`, the one place that maps names to scorers.
+- length rules (brevity: one reward up to `max_words` words, another beyond);
+- `python:<module>:<function>`: a user's function, imported at start-up;
+- composites: a weighted sum of other scorers, run concurrently;
+and `build_scorers(config, pool)`, the one place that maps names to scorers (reward models,
+a scorer kind of their own, live in `reward_model.py`).
 Does not own: running code (`pool.py`, `sandbox.py`), request flow (`core.py`).
 
 Test cases of the shape `assert <call> == <literal>` (or `<literal> == <call>`) are not judged
@@ -22,7 +25,8 @@ the service logs them per batch (debug level).
 Failures are outputs, never exceptions: no code -> `no_code`, unparsable code ->
 `syntax_error`, sandbox outcomes -> `timeout`/`oom`/`crash`, a task without tests or a user
 scorer that raises -> `scorer_error` with the reason in `error` (reward 0, but marked, so a
-trainer can tell a broken scorer from a bad sample).
+trainer can tell a broken scorer from a bad sample). A composite with a part in
+`scorer_error` is in `scorer_error` itself (see `CompositeScorer`).
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from . import strict
-from .config import BUILTIN_SCORERS, PYTHON_SCORER_PREFIX, RegexRule, RewardConfig
+from .config import PYTHON_SCORER_PREFIX, LengthRule, RegexRule, RewardConfig
 from .pool import SandboxPool
 from .sandbox import SandboxJob, SandboxResult, ValueCase
 from .types import CODE_PREFIX_KEY, ScoreInput, ScoreOutput, ScoreStatus, TaskSpec
@@ -404,24 +408,103 @@ class PythonScorer(Scorer):
         return _output(item, start, reward=float(value))
 
 
+class LengthScorer(Scorer):
+    """Brevity: `reward_under` for at most `max_words` words, else `reward_over`."""
+
+    def __init__(self, name: str, rule: LengthRule):
+        self.name = name
+        self._rule = rule
+
+    async def score(self, items: Sequence[ScoreInput]) -> list[ScoreOutput]:
+        out = []
+        for item in items:
+            start = time.perf_counter()
+            words = len(item.completion.split())
+            under = words <= self._rule.max_words
+            out.append(_output(
+                item, start, reward=self._rule.reward_under if under else self._rule.reward_over,
+                passed=int(under), failed=int(not under),
+                error="" if under else f"{words} words > max_words {self._rule.max_words}",
+            ))
+        return out
+
+
+class CompositeScorer(Scorer):
+    """A weighted sum of other scorers, each given the same items, all running at once.
+
+    Per item, in the order of `parts`:
+    - any part in `scorer_error` -> the composite is `scorer_error`, reward 0, with the first
+      such part's reason (`<part>: <error>`): a broken part never yields a partial reward;
+    - otherwise reward = sum(weight * part reward), and the status is the first part status
+      that is not `ok` (e.g. `no_code`, `timeout` from code_tests). Those are verdicts on the
+      sample, already priced into that part's reward (a sample with no code passes no test),
+      so the other parts still count; the status says what happened.
+    `error` joins the parts' errors as `<part>: <error>`; `passed`/`failed`, the case counts
+    and `timed_out` add up over the parts; `seconds` is the slowest part's (they run at once).
+    """
+
+    def __init__(self, name: str, parts: Sequence[tuple[str, Scorer, float]]):
+        self.name = name
+        self._parts = list(parts)
+
+    async def score(self, items: Sequence[ScoreInput]) -> list[ScoreOutput]:
+        per_part = await asyncio.gather(*(scorer.score(items) for _, scorer, _ in self._parts))
+        return [self._combine(item, [outs[i] for outs in per_part]) for i, item in enumerate(items)]
+
+    def _combine(self, item: ScoreInput, outs: list[ScoreOutput]) -> ScoreOutput:
+        seconds = max(o.seconds for o in outs)
+        names = [name for name, _, _ in self._parts]
+        for name, o in zip(names, outs):
+            if o.status == "scorer_error":
+                return ScoreOutput(id=item.id, reward=0.0, status="scorer_error", error=f"{name}: {o.error}",
+                                   seconds=seconds)
+        reward = sum(w * o.reward for (_, _, w), o in zip(self._parts, outs))
+        if not math.isfinite(reward):  # finite parts and weights can still overflow
+            return ScoreOutput(id=item.id, reward=0.0, status="scorer_error", seconds=seconds,
+                               error=f"{self.name}: the weighted sum overflowed ({reward})")
+        return ScoreOutput(
+            id=item.id, reward=reward,
+            status=next((o.status for o in outs if o.status != "ok"), "ok"),
+            error="; ".join(f"{name}: {o.error}" for name, o in zip(names, outs) if o.error),
+            passed=sum(o.passed for o in outs), failed=sum(o.failed for o in outs),
+            timed_out=any(o.timed_out for o in outs), seconds=seconds,
+            cases_compared_trusted=sum(o.cases_compared_trusted for o in outs),
+            cases_in_sandbox=sum(o.cases_in_sandbox for o in outs),
+        )
+
+
 def build_scorers(
     config: RewardConfig, make_pool: Callable[[], SandboxPool]
 ) -> tuple[dict[str, Scorer], SandboxPool | None]:
-    """Every scorer the configuration enables, by name, and the sandbox pool if one is needed.
+    """Every scorer a request may name, by name, and the sandbox pool if one is needed.
 
-    User functions are imported before the pool starts, so a bad import path fails start-up
-    without leaving a pool (threads, cgroups, a Ray instance) behind.
+    Builds what `config.scorers` names and, for composites, their parts (listed or not); a
+    part is built once however many composites use it. User functions are imported and
+    reward models loaded before the pool starts, so a bad import path or model directory
+    fails start-up without leaving a pool (threads, cgroups, a Ray instance) behind.
     """
-    scorers: dict[str, Scorer] = {}
-    for name in config.scorers:
+    # Imported here: reward_model.py subclasses `Scorer` from this module.
+    from .reward_model import RewardModelScorer
+
+    needed = config.needed_scorers()  # parts come before the composites that use them
+    built: dict[str, Scorer] = {}
+    for name in needed:
         if name in config.rules:
-            scorers[name] = RegexScorer(name, config.rules[name])
+            built[name] = RegexScorer(name, config.rules[name])
+        elif name in config.length_rules:
+            built[name] = LengthScorer(name, config.length_rules[name])
+        elif name in config.reward_models:
+            built[name] = RewardModelScorer.load(name, config.reward_models[name])
         elif name.startswith(PYTHON_SCORER_PREFIX):
-            scorers[name] = PythonScorer.load(name)
-        elif name not in BUILTIN_SCORERS:  # RewardConfig validates names; reaching this is a bug
-            raise ValueError(f"unknown scorer {name!r}")
+            built[name] = PythonScorer.load(name)
+        elif name != "code_tests" and name not in config.composites:
+            raise ValueError(f"unknown scorer {name!r}")  # RewardConfig validates names; reaching this is a bug
     pool = None
-    if "code_tests" in config.scorers:
+    if "code_tests" in needed:
         pool = make_pool()
-        scorers["code_tests"] = CodeTestsScorer(pool)
-    return scorers, pool
+        built["code_tests"] = CodeTestsScorer(pool)
+    for name in needed:
+        if name in config.composites:
+            parts = config.composites[name].parts
+            built[name] = CompositeScorer(name, [(part, built[part], w) for part, w in parts.items()])
+    return {name: built[name] for name in config.scorers}, pool

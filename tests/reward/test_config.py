@@ -7,7 +7,9 @@ import inspect
 import pytest
 from pydantic import ValidationError
 
-from services.reward.config import RegexRule, RewardConfig, SandboxConfig
+from services.reward.config import (
+    CompositeConfig, LengthRule, RegexRule, RewardConfig, RewardModelConfig, SandboxConfig,
+)
 
 
 def test_defaults_are_valid():
@@ -57,8 +59,62 @@ def test_unknown_keys_are_errors():
 
 
 def test_every_field_is_documented():
-    for model in (RewardConfig, SandboxConfig, RegexRule):
+    for model in (RewardConfig, SandboxConfig, RegexRule, LengthRule, RewardModelConfig, CompositeConfig):
         source = inspect.getsource(model)
         for name in model.model_fields:
             after = source.split(f"\n    {name}:", 1)[1]
             assert after.split("\n", 2)[1].strip().startswith('"""'), f"{model.__name__}.{name} has no docstring"
+
+
+def mesh(**reward) -> RewardConfig:
+    return RewardConfig.model_validate({
+        "length_rules": {"brief": {"max_words": 70}},
+        "reward_models": {"rm": {"model": "/models/rm"}},
+        **reward,
+    })
+
+
+def test_named_scorers_of_every_kind_are_accepted():
+    cfg = mesh(scorers=["code_tests", "brief", "rm", "ppo"], default_scorer="ppo",
+               composites={"ppo": {"parts": {"code_tests": 1.0, "brief": 0.2, "rm": 0.5}}})
+    assert cfg.reward_models["rm"].device == "auto" and cfg.length_rules["brief"].reward_over == 0.0
+    assert cfg.needed_scorers() == ["code_tests", "brief", "rm", "ppo"]
+
+
+def test_needed_scorers_reach_parts_that_requests_cannot_name():
+    cfg = mesh(scorers=["outer"], default_scorer="outer", composites={
+        "outer": {"parts": {"inner": 1.0, "python:m:f": 1.0}}, "inner": {"parts": {"rm": 1.0, "format": 1.0}}})
+    assert cfg.needed_scorers() == ["rm", "format", "inner", "python:m:f", "outer"]
+
+
+@pytest.mark.parametrize("composites,match", [
+    ({"a": {"parts": {"a": 1.0}}}, "cycle: a -> a"),
+    ({"a": {"parts": {"b": 1.0}}, "b": {"parts": {"brief": 1.0, "a": 1.0}}}, "cycle: a -> b -> a"),
+    ({"a": {"parts": {"missing": 1.0}}}, "part 'missing' is not a scorer"),
+    ({"a": {"parts": {"python:mod": 1.0}}}, "part 'python:mod' is not a scorer"),
+    ({"a": {"parts": {}}}, "at least 1 item"),
+    ({"a": {"parts": {"brief": float("nan")}}}, "finite number"),
+])
+def test_bad_composites_are_refused(composites, match):
+    with pytest.raises(ValidationError, match=match):
+        mesh(scorers=["code_tests"], composites=composites)
+
+
+@pytest.mark.parametrize("reward,match", [
+    ({"rules": {"rm": {"pattern": "x"}}}, "'rm' is defined in both rules and reward_models"),
+    ({"composites": {"brief": {"parts": {"rm": 1.0}}}}, "'brief' is defined in both length_rules and composites"),
+    ({"length_rules": {"code_tests": {"max_words": 1}}}, "reserved"),
+    ({"composites": {"python:a:b": {"parts": {"rm": 1.0}}}}, "reserved"),
+])
+def test_one_name_one_scorer(reward, match):
+    with pytest.raises(ValidationError, match=match):
+        mesh(**reward)
+
+
+@pytest.mark.parametrize("field,value", [
+    ("batch_size", 0), ("max_length", 8), ("label_index", -1), ("device", "tpu"), ("dtype", "float16"),
+    ("scale", float("inf")),
+])
+def test_reward_model_bounds(field, value):
+    with pytest.raises(ValidationError):
+        RewardModelConfig(model="m", **{field: value})

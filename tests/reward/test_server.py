@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import grpc
+import pytest
 
 from hotloop.proto.v1 import reward_pb2, reward_pb2_grpc
 from services.reward.config import RewardConfig, SandboxConfig
@@ -64,6 +65,40 @@ async def test_serve_uses_the_shared_server_helper():
 
             (res,) = [r async for r in reward_pb2_grpc.RewardStub(channel).Score(one())]
         assert (res.id, res.reward, res.status) == ("1", 1.0, "ok")
+    finally:
+        await server.stop(None)
+        await core.close()
+
+
+async def test_reward_model_and_composite_through_a_real_channel(tiny_rm):
+    from .test_reward_model import direct_scores
+
+    model_dir = tiny_rm()
+    core = RewardCore.from_config(RewardConfig.model_validate({
+        "scorers": ["rm", "mix", "format"], "default_scorer": "mix",
+        "reward_models": {"rm": {"model": str(model_dir), "device": "cpu", "dtype": "float32", "batch_size": 4}},
+        "length_rules": {"brief": {"max_words": 8, "reward_under": 1.0, "reward_over": 0.0}},
+        "composites": {"mix": {"parts": {"rm": 0.5, "brief": 1.0}}},
+    }))
+    server, port, _health = await serve(core, "127.0.0.1:0")
+    pairs = [(f"Task {i}: add two numbers.", "def add(a, b): return a + b" + " # ok" * i) for i in range(6)]
+    try:
+        async def gen():
+            for i, (p, c) in enumerate(pairs):
+                yield reward_pb2.ScoreRequest(id=f"rm{i}", prompt=p, completion=c, scorer="rm")
+                yield reward_pb2.ScoreRequest(id=f"mix{i}", prompt=p, completion=c)  # the default: mix
+            yield reward_pb2.ScoreRequest(id="unknown", completion="x", scorer="brief")  # a part, not enabled
+
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            results = {r.id: r async for r in reward_pb2_grpc.RewardStub(channel).Score(gen())}
+        expected = direct_scores(model_dir, pairs)
+        for i, (_, c) in enumerate(pairs):
+            rm, mix = results[f"rm{i}"], results[f"mix{i}"]
+            assert (rm.status, mix.status) == ("ok", "ok"), (rm.error, mix.error)
+            assert rm.reward == pytest.approx(expected[i], abs=1e-4)
+            brief = 1.0 if len(c.split()) <= 8 else 0.0  # i = 0 is brief, the rest are not
+            assert mix.reward == pytest.approx(0.5 * expected[i] + brief, abs=1e-4)
+        assert results["unknown"].status == "scorer_error" and "unknown scorer 'brief'" in results["unknown"].error
     finally:
         await server.stop(None)
         await core.close()
