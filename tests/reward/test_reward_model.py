@@ -173,3 +173,25 @@ def test_unused_reward_models_are_not_loaded(tmp_path):
                        reward_models={"rm": rm_config(tmp_path / "nothing-here")})
     scorers, pool = build_scorers(cfg, lambda: pytest.fail("no pool is needed"))
     assert set(scorers) == {"format"} and pool is None
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _cuda(), reason="needs a CUDA GPU")
+async def test_on_cuda_auto_is_bf16_and_agrees_with_fp32(scorer, tiny_rm):
+    import torch
+
+    rm = RewardModelScorer.load("rm", RewardModelConfig(model=str(tiny_rm()), batch_size=4))  # device, dtype: auto
+    assert rm.device == "cuda" and next(rm.model.parameters()).dtype == torch.bfloat16
+    gpu = await rm.score(items())
+    cpu = await scorer.score(items())  # fp32 on the CPU
+    assert [o.status for o in gpu] == ["ok"] * len(PAIRS), [o.error for o in gpu]
+    # bf16 keeps 8 bits of mantissa: about 1e-2 relative through two layers and the head.
+    assert [o.reward for o in gpu] == pytest.approx([o.reward for o in cpu], rel=0.05, abs=0.1)
+    single = [(await rm.score([item]))[0].reward for item in items()]
+    assert single == pytest.approx([o.reward for o in gpu], rel=0.05, abs=0.1)
