@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import textwrap
 
 import pytest
 from pydantic import ValidationError
@@ -118,3 +119,21 @@ def test_one_name_one_scorer(reward, match):
 def test_reward_model_bounds(field, value):
     with pytest.raises(ValidationError):
         RewardModelConfig(model="m", **{field: value})
+
+
+def test_the_reward_models_doc_examples_parse():
+    import re
+    import tomllib
+    from pathlib import Path
+
+    doc = (Path(__file__).parents[2] / "docs" / "reward-models.md").read_text()
+    blocks = [textwrap.dedent(b) for b in re.findall(r"```toml\n(.*?)```", doc, re.DOTALL)]
+    assert len(blocks) >= 3
+    for block in blocks:
+        reward = tomllib.loads(block)["reward"]
+        if "scorers" in reward:
+            cfg = RewardConfig.model_validate(reward)
+            assert cfg.default_scorer in cfg.needed_scorers()
+        else:  # a fragment: one table
+            for rm in reward["reward_models"].values():
+                RewardModelConfig.model_validate(rm)
