@@ -11,6 +11,11 @@ import os
 import sys
 
 SERVICES = ["rollout", "reward", "reference", "gateway"]
+# `hotloop up --profile NAME`: which services a profile starts.
+PROFILES = {
+    "full": SERVICES,
+    "colocated": ["rollout", "reward", "gateway"],
+}
 
 
 def _config_args(p: argparse.ArgumentParser) -> None:
@@ -40,7 +45,13 @@ def cmd_up(args) -> int:
 
     mesh_cfg = config.load_mesh(config.raw_config(args.config, args.set))
     # Explicitly named services must all exist; the default is every one that does.
-    services = args.services.split(",") if args.services else [s for s in ALL_SERVICES if available(s)]
+    if args.services and args.profile:
+        print("hotloop up: give --services or --profile, not both", file=sys.stderr)
+        return 2
+    if args.profile:
+        services = [s for s in PROFILES[args.profile] if available(s)]
+    else:
+        services = args.services.split(",") if args.services else [s for s in ALL_SERVICES if available(s)]
     try:
         mesh = Mesh(mesh_cfg, args.config, args.set, services)
     except ValueError as e:
@@ -76,6 +87,7 @@ SERVICE_BENCHES = {
     "hot-update": "services.rollout.bench",
     "sandbox": "services.reward.bench",
     "threads": "services.trainer.bench_threads",
+    "joint": "services.trainer.bench_joint",
 }
 
 
@@ -138,6 +150,9 @@ def build_parser() -> argparse.ArgumentParser:
     up = sub.add_parser("up", help="start NATS and every service on loopback; Ctrl-C stops all")
     _config_args(up)
     up.add_argument("--services", help=f"comma-separated subset of {SERVICES}")
+    up.add_argument("--profile", choices=sorted(PROFILES),
+                    help="a named set of services: `colocated` leaves the reference out (PPO scores "
+                         "its KL against the base inside the trainer, so the base is loaded once)")
     up.set_defaults(fn=cmd_up)
 
     serve = sub.add_parser("serve", help="run one service in the foreground (as compose does)")
@@ -174,6 +189,16 @@ def build_parser() -> argparse.ArgumentParser:
     bt.add_argument("--threads", type=int, default=2, help="trainer torch threads")
     bt.add_argument("--steps", type=int, default=3, help="timed LoRA steps per setting (median)")
     bt.add_argument("--json", help="write results here")
+    bj = bsub.add_parser("joint", help="users through the gateway alone, then beside PPO training: TTFT/ITL "
+                         "p50/p99 per users-first policy, and PPO samples/s")
+    _config_args(bj)
+    bj.add_argument("--users", type=int, default=2, help="concurrent simulated users (openai client)")
+    bj.add_argument("--phase-s", type=float, default=90.0, help="seconds of each phase (idle, each policy)")
+    bj.add_argument("--policies", default="none,nice",
+                    help="users-first policies to measure beside training ([ppo] users_first)")
+    bj.add_argument("--max-tokens", type=int, default=64, help="users' answer length")
+    bj.add_argument("--out-dir", default="runs", help="the run's files go under OUT_DIR/bench-joint-<time>")
+    bj.add_argument("--json", help="write results here")
     bu = bsub.add_parser("update-loop", help="feedback sent -> first token from a version trained on it, "
                          "with users streaming; stage budget from the traces")
     _config_args(bu)
@@ -193,6 +218,10 @@ def build_parser() -> argparse.ArgumentParser:
     _config_args(tg)
     tg.add_argument("--run-dir", help="mesh run directory (default: from config)")
     tg.set_defaults(fn=cmd_train)
+    tp = tsub.add_parser("ppo", help="PPO on LoRA with a critic, GAE and a KL-penalised reward ([ppo])")
+    _config_args(tp)
+    tp.add_argument("--run-dir", help="mesh run directory (default: from config)")
+    tp.set_defaults(fn=cmd_train)
     to = tsub.add_parser("online", help="learn from user feedback on the bus ([online]); runs until Ctrl-C")
     _config_args(to)
     to.add_argument("--run-dir", help="mesh run directory (default: from config)")

@@ -20,6 +20,10 @@ from hotloop.proto.v1 import common_pb2, reference_pb2, reference_pb2_grpc, rewa
 from hotloop.proto.v1 import rollout_pb2, rollout_pb2_grpc
 
 RETRY_ATTEMPTS = 4
+# vLLM priority scheduling admits lower values first: the gateway sends users at 0, and
+# training rollouts that share the engine with users (PPO's joint serving) ask for this.
+USER_PRIORITY = 0
+TRAINING_PRIORITY = 1
 
 
 async def _call(what: str, address: str, fn):
@@ -107,8 +111,11 @@ class RolloutClient:
         seed: int | None = None,
         pin_version: int = 0,
         return_prompt_ids: bool = True,
+        priority: int = 0,
     ) -> list[Completion]:
-        """Sample `n` completions per chat; returned sorted by (prompt, sample)."""
+        """Sample `n` completions per chat; returned sorted by (prompt, sample). `priority`:
+        lower is admitted first where the engine schedules by priority (users come at 0;
+        training that must yield to them asks for `TRAINING_PRIORITY`)."""
         req = rollout_pb2.GenerateRequest(
             prompts=_chat_prompts(chats),
             sampling=common_pb2.SamplingParams(
@@ -116,6 +123,7 @@ class RolloutClient:
             ),
             pin_version=pin_version,
             return_prompt_ids=return_prompt_ids,
+            priority=priority,
         )
 
         async def run():

@@ -128,24 +128,31 @@ def split_model(model: nn.Module) -> tuple[nn.Module, nn.Module]:
     return body, head
 
 
-def completion_logprobs(
-    model: nn.Module,
-    batch: CompletionBatch,
-    *,
-    chunk_tokens: int = 512,
-    temperature: float = 1.0,
-    with_entropy: bool = False,
-) -> CompletionLogprobs:
-    """log p(c_t | prompt, c_<t) for every completion token, [B, Tc], differentiable.
+@dataclass(frozen=True)
+class CompletionHidden:
+    """The body's hidden state at each position that predicts a completion token.
 
-    Runs under whatever grad / autocast context the caller sets. The head runs on at most
-    `chunk_tokens` rows at a time and the log-softmax is in float32 (bf16 logprobs are off by
-    ~1e-2, enough to bias an importance ratio). Logits are divided by `temperature` so the
-    result describes the distribution the sampler drew from, when it sampled with one.
-    Entropy is computed without gradients (it is a metric here, not a loss term).
+    For token t of row b that is position prompt_len[b] - 1 + t: the state *before* the token,
+    which is what both the output head (its logprob) and a value head (V of that state) read.
     """
-    if temperature <= 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
+
+    hidden: Tensor  # [N, H], N completion tokens in row-major order of `mask`
+    rows: Tensor  # [N] long
+    cols: Tensor  # [N] long
+    mask: Tensor  # [B, Tc] bool
+
+    def scatter(self, values: Tensor) -> Tensor:
+        """[N] per-token values -> [B, Tc] float32, 0 where ~mask (keeps the graph)."""
+        out = torch.zeros(self.mask.shape, dtype=torch.float32, device=self.mask.device)
+        if values.numel() == 0:
+            return out
+        return out.index_put((self.rows, self.cols), values.float())
+
+
+def completion_hidden(model: nn.Module, batch: CompletionBatch) -> CompletionHidden:
+    """Run the transformer body once and gather the hidden states at the positions that
+    predict completion tokens (see `CompletionHidden`). Differentiable under the caller's
+    grad / autocast context."""
     body, head = split_model(model)
     device = next(head.parameters()).device
     hidden = body(
@@ -154,13 +161,37 @@ def completion_logprobs(
         position_ids=batch.position_ids.to(device),
         use_cache=False,
     ).last_hidden_state  # [B, T, H]
-
     mask = batch.completion_mask.to(device)  # [B, Tc]
     rows, cols = mask.nonzero(as_tuple=True)  # [N], [N]: N completion tokens, row-major
-    # Token t of row b is predicted by the hidden state at position prompt_len[b] - 1 + t.
     src = batch.prompt_lens.to(device)[rows] - 1 + cols  # [N]
-    h = hidden[rows, src]  # [N, H]
-    targets = batch.completion_ids.to(device)[rows, cols]  # [N]
+    return CompletionHidden(hidden=hidden[rows, src], rows=rows, cols=cols, mask=mask)
+
+
+def completion_logprobs(
+    model: nn.Module,
+    batch: CompletionBatch,
+    *,
+    chunk_tokens: int = 512,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    hidden: CompletionHidden | None = None,
+) -> CompletionLogprobs:
+    """log p(c_t | prompt, c_<t) for every completion token, [B, Tc], differentiable.
+
+    Runs under whatever grad / autocast context the caller sets. The head runs on at most
+    `chunk_tokens` rows at a time and the log-softmax is in float32 (bf16 logprobs are off by
+    ~1e-2, enough to bias an importance ratio). Logits are divided by `temperature` so the
+    result describes the distribution the sampler drew from, when it sampled with one.
+    Entropy is computed without gradients (it is a metric here, not a loss term).
+    `hidden`: the body's gathered states when the caller already ran it (PPO's shared-trunk
+    critic reads the same states), so the body runs once.
+    """
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    _, head = split_model(model)
+    ch = hidden if hidden is not None else completion_hidden(model, batch)
+    h = ch.hidden  # [N, H]
+    targets = batch.completion_ids.to(h.device)[ch.rows, ch.cols]  # [N]
 
     token_lp: list[Tensor] = []
     token_ent: list[Tensor] = []
@@ -174,13 +205,9 @@ def completion_logprobs(
             with torch.no_grad():
                 token_ent.append(-(logp.exp() * logp).sum(-1))  # [C]
 
-    out = torch.zeros(mask.shape, dtype=torch.float32, device=device)  # [B, Tc]
-    if token_lp:
-        # index_put keeps the graph: gradients flow back only into the gathered rows.
-        out = out.index_put((rows, cols), torch.cat(token_lp))
+    # index_put keeps the graph: gradients flow back only into the gathered rows.
+    out = ch.scatter(torch.cat(token_lp)) if token_lp else ch.scatter(h.new_zeros(0))
     entropy = None
     if with_entropy:
-        entropy = torch.zeros(mask.shape, dtype=torch.float32, device=device)
-        if token_ent:
-            entropy[rows, cols] = torch.cat(token_ent)
-    return CompletionLogprobs(logprobs=out, mask=mask, entropy=entropy)
+        entropy = ch.scatter(torch.cat(token_ent)) if token_ent else ch.scatter(h.new_zeros(0))
+    return CompletionLogprobs(logprobs=out, mask=ch.mask, entropy=entropy)

@@ -45,7 +45,7 @@ import time
 import uuid
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
+from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -342,6 +342,7 @@ class RolloutCore:
         self._push_lock = asyncio.Lock()
         self.honor_seeds = True
         self._warned_priority = False
+        self.foreground = 0  # Generate calls in flight at priority 0 (users)
 
     # ---- lifecycle ------------------------------------------------------------------
     async def start(self) -> None:
@@ -507,7 +508,6 @@ class RolloutCore:
         """Yield completions as prompts finish (whole mode), or token deltas as the engine
         produces them (`req.stream`). Validation errors raise before any output. Closing the
         generator (a cancelled client) aborts its engine requests."""
-        from vllm import SamplingParams, TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
         ids, s = self._validate(req)
@@ -523,6 +523,21 @@ class RolloutCore:
                 self._warned_priority = True
             priority = 0
         kind = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
+        foreground = req.priority == 0
+        self.foreground += foreground
+        try:
+            # aclosing: a client that goes away closes this generator, and the close must reach
+            # the inner one now (it aborts the engine requests), not when it is collected.
+            async with aclosing(self._generate(req, ids, s, rid, priority, kind)) as gen:
+                async for out in gen:
+                    yield out
+        finally:
+            self.foreground -= foreground
+
+    async def _generate(self, req: GenerateInput, ids: list[list[int]], s: Sampling, rid: str,
+                        priority: int, kind) -> AsyncIterator[CompletionOut]:
+        from vllm import SamplingParams, TokensPrompt
+
         async with self._admitted(req.pin_version) as version:
             lora = self.updater.lora_request(version)
             queue: asyncio.Queue = asyncio.Queue()

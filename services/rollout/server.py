@@ -100,6 +100,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
             latest_version=self.core.latest,
             versions=[version_to_proto(v) for v in self.core.versions()],
             running_requests=self.core.running(),
+            foreground_requests=self.core.foreground,
             update_mode=self.core.mode,
             engine=self.core.engine_name,
             runtime=common_pb2.RuntimeInfo(**runtime_info(self.core.dtype)),

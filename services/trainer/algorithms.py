@@ -2,8 +2,9 @@
 
 Owns: group-relative advantages (GRPO / Dr.GRPO), the REINFORCE advantage and its running
 (EMA) baseline, the clipped importance-ratio objective with a k3 KL term and two aggregation
-modes, the truncated-importance-sampling REINFORCE objective of the online loop, GAE and a
-clipped value loss (for PPO once the policy grows a value head), and `make_algorithm` /
+modes, the truncated-importance-sampling REINFORCE objective of the online loop, and PPO's
+pieces (the KL-penalised per-token reward, GAE, whitening, the clipped value loss, explained
+variance, the adaptive KL controller), and `make_algorithm` /
 `make_online_algorithm`, the only places that pick an objective.
 
 Does not own: models, batching, optimizers (policy.py), or where rewards come from.
@@ -13,6 +14,7 @@ num_groups x G for GRPO groups.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -281,15 +283,75 @@ def gae(
 
 
 def value_loss(
-    values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor, *, clip_eps: float = 0.2
+    values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor, *, clip_eps: float = 0.2,
+    normalizer: float | None = None,
 ) -> Tensor:
     """PPO's clipped value loss, token mean: 0.5 * max((v - R)^2, (clip(v, old +- eps) - R)^2).
 
-    values (differentiable), old_values, returns, mask: [B, T].
+    values (differentiable), old_values, returns, mask: [B, T]. `normalizer`: the whole
+    batch's token count when this call sees one micro-batch of it (as for `policy_loss`).
     """
     clipped = old_values + (values - old_values).clamp(-clip_eps, clip_eps)
     per_token = 0.5 * torch.maximum((values - returns) ** 2, (clipped - returns) ** 2)
-    return aggregate(per_token, mask, "token")
+    return aggregate(per_token, mask, "token", normalizer)
+
+
+def _identity(x: Tensor) -> Tensor:
+    return x
+
+
+def kl_penalised_rewards(scores: Tensor, logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor,
+                         kl_coef: float) -> tuple[Tensor, Tensor]:
+    """PPO-RLHF's per-token reward: -kl_coef * (logp - ref) at every token, plus the sequence's
+    score at its last real token (Ziegler et al. 2019, InstructGPT).
+
+    scores: [B]; logprobs (the sampler's), ref_logprobs, mask: [B, T].
+    Returns (rewards [B, T], kl [B, T]) with kl = logp - ref (the k1 estimate, whose mean under
+    the sampler is KL(pi || ref); per token it can be negative), both 0 on padding.
+    """
+    m = mask.float()
+    kl = (logprobs - ref_logprobs) * m  # [B, T]
+    rewards = -kl_coef * kl
+    last = (mask.sum(dim=1) - 1).clamp(min=0)  # [B]
+    has = mask.any(dim=1)
+    rows = torch.arange(scores.shape[0], device=scores.device)
+    rewards[rows[has], last[has]] += scores.float()[has]
+    return rewards, kl
+
+
+def whiten(x: Tensor, mask: Tensor, eps: float = 1e-8) -> Tensor:
+    """Zero mean, unit variance over the real tokens of [B, T]; 0 on padding."""
+    n = mask.sum().clamp(min=1)
+    mean = torch.where(mask, x, torch.zeros_like(x)).sum() / n
+    var = torch.where(mask, (x - mean) ** 2, torch.zeros_like(x)).sum() / n
+    return torch.where(mask, (x - mean) / torch.sqrt(var + eps), torch.zeros_like(x))
+
+
+def explained_variance(values: Tensor, returns: Tensor, mask: Tensor) -> float:
+    """1 - Var(returns - values) / Var(returns) over real tokens: 1 is a perfect critic, 0 one
+    no better than a constant, negative one worse than a constant. NaN when the returns do not
+    vary (nothing to explain)."""
+    r, v = returns[mask].double(), values[mask].double()
+    if r.numel() < 2 or float(r.var()) == 0.0:
+        return math.nan
+    return float(1.0 - (r - v).var() / r.var())
+
+
+@dataclass
+class AdaptiveKl:
+    """Ziegler et al.'s proportional controller of the KL coefficient: after each batch,
+    coef *= 1 + clip(kl / target - 1, -0.2, 0.2) * samples / horizon. `target=None` keeps the
+    coefficient fixed. Its `coef` belongs in the checkpoint."""
+
+    coef: float
+    target: float | None = None
+    horizon: int = 10_000
+
+    def update(self, kl: float, samples: int) -> None:
+        if self.target is None or not math.isfinite(kl):
+            return
+        error = max(-0.2, min(0.2, kl / self.target - 1.0))
+        self.coef *= 1.0 + error * samples / self.horizon
 
 
 @dataclass(frozen=True)
@@ -338,6 +400,10 @@ def make_algorithm(cfg: TrainerConfig) -> Algorithm:
             adv = partial(group_advantages, scale_by_std=lc.scale_advantages_by_std)
         case "reinforce":
             adv = partial(reinforce_advantages, baseline=lc.reinforce_baseline)
+        case "ppo":
+            # Per-token GAE needs the critic's values, so the recipe (ppo.py) computes it with
+            # `gae` and hands finished advantages to the loss; rewards pass through unchanged.
+            adv = _identity
         case other:  # unreachable through a validated config
             raise ValueError(f"unknown algorithm {other!r}")
     return Algorithm(name=cfg.algorithm, loss_cfg=lc, _advantages=adv)

@@ -25,6 +25,8 @@ class Sample:
     old_logprobs: the rollout engine's logprob of each sampled completion token.
     advantage: one value for the whole sequence (GRPO, REINFORCE) or one per token.
     ref_logprobs: the reference model's logprob per token; None when the KL term is off.
+    returns, old_values: PPO's value targets and the critic's values at rollout time, per
+    token; None for critic-free algorithms.
     """
 
     prompt_ids: Sequence[int]
@@ -32,6 +34,8 @@ class Sample:
     old_logprobs: Sequence[float]
     advantage: float | Sequence[float]
     ref_logprobs: Sequence[float] | None = None
+    returns: Sequence[float] | None = None
+    old_values: Sequence[float] | None = None
 
     def __post_init__(self) -> None:
         n = len(self.completion_ids)
@@ -41,6 +45,12 @@ class Sample:
             raise ValueError(f"old_logprobs has {len(self.old_logprobs)} values for {n} tokens")
         if self.ref_logprobs is not None and len(self.ref_logprobs) != n:
             raise ValueError(f"ref_logprobs has {len(self.ref_logprobs)} values for {n} tokens")
+        for name in ("returns", "old_values"):
+            seq = getattr(self, name)
+            if seq is not None and len(seq) != n:
+                raise ValueError(f"{name} has {len(seq)} values for {n} tokens")
+        if (self.returns is None) != (self.old_values is None):
+            raise ValueError("returns and old_values come together (PPO) or not at all")
         if not isinstance(self.advantage, (int, float)) and len(self.advantage) != n:
             raise ValueError(f"advantage has {len(self.advantage)} values for {n} tokens")
 
@@ -59,6 +69,8 @@ class MicroBatch:
     old_logprobs: Tensor  # [B, Tc] float32
     ref_logprobs: Tensor | None  # [B, Tc] float32
     advantages: Tensor  # [B, Tc] float32 (a sequence-level advantage is repeated per token)
+    returns: Tensor | None = None  # [B, Tc] float32, PPO's value targets
+    old_values: Tensor | None = None  # [B, Tc] float32, the critic at rollout time
 
     @property
     def mask(self) -> Tensor:  # [B, Tc] bool
@@ -80,6 +92,9 @@ def make_micro_batches(
     with_ref = [s.ref_logprobs is not None for s in samples]
     if any(with_ref) and not all(with_ref):
         raise ValueError("either every sample carries ref_logprobs or none does")
+    with_values = [s.returns is not None for s in samples]
+    if any(with_values) and not all(with_values):
+        raise ValueError("either every sample carries returns and old_values or none does")
     out = []
     for idx in plan_micro_batches([s.num_tokens for s in samples], token_budget):
         group = [samples[i] for i in idx]
@@ -102,6 +117,12 @@ def make_micro_batches(
                     else None
                 ),
                 advantages=_pad(advantages, width),
+                returns=_pad([s.returns for s in group], width) if all(with_values) else None,  # type: ignore[misc]
+                old_values=(
+                    _pad([s.old_values for s in group], width)  # type: ignore[misc]
+                    if all(with_values)
+                    else None
+                ),
             )
         )
     return out

@@ -19,6 +19,7 @@ import os
 import random
 import re
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -71,8 +72,10 @@ def save_checkpoint(
     model: PeftModel,
     optimizer: torch.optim.Optimizer,
     data_position: dict[str, Any] | None = None,
+    extras: dict[str, Callable[[Path], None]] | None = None,
 ) -> Path:
-    """Write `root/step-{step:08d}` atomically and return its path."""
+    """Write `root/step-{step:08d}` atomically and return its path. `extras`: name -> a
+    writer of a subdirectory (PPO's critic), written inside the same atomic rename."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step-{step:08d}"
@@ -83,10 +86,13 @@ def save_checkpoint(
     tensors, plain = _rng_state()
     try:
         tmp.mkdir()
-        model.save_pretrained(tmp / "adapter")
+        # Only the policy adapter: a PPO critic's adapter is saved by its own writer (extras).
+        model.save_pretrained(tmp / "adapter", selected_adapters=["default"])
         torch.save({"optimizer": optimizer.state_dict(), "rng": tensors}, tmp / "trainer_state.pt")
         state = {"step": step, "rng": plain, "data_position": data_position or {}}
         (tmp / "state.json").write_text(json.dumps(state))
+        for name, write in (extras or {}).items():
+            write(tmp / name)
         tmp.rename(final)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

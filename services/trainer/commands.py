@@ -1,4 +1,4 @@
-"""`hotloop train grpo|online` and `hotloop eval`: jobs against a running mesh (`hotloop up`).
+"""`hotloop train grpo|ppo|online` and `hotloop eval`: jobs against a running mesh (`hotloop up`).
 
 The CLI (hotloop/cli.py) reaches these bodies by module name, so the shared library never
 imports a service. `online` learns from the feedback users give through the gateway.
@@ -10,6 +10,7 @@ import asyncio
 import json
 import logging
 import os
+import time
 from dataclasses import asdict
 from pathlib import Path
 
@@ -22,6 +23,19 @@ def load_job_configs(config_path: str | None, overrides: list[str]):
 
     tree = config.raw_config(config_path, overrides)
     return (config.load_mesh(tree), config.load_section(tree, "grpo", GrpoJobConfig),
+            config.load_section(tree, "trainer", TrainerConfig))
+
+
+def load_ppo_configs(config_path: str | None, overrides: list[str]):
+    """The mesh, `[ppo]` and `[trainer]` sections from one config (file < env < --set); the
+    trainer's algorithm is PPO whatever the file says."""
+    from hotloop import config
+    from services.trainer.config import TrainerConfig
+    from services.trainer.ppo import PpoJobConfig
+
+    tree = config.raw_config(config_path, overrides)
+    tree.setdefault("trainer", {})["algorithm"] = "ppo"
+    return (config.load_mesh(tree), config.load_section(tree, "ppo", PpoJobConfig),
             config.load_section(tree, "trainer", TrainerConfig))
 
 
@@ -59,11 +73,22 @@ def train(args) -> int:
         print(f"online: {summary['updates']} updates, version {summary['version']}, "
               f"counters {summary['counters']}")
         return 0
-    mesh_cfg, job, trainer_cfg = load_job_configs(args.config, args.set)
+    from hotloop.service import run_interruptible
     from services.trainer.job import run_job
 
+    load = load_ppo_configs if args.algorithm == "ppo" else load_job_configs
+    mesh_cfg, job, trainer_cfg = load(args.config, args.set)
+    if not job.run_id:  # named here, so that the resume line below can say it
+        prefix = "ppo-" if args.algorithm == "ppo" else ""
+        job = job.model_copy(update={"run_id": prefix + time.strftime("%Y%m%d-%H%M%S")})
     text = Path(args.config).read_text() if args.config else ""
-    summary, report = asyncio.run(run_job(mesh_cfg, job, trainer_cfg, text))
+    result, interrupted = run_interruptible(
+        run_job(mesh_cfg, job, trainer_cfg, text, recipe=args.algorithm))
+    if interrupted:
+        print(f"{args.algorithm}: stopped; checkpoint under {job.out_dir}/{job.run_id}/checkpoints. "
+              f"Resume: the same command with --set {args.algorithm}.run_id={job.run_id}")
+        return 130
+    summary, report = result
     print(f"report: {report}")
     return 0
 

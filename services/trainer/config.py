@@ -84,14 +84,71 @@ class LossSettings(_Strict):
         return self
 
 
+class CriticSettings(_Strict):
+    """PPO's critic: a value head (a linear layer on the last hidden state) and which trunk
+    it reads. docs/architecture.md ("PPO") has the measurement behind the default."""
+
+    mode: Literal["shared", "lora"] = "shared"
+    """`shared`: the value head reads the policy's own trunk and adapter, so one forward and
+    one backward serve both losses (the value loss also trains the policy's LoRA, scaled by
+    `vf_coef`). `lora`: the critic has its own LoRA adapter on the same frozen base (the base
+    weights are still loaded once), decoupled from the policy at the cost of a second forward
+    and backward per micro-batch."""
+    vf_coef: float = Field(0.1, gt=0.0)
+    """Weight of the value loss. In `shared` mode it trades the critic's fit against the
+    policy's gradient on the same adapter; in `lora` mode it only scales the critic's step."""
+    value_clip: float = Field(0.2, gt=0.0)
+    """PPO's value clip: a new value moves at most this far from the rollout-time value per
+    update before the clipped term takes over (in reward units)."""
+    lr: float = Field(1e-4, gt=0, le=1.0)
+    """Learning rate of the critic's own parameters (the value head, and in `lora` mode its
+    adapter)."""
+    r: int = Field(16, ge=1, le=256)
+    """Rank of the critic's adapter (`lora` mode)."""
+    alpha: float = Field(32.0, gt=0)
+    """LoRA scaling numerator of the critic's adapter (`lora` mode)."""
+    max_value_loss: float = Field(100.0, gt=0.0)
+    """Divergence guard: a minibatch whose value loss is non-finite or above this (rewards of
+    order 1 give losses well under 1) is skipped, policy and critic unchanged, and reported."""
+
+
+class PpoSettings(_Strict):
+    """PPO's advantage estimation, KL control and update schedule (`[trainer.ppo]`)."""
+
+    gamma: float = Field(1.0, gt=0.0, le=1.0)
+    """Discount per token. 1: a completion's reward counts fully at every token (episodes are
+    at most max_new_tokens long)."""
+    lam: float = Field(0.95, ge=0.0, le=1.0)
+    """GAE lambda: 1 is Monte-Carlo returns (no bias, high variance), 0 one-step TD (the
+    critic's bias, low variance)."""
+    epochs: int = Field(2, ge=1, le=16)
+    """Passes over each rollout batch."""
+    minibatches: int = Field(2, ge=1, le=256)
+    """Optimizer steps per epoch: the batch is shuffled and split this many ways."""
+    whiten_advantages: bool = True
+    """Normalise advantages to zero mean and unit variance over the batch's tokens."""
+    kl_coef: float = Field(0.05, ge=0.0)
+    """Initial weight of the per-token KL penalty folded into the reward:
+    r_t = -kl_coef * (logp_old - logp_ref), plus the score at the last token."""
+    kl_target: float | None = Field(None, gt=0.0)
+    """Adaptive KL (Ziegler et al. 2019): steer kl_coef so the measured per-token KL stays
+    near this target. None keeps kl_coef fixed."""
+    kl_horizon: int = Field(10_000, ge=1)
+    """Adaptive KL: samples over which the coefficient may change by a factor of e at most."""
+
+
 class TrainerConfig(_Strict):
     """The trainer core: LoRA policy, algorithm, batching, precision and checkpoints."""
 
     model: str = "smollm2-135m-instruct"
     """Base model: a known name, a local HF directory, or a hub id (see hotloop.models)."""
-    algorithm: Literal["grpo", "reinforce"] = "grpo"
-    """Advantage estimator; both use the clipped objective. PPO (GAE + a value head) is not a
-    choice until the policy has a value head: `algorithms.gae` / `value_loss` are ready."""
+    algorithm: Literal["grpo", "reinforce", "ppo"] = "grpo"
+    """Advantage estimator; all use the clipped objective. `ppo`: a critic (`[trainer.critic]`)
+    and GAE over a KL-penalised reward (`[trainer.ppo]`); run it with `hotloop train ppo`."""
+    critic: CriticSettings = Field(default_factory=CriticSettings)
+    """PPO's critic (ignored by the other algorithms)."""
+    ppo: PpoSettings = Field(default_factory=PpoSettings)
+    """PPO's advantages, KL control and update schedule (ignored by the other algorithms)."""
     loss: LossSettings = Field(default_factory=LossSettings)
     """Policy objective settings."""
     optimizer: OptimizerSettings = Field(default_factory=OptimizerSettings)
@@ -138,6 +195,13 @@ class TrainerConfig(_Strict):
     """Completion length limit for rollouts."""
     num_steps: int = Field(100, ge=1)
     """Training steps for a batch run."""
+
+    @model_validator(mode="after")
+    def _ppo_kl_in_reward(self) -> TrainerConfig:
+        if self.algorithm == "ppo" and self.loss.kl_beta > 0:
+            raise ValueError("PPO folds the KL penalty into the reward ([trainer.ppo] kl_coef, "
+                             "kl_target): leave [trainer.loss] kl_beta at 0")
+        return self
 
 
 class OnlineConfig(_Strict):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -42,8 +42,8 @@ async def check_dtype(trainer_cfg: TrainerConfig, reference: ReferenceClient | N
     return dtype
 
 
-async def effective_config(mesh_cfg: MeshConfig, job: grpo.GrpoJobConfig, trainer_cfg: TrainerConfig,
-                           dtype: str, mesh: grpo.Mesh) -> dict:
+async def effective_config(mesh_cfg: MeshConfig, job, trainer_cfg: TrainerConfig,
+                           dtype: str, mesh: grpo.Mesh, section: str = "grpo") -> dict:
     """What actually ran: every section after file, environment and `--set` overrides, with
     the automatic choices resolved (dtypes, update mode) as the services report them. The
     report shows this, not the TOML file it started from. Secrets are left out."""
@@ -56,7 +56,7 @@ async def effective_config(mesh_cfg: MeshConfig, job: grpo.GrpoJobConfig, traine
         **shared,
         "rollout": {"update_mode": ro.update_mode, "swap": ro.swap, "engine": ro.engine,
                     "dtype": ro.runtime.dtype, "cpu": ro.runtime.cpu},
-        "grpo": job.model_dump(mode="json"),
+        section: job.model_dump(mode="json"),
         "trainer": trainer_cfg.model_copy(update={"dtype": dtype}).model_dump(mode="json"),
         "host": {"cpu": str(cpu_capability())},
     }
@@ -121,25 +121,36 @@ async def open_edge(mesh_cfg: MeshConfig, trainer_cfg: TrainerConfig, run_dir: P
     return Edge(bus, reference, publisher, state, server, port, health, dtype)
 
 
-async def run_job(mesh_cfg: MeshConfig, job: grpo.GrpoJobConfig, trainer_cfg: TrainerConfig,
-                  config_text: str = "", progress: bool = True) -> tuple[dict, Path]:
+async def run_job(mesh_cfg: MeshConfig, job, trainer_cfg: TrainerConfig, config_text: str = "",
+                  progress: bool = True, recipe: str = "grpo") -> tuple[dict, Path]:
+    """A batch job (`recipe`: "grpo" or "ppo", with its `[grpo]` / `[ppo]` section as `job`)
+    against the running mesh; returns its summary and the report's path."""
     ep = mesh_cfg.endpoints
     missing = [n for n, v in (("rollout", ep.rollout), ("reward", ep.reward)) if not v]
     if missing:
         raise SystemExit(f"no endpoint for {missing}: start the mesh with `hotloop up` first")
-    if trainer_cfg.loss.kl_beta > 0 and not ep.reference:
-        raise SystemExit("kl_beta > 0 needs the reference service: no endpoint configured")
+    if recipe == "ppo":
+        from . import ppo
+
+        run, write, default_id = ppo.run, report.write_ppo, "ppo-"
+        if job.reference == "service" and not ep.reference:
+            raise SystemExit("[ppo] reference = 'service' needs the reference service: no endpoint "
+                             "configured (or use reference = 'colocated')")
+    else:
+        run, write, default_id = grpo.run, report.write, ""
+        if trainer_cfg.loss.kl_beta > 0 and not ep.reference:
+            raise SystemExit("kl_beta > 0 needs the reference service: no endpoint configured")
     telemetry.setup("trainer", mesh_cfg.telemetry, mesh_cfg.run_dir)
     model_dir = models.resolve(mesh_cfg.model.name)
-    run_id = job.run_id or time.strftime("%Y%m%d-%H%M%S")
+    run_id = job.run_id or default_id + time.strftime("%Y%m%d-%H%M%S")
     run_dir = Path(job.out_dir) / run_id
-    edge = await open_edge(mesh_cfg, trainer_cfg, run_dir, trainer_cfg.algorithm)
+    edge = await open_edge(mesh_cfg, trainer_cfg, run_dir, recipe)
     state = edge.state
 
-    def on_step(rec: grpo.StepRecord) -> None:
+    def on_step(rec) -> None:
         state.step, state.latest_version = rec.step, rec.version
-        state.last_metrics = {"reward_mean": rec.reward_mean, "pass_rate": rec.pass_rate,
-                              **{f"seconds_{k}": v for k, v in rec.stage_seconds.items()}}
+        state.last_metrics = {k: v for k, v in asdict(rec).items() if isinstance(v, (int, float))}
+        state.last_metrics.update({f"seconds_{k}": v for k, v in rec.stage_seconds.items()})
 
     mesh = grpo.Mesh(
         rollout=[RolloutClient(a) for a in ep.rollout],
@@ -148,10 +159,10 @@ async def run_job(mesh_cfg: MeshConfig, job: grpo.GrpoJobConfig, trainer_cfg: Tr
         publisher=edge.publisher,
     )
     try:
-        effective = await effective_config(mesh_cfg, job, trainer_cfg, edge.dtype, mesh)
-        summary = await grpo.run(job, trainer_cfg, model_dir, mesh, run_dir, progress, on_step)
+        effective = await effective_config(mesh_cfg, job, trainer_cfg, edge.dtype, mesh, recipe)
+        summary = await run(job, trainer_cfg, model_dir, mesh, run_dir, progress, on_step)
         summary["config"] = effective
-        path = report.write(summary, run_dir, config_text)
+        path = write(summary, run_dir, config_text)
     finally:
         for c in [*mesh.rollout, mesh.reward]:
             await c.close()

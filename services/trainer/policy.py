@@ -22,19 +22,22 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM
 
-from hotloop.logprobs import collate, completion_logprobs, plan_micro_batches
+from hotloop.logprobs import collate, completion_hidden, completion_logprobs, plan_micro_batches
 from hotloop.models import resolve
 from services.trainer.algorithms import loss_normalizer, make_algorithm
 from services.trainer.batching import Sample, make_micro_batches
 from services.trainer.checkpoint import TrainerState, load_checkpoint, save_checkpoint
 from services.trainer.config import TrainerConfig
+
+if TYPE_CHECKING:
+    from services.trainer.critic import Critic
 
 __all__ = ["LoraPolicy", "Sample", "StepMetrics"]
 
@@ -112,17 +115,27 @@ class LoraPolicy:
         pad = mc.pad_token_id if mc.pad_token_id is not None else mc.eos_token_id
         self.pad_id = int(pad if isinstance(pad, int) else 0)
         self.base_model_path = path
+        # What a saved critic is checked against: the base's shape, not its path (the same
+        # model can live in another directory on another host).
+        self.base_model_name = (f"{mc.model_type}:{mc.num_hidden_layers}x{mc.hidden_size}"
+                                f":vocab{mc.vocab_size}")
 
     # ---------------------------------------------------------------------------- training
 
-    def _autocast(self) -> contextlib.AbstractContextManager[Any]:
+    def trainable_tensors(self) -> list[torch.Tensor]:
+        """The policy adapter's parameters, in optimizer order."""
+        return list(self._params)
+
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        """The compute-dtype context every forward of this policy runs under."""
         if self.cfg.dtype == "float32":
             return contextlib.nullcontext()
         device = next(iter(self._params)).device.type
         return torch.autocast(device_type=device, dtype=torch.bfloat16)
 
     def train_step(self, samples: Sequence[Sample],
-                   should_stop: Callable[[], bool] | None = None) -> StepMetrics:
+                   should_stop: Callable[[], bool] | None = None,
+                   critic: Critic | None = None) -> StepMetrics:
         """One optimizer update on `samples` (an empty list is an error).
 
         `should_stop` is polled before each micro-batch and before the update: a run that is
@@ -132,6 +145,11 @@ class LoraPolicy:
         The loss of each micro-batch is divided by the whole batch's normalizer
         (`loss_normalizer`), so the accumulated gradient equals the full-batch gradient no
         matter how the token budget splits the batch.
+
+        With a `critic` (PPO), each micro-batch adds the critic's value loss (its head reads
+        the hidden states this forward computed, or its own trunk's), one backward fills both
+        gradients, and both optimizers step together. A value loss above
+        `critic.cfg.max_value_loss` (divergence) skips the whole update, like a NaN does.
         """
         if not samples:
             raise ValueError("train_step needs at least one sample")
@@ -163,18 +181,21 @@ class LoraPolicy:
             )
 
         self.model.train()
-        self.optimizer.zero_grad(set_to_none=True)
+        self._zero_grad(critic)
         total = 0.0
         sums: dict[str, float] = {}
+        value_sums: dict[str, float] = {}
         for mb in micro:
-            self._check_stop(should_stop)
-            with self._autocast():
+            self._check_stop(should_stop, critic)
+            with self.autocast():
+                hidden = completion_hidden(self.model, mb.batch)
                 out = completion_logprobs(
                     self.model,
                     mb.batch,
                     chunk_tokens=cfg.logprob_chunk_tokens,
                     temperature=cfg.temperature,
                     with_entropy=cfg.log_entropy,
+                    hidden=hidden,
                 )
             loss, m = self.algorithm.loss(
                 out.logprobs,
@@ -185,31 +206,54 @@ class LoraPolicy:
                 normalizer=normalizer,
                 entropy=out.entropy,
             )
+            if critic is not None:
+                # Outside autocast: the head and the value targets are float32.
+                vloss, vm = critic.micro_loss(mb, hidden, float(max(tokens, 1)))
+                loss = loss + vloss
+                for k, v in vm.items():
+                    value_sums[k] = value_sums.get(k, 0.0) + v
             if not torch.isfinite(loss):
-                self.optimizer.zero_grad(set_to_none=True)
+                self._zero_grad(critic)
                 return result(float(loss.detach()), math.nan, {}, "non-finite loss")
             loss.backward()
             total += float(loss.detach())
             n = m.pop("tokens")
             for k, v in m.items():
                 sums[k] = sums.get(k, 0.0) + v * n
-        extra = {k: v / max(tokens, 1) for k, v in sums.items()}
+        extra = {k: v / max(tokens, 1) for k, v in {**sums, **value_sums}.items()}
+        if critic is not None and not extra["value_loss"] <= critic.cfg.max_value_loss:
+            self._zero_grad(critic)
+            return result(total, math.nan, extra,
+                          f"value loss diverged ({extra['value_loss']:.3g} > "
+                          f"{critic.cfg.max_value_loss:g})")
 
         grad_norm = float(
             torch.nn.utils.clip_grad_norm_(self._params, cfg.optimizer.max_grad_norm)
         )
+        if critic is not None:
+            extra["critic_grad_norm"] = float(
+                torch.nn.utils.clip_grad_norm_(critic.params, cfg.optimizer.max_grad_norm))
+            grad_norm = grad_norm if math.isfinite(extra["critic_grad_norm"]) else math.nan
         if not math.isfinite(grad_norm):
-            self.optimizer.zero_grad(set_to_none=True)
+            self._zero_grad(critic)
             return result(total, grad_norm, extra, "non-finite gradient")
-        self._check_stop(should_stop)
+        self._check_stop(should_stop, critic)
         # Gradients stay on the parameters until the next step zeroes them (inspectable).
         self.optimizer.step()
+        if critic is not None:
+            critic.optimizer.step()
         self.step += 1
         return result(total, grad_norm, extra, None)
 
-    def _check_stop(self, should_stop: Callable[[], bool] | None) -> None:
+    def _zero_grad(self, critic: Critic | None) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        if critic is not None:
+            critic.optimizer.zero_grad(set_to_none=True)
+
+    def _check_stop(self, should_stop: Callable[[], bool] | None,
+                    critic: Critic | None = None) -> None:
         if should_stop is not None and should_stop():
-            self.optimizer.zero_grad(set_to_none=True)
+            self._zero_grad(critic)
             raise Interrupted("stop requested; the update was not applied")
 
     # ----------------------------------------------------------------------------- scoring
@@ -221,7 +265,7 @@ class LoraPolicy:
         lengths = [len(p) + len(c) for p, c in pairs]
         for idx in plan_micro_batches(lengths, self.cfg.micro_batch_tokens):
             batch = collate([pairs[i] for i in idx], pad_id=self.pad_id)
-            with self._autocast():
+            with self.autocast():
                 lp = completion_logprobs(
                     self.model,
                     batch,
@@ -256,20 +300,23 @@ class LoraPolicy:
         tmp = directory.with_name(f".tmp-{directory.name}-{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)
         try:
-            self.model.save_pretrained(tmp)
+            self.model.save_pretrained(tmp, selected_adapters=["default"])  # not a critic's
             tmp.rename(directory)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
         return directory
 
-    def save_checkpoint(self, root: Path, data_position: dict[str, Any] | None = None) -> Path:
-        """Checkpoint adapter, optimizer, step and RNG states under `root` (checkpoint.py)."""
+    def save_checkpoint(self, root: Path, data_position: dict[str, Any] | None = None,
+                        extras: dict[str, Callable[[Path], None]] | None = None) -> Path:
+        """Checkpoint adapter, optimizer, step and RNG states under `root` (checkpoint.py);
+        `extras` write subdirectories of the same checkpoint (PPO's critic)."""
         return save_checkpoint(
             root,
             step=self.step,
             model=self.model,
             optimizer=self.optimizer,
             data_position=data_position,
+            extras=extras,
         )
 
     def restore(self, path: Path) -> TrainerState:

@@ -1,6 +1,7 @@
 """The run report: `report.json`, `report.md` and PNG plots under the run directory.
 
-Owns presentation only; every number comes from the summary the recipe returned.
+Owns presentation only (GRPO: `write`, PPO: `write_ppo`); every number comes from the summary
+the recipe returned.
 """
 
 from __future__ import annotations
@@ -94,3 +95,88 @@ def write(summary: dict, run_dir: Path, config_text: str = "") -> Path:
     path = run_dir / "report.md"
     path.write_text("\n".join(lines) + "\n")
     return path
+
+
+# ---- PPO ------------------------------------------------------------------------------------
+
+def _ppo_plots(summary: dict, out: Path) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = list(range(1, len(summary["reward_curve"]) + 1))
+    fig, ax = plt.subplots(1, 3, figsize=(14, 3.8))
+    ax[0].plot(steps, summary["reward_curve"], marker="o", label="score (before KL)")
+    curve = summary["heldout"]["curve"]
+    if curve:
+        ax[0].plot([e["step"] for e in curve], [e["reward_mean"] for e in curve], marker="s",
+                   linestyle="--", label="held-out greedy")
+    ax[0].set_title("reward"); ax[0].legend(); ax[0].grid(alpha=0.3)
+    ax[1].plot(steps, summary["value_loss_curve"], marker="o", color="tab:red")
+    ax[1].set_title("value loss"); ax[1].grid(alpha=0.3)
+    ax[2].plot(steps, summary["explained_variance_curve"], marker="o", color="tab:green",
+               label="explained variance")
+    ax[2].plot(steps, summary["kl_curve"], marker=".", color="tab:purple", label="KL per token")
+    ax[2].axhline(0, color="grey", lw=0.8)
+    ax[2].set_title("critic and KL"); ax[2].legend(); ax[2].grid(alpha=0.3)
+    for a in ax:
+        a.set_xlabel("step")
+    fig.tight_layout()
+    fig.savefig(out / "ppo.png", dpi=110)
+    plt.close(fig)
+    return ["ppo.png"]
+
+
+def write_ppo(summary: dict, run_dir: Path, config_text: str = "") -> Path:
+    """report.json, report.md and ppo.png of a PPO run."""
+    from .ppo import STAGES as PPO_STAGES
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "report.json").write_text(json.dumps(summary, indent=2))
+    plots = _ppo_plots(summary, run_dir) if summary["steps"] else []
+    h = summary["heldout"]
+    ev = [x for x in summary["explained_variance_curve"] if x == x]  # drop NaN
+    lines = [
+        f"# hotloop PPO run `{run_dir.name}`",
+        "",
+        f"- steps: {summary['steps']}, samples: {summary['samples']}, "
+        f"throughput: {summary['samples_per_s']:.2f} samples/s (all stages); critic "
+        f"`{summary['critic']}`, users first: `{summary['users_first']}`",
+        f"- training score: first step {_first(summary['reward_curve'])}, last "
+        f"{_last(summary['reward_curve'])}; value loss {_first(summary['value_loss_curve'])} -> "
+        f"{_last(summary['value_loss_curve'])}; explained variance {_first(ev)} -> {_last(ev)}",
+    ]
+    for name, p in h.get("paired", {}).items():
+        what = f"held-out greedy reward ({h['scorer']}), paired over {h['tasks']} prompts"
+        lines.append(f"- {verdict(p, what)}; base {p['base']:.3f} -> final {p['final']:.3f}; "
+                     f"{p['tasks_improved']} prompts better, {p['tasks_worse']} worse")
+    lines += ["", "| stage | seconds per step | share |", "|---|---|---|"]
+    for s in PPO_STAGES:
+        lines.append(f"| {s} | {summary['stage_seconds'][s]:.2f} | {summary['stage_share'][s]:.1%} |")
+    lines += [""] + [f"![{p}]({p})" for p in plots]
+    if summary["skipped_steps"]:
+        lines += ["", "Skipped updates:"] + [f"- step {s['step']}: {s['reason']}"
+                                             for s in summary["skipped_steps"]]
+    if summary.get("examples"):
+        lines += ["", "## What changed: held-out completions before and after", ""]
+        for ex in summary["examples"]:
+            lines += [f"**Prompt:** {ex['prompt'].strip()[:300]}", "",
+                      f"*Base* (reward {ex['base_reward']:.2f}):", "", "```", ex["base"].strip(), "```",
+                      f"*Final* (reward {ex['final_reward']:.2f}):", "", "```", ex["final"].strip(), "```", ""]
+    if summary.get("config"):
+        lines += ["", "## Configuration that ran", "", "```json",
+                  json.dumps(summary["config"], indent=2), "```"]
+    elif config_text:
+        lines += ["", "## Configuration file", "", "```toml", config_text.strip(), "```"]
+    path = run_dir / "report.md"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def _first(xs: list) -> str:
+    return f"{xs[0]:.3f}" if xs else "n/a"
+
+
+def _last(xs: list) -> str:
+    return f"{xs[-1]:.3f}" if xs else "n/a"

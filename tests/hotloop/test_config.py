@@ -46,9 +46,11 @@ def test_every_config_file_parses(path):
     from services.trainer.__main__ import TrainerServerConfig
     from services.trainer.config import OnlineConfig
     from services.trainer.grpo import GrpoJobConfig
+    from services.trainer.ppo import PpoJobConfig
 
     sections = {"rollout": RolloutConfig, "reward": RewardConfig, "reference": ReferenceConfig,
                 "trainer": TrainerConfig, "grpo": GrpoJobConfig, "gateway": GatewayConfig,
+                "ppo": PpoJobConfig,
                 "online": OnlineConfig, "trainer_server": TrainerServerConfig}
     tree = config.raw_config(path, environ={})
     config.load_mesh(tree)

@@ -173,3 +173,26 @@ async def test_client_stream_matches_client_generate(rollout):
     assert parts[0].prompt_token_ids == whole.prompt_token_ids
     assert parts[-1].final and parts[-1].finish_reason == whole.finish_reason
     assert all(p.version_spans == [(0, 0)] for p in parts)
+
+
+@pytest.mark.parametrize("priority, expected", [(0, 1), (1, 0)])
+async def test_status_counts_foreground_requests(rollout, priority, expected):
+    """Users come at priority 0: Status counts those in flight (what a trainer that yields to
+    users watches), not training requests at a larger priority, and forgets a cancelled one."""
+    _, stub, _ = rollout
+    call = stub.Generate(stream_request([text_prompt("count:")], priority=priority, max_tokens=400))
+    got = 0
+    async for _ in call:
+        got += 1
+        if got == 3:
+            break
+    status = await stub.Status(rollout_pb2.StatusRequest())
+    assert status.foreground_requests == expected and status.running_requests == 1
+    call.cancel()
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < 3.0:
+        status = await stub.Status(rollout_pb2.StatusRequest())
+        if status.running_requests == 0:
+            break
+        await asyncio.sleep(0.05)
+    assert status.foreground_requests == 0 and status.running_requests == 0

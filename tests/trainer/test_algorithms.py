@@ -152,7 +152,12 @@ def test_make_algorithm_dispatch() -> None:
     assert grpo.advantages(torch.tensor([[1.0, 0.0]])).shape == (1, 2)
     rf = make_algorithm(TrainerConfig(algorithm="reinforce", loss={"reinforce_baseline": 0.5}))
     torch.testing.assert_close(rf.advantages(torch.tensor([1.0, 0.0])), torch.tensor([0.5, -0.5]))
+    ppo = make_algorithm(TrainerConfig(algorithm="ppo"))
+    x = torch.tensor([[0.3, -1.0]])
+    torch.testing.assert_close(ppo.advantages(x), x)  # GAE happens in the recipe
+    with pytest.raises(ValidationError, match="kl_coef"):
+        TrainerConfig(algorithm="ppo", loss={"kl_beta": 0.1})  # PPO's KL is in the reward
     with pytest.raises(ValidationError):
-        TrainerConfig(algorithm="ppo")
+        TrainerConfig(algorithm="unknown")
     with pytest.raises(ValidationError):
         TrainerConfig(lora={"rank": 8})  # misspelled key is an error
