@@ -95,6 +95,19 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
+def resolve_device(requested: str, *, cuda: bool | None = None) -> str:
+    """`auto` -> "cuda" where torch sees a GPU, else "cpu"; "cuda" without one is an error
+    (a config that asks for a GPU must not silently train on the CPU)."""
+    cuda = _cuda_available() if cuda is None else cuda
+    if requested == "auto":
+        return "cuda" if cuda else "cpu"
+    if requested == "cuda" and not cuda:
+        raise ValueError("device = 'cuda' but torch sees no CUDA device on this host")
+    if requested not in ("cpu", "cuda"):
+        raise ValueError(f"unknown device {requested!r}; choose auto, cpu or cuda")
+    return requested
+
+
 def resolve_dtype(requested: str, *, cuda: bool | None = None,
                   cpu: CpuCapability | None = None) -> str:
     """`auto` -> "bfloat16" where bf16 measured faster than fp32 (CUDA, or a CPU with AMX-BF16),

@@ -103,6 +103,8 @@ kl_target = 0.1
     assert len(data["value_loss_curve"]) == 2 and len(data["explained_variance_curve"]) == 2
     g = data["heldout"]["paired"]["greedy_reward"]
     assert data["heldout"]["tasks"] == 4 and g["ci95"][0] <= g["diff"] <= g["ci95"][1]
+    sampled = data["heldout"]["paired"]["sampled_reward"]
+    assert sampled["samples_per_task"] == 4 and sampled["ci95"][0] <= sampled["diff"] <= sampled["ci95"][1]
     assert data["config"]["ppo"]["reference"] == "colocated" and "reference" not in data["config"]
     assert data["config"]["trainer"]["critic"]["mode"] == "lora"
     lines = [json.loads(x) for x in (tmp_path / "runs/e2e/metrics.jsonl").read_text().splitlines()]

@@ -26,6 +26,9 @@ class ReferenceConfig(BaseModel):
     dtype: Literal["auto", "bfloat16", "float32"] = "auto"
     """Compute dtype (`auto` as for the trainer: bf16 only where native); use the trainer's, or the KL picks up the bf16/fp32 gap (~1e-2 per token
     on logprobs) as if it were policy drift."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where the model computes: `auto` is the first CUDA device when torch sees one, else the
+    CPU (`dtype = "auto"` follows it, as in the trainer)."""
     token_budget: int = Field(4096, ge=16)
     """Padded tokens (rows x longest prompt+completion) per forward pass; also the most tokens
     the streaming path groups into one batch."""

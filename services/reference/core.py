@@ -88,7 +88,9 @@ class TorchBackend(ReferenceBackend):
             torch.set_flush_denormal(True)  # process-wide; a no-op where unsupported
         path = Path(model_dir) if model_dir is not None else resolve(cfg.model)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=_DTYPES[cfg.dtype])
-        model.eval().requires_grad_(False)
+        from hotloop.hardware import resolve_device
+
+        model.to(resolve_device(cfg.device)).eval().requires_grad_(False)
         self.model = model
         mc = model.config
         pad = mc.pad_token_id if mc.pad_token_id is not None else mc.eos_token_id
@@ -157,13 +159,14 @@ class ReferenceCore:
         backend: ReferenceBackend | None = None,
         model_dir: Path | None = None,
     ) -> None:
-        from hotloop.hardware import describe, resolve_dtype
+        from hotloop.hardware import describe, resolve_device, resolve_dtype
 
-        # `auto` becomes a concrete dtype once, here, so the backend, Status and the trainer's
-        # start-up check all see the same one.
-        dtype = resolve_dtype(cfg.dtype)
-        log.info(describe("reference", cfg.dtype, dtype))
-        self.cfg = cfg = cfg.model_copy(update={"dtype": dtype})
+        # `auto` becomes a concrete device and dtype once, here, so the backend, Status and
+        # the trainer's start-up check all see the same ones.
+        device = resolve_device(cfg.device)
+        dtype = resolve_dtype(cfg.dtype, cuda=device == "cuda")
+        log.info(describe("reference", cfg.dtype, dtype) + f"; device {device}")
+        self.cfg = cfg = cfg.model_copy(update={"dtype": dtype, "device": device})
         self.backend = backend if backend is not None else make_backend(cfg, model_dir)
 
     def logprobs(self, requests: Sequence[LogprobsRequest]) -> list[LogprobsResult]:

@@ -22,7 +22,7 @@ from functools import partial
 import torch
 from torch import Tensor
 
-from services.trainer.config import LossSettings, TrainerConfig
+from services.trainer.config import LossSettings, PpoSettings, TrainerConfig
 
 # exp(ref - logp) in the k3 estimator overflows float32 past ~88; a log-ratio of 20 already
 # means the policy is e^20 times likelier than the reference on that token.
@@ -352,6 +352,37 @@ class AdaptiveKl:
             return
         error = max(-0.2, min(0.2, kl / self.target - 1.0))
         self.coef *= 1.0 + error * samples / self.horizon
+
+
+def ppo_targets(samples_in: list[dict], kl_coef: float, cfg: PpoSettings) -> dict:
+    """PPO's per-token targets for a step's samples: the KL-penalised reward, GAE, whitening.
+
+    Each input dict: score (float), logprobs (the sampler's), ref, values (lists, one value per
+    completion token). Returns per-sample "advantages" and "returns" (lists), the batch's mean
+    per-token "kl" and the "explained_variance" of the values against the returns.
+    """
+    def pad(key: str) -> torch.Tensor:  # [B, T]
+        width = max(1, max(len(s[key]) for s in samples_in))
+        out = torch.zeros((len(samples_in), width), dtype=torch.float32)
+        for i, s in enumerate(samples_in):
+            out[i, : len(s[key])] = torch.tensor(s[key], dtype=torch.float32)
+        return out
+
+    lengths = torch.tensor([len(s["logprobs"]) for s in samples_in])
+    mask = torch.arange(max(1, int(lengths.max())))[None, :] < lengths[:, None]  # [B, T]
+    scores = torch.tensor([s["score"] for s in samples_in], dtype=torch.float32)  # [B]
+    rewards, kl = kl_penalised_rewards(scores, pad("logprobs"), pad("ref"), mask, kl_coef)
+    values = pad("values") * mask
+    adv, returns = gae(rewards, values, mask, gamma=cfg.gamma, lam=cfg.lam)
+    if cfg.whiten_advantages:
+        adv = whiten(adv, mask)
+    n = mask.sum().clamp(min=1)
+    return {
+        "advantages": [adv[i, : int(lengths[i])].tolist() for i in range(len(samples_in))],
+        "returns": [returns[i, : int(lengths[i])].tolist() for i in range(len(samples_in))],
+        "kl": float(kl.sum() / n),
+        "explained_variance": explained_variance(values, returns, mask),
+    }
 
 
 @dataclass(frozen=True)

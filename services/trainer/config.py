@@ -166,6 +166,9 @@ class TrainerConfig(_Strict):
     (`hotloop.hardware.resolve_dtype`; on an AVX2-only CPU bf16 is 40x slower, on AVX512-BF16
     without AMX 1.7x). bfloat16 stores the frozen base in bf16 and runs under CPU/CUDA autocast;
     the LoRA weights, optimizer state and log-softmax stay float32."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where the policy (and PPO's critic and colocated reference) computes. `auto`: the first
+    CUDA device when torch sees one, else the CPU; `dtype = "auto"` follows the device."""
     torch_threads: int | None = Field(None, ge=1)
     """torch intra-op threads (None: torch's default). vLLM on the same host competes for the
     same cores; set both deliberately."""

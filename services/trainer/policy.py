@@ -76,12 +76,14 @@ class LoraPolicy:
     """Base model + LoRA adapter + AdamW. Not thread-safe: one caller drives it."""
 
     def __init__(self, cfg: TrainerConfig, model_dir: Path | None = None) -> None:
-        from hotloop.hardware import describe, resolve_dtype
+        from hotloop.hardware import describe, resolve_device, resolve_dtype
 
-        # `auto` becomes a concrete dtype once, here; everything below reads self.cfg.dtype.
-        dtype = resolve_dtype(cfg.dtype)
-        log.info(describe("trainer", cfg.dtype, dtype))
-        self.cfg = cfg = cfg.model_copy(update={"dtype": dtype})
+        # `auto` becomes a concrete device and dtype once, here; everything below reads
+        # self.cfg.device / self.cfg.dtype.
+        device = resolve_device(cfg.device)
+        dtype = resolve_dtype(cfg.dtype, cuda=device == "cuda")
+        log.info(describe("trainer", cfg.dtype, dtype) + f"; device {device}")
+        self.cfg = cfg = cfg.model_copy(update={"dtype": dtype, "device": device})
         if cfg.torch_threads is not None:
             torch.set_num_threads(cfg.torch_threads)
         if cfg.flush_denormal:
@@ -93,7 +95,7 @@ class LoraPolicy:
         # The frozen base is stored in the compute dtype (bf16 halves its memory and skips a
         # per-step cast); peft keeps the adapter in float32 (autocast_adapter_dtype), so the
         # trained weights and AdamW state are full precision.
-        base = AutoModelForCausalLM.from_pretrained(path, dtype=_DTYPES[cfg.dtype])
+        base = AutoModelForCausalLM.from_pretrained(path, dtype=_DTYPES[cfg.dtype]).to(device)
         lora = LoraConfig(
             r=cfg.lora.r,
             lora_alpha=cfg.lora.alpha,
@@ -197,11 +199,12 @@ class LoraPolicy:
                     with_entropy=cfg.log_entropy,
                     hidden=hidden,
                 )
+            dev = out.logprobs.device  # the batch is assembled on the CPU
             loss, m = self.algorithm.loss(
                 out.logprobs,
-                mb.old_logprobs,
-                mb.ref_logprobs,
-                mb.advantages,
+                mb.old_logprobs.to(dev),
+                None if mb.ref_logprobs is None else mb.ref_logprobs.to(dev),
+                mb.advantages.to(dev),
                 out.mask,
                 normalizer=normalizer,
                 entropy=out.entropy,

@@ -62,7 +62,11 @@ class PpoJobConfig(Section):
     eval_split: str = "test"
     """Split of `eval_tasks` to evaluate on."""
     eval_limit: int = Field(64, ge=0)
-    """Evaluate on the first N held-out prompts, greedy, before and after (0: no evaluation)."""
+    """Evaluate on the first N held-out prompts before and after (0: no evaluation)."""
+    eval_sampled: int = Field(4, ge=0, le=64)
+    """Besides greedy, the mean reward of this many samples per held-out prompt at the training
+    temperature: what PPO optimizes, and far less noisy per prompt than one greedy answer
+    (0: greedy only)."""
     scorer: str = ""
     """Reward-service scorer to request (a composite such as code tests plus a brevity rule or
     a reward model; docs/reward-models.md). Empty: the service's default scorer."""
@@ -177,56 +181,46 @@ def score_items(tasks: list[CodeTask], comps: list[Completion], scorer: str) -> 
 
 @dataclass
 class HeldOut:
-    """Greedy reward per held-out prompt (the same prompts before and after)."""
+    """Reward per held-out prompt (the same prompts before and after): greedy, and the mean
+    of `samples` answers at the training temperature when asked."""
 
     step: int
     version: int
-    per_task: list[float]
-    texts: list[str]
+    per_task: list[float]  # greedy
+    texts: list[str]  # greedy answers
+    sampled: list[float] = field(default_factory=list)  # mean reward of the samples per prompt
+    samples: int = 0
 
     @property
     def mean(self) -> float:
         return statistics.fmean(self.per_task) if self.per_task else math.nan
 
+    @property
+    def sampled_mean(self) -> float:
+        return statistics.fmean(self.sampled) if self.sampled else math.nan
 
-async def evaluate(mesh: Mesh, tasks: list[CodeTask], scorer: str, max_tokens: int,
-                   step: int) -> HeldOut:
-    comps = await mesh.rollout[0].generate([chat(t) for t in tasks], n=1, max_tokens=max_tokens,
-                                           temperature=0.0, seed=1234, priority=TRAINING_PRIORITY)
+
+async def _rewards(mesh: Mesh, tasks: list[CodeTask], scorer: str, n: int, temperature: float,
+                   max_tokens: int) -> tuple[list[float], list[Completion]]:
+    comps = await mesh.rollout[0].generate([chat(t) for t in tasks], n=n, max_tokens=max_tokens,
+                                           temperature=temperature, seed=1234,
+                                           priority=TRAINING_PRIORITY)
     scores = await mesh.reward.score(score_items(tasks, comps, scorer))
-    return HeldOut(step=step, version=comps[0].policy_version if comps else 0,
-                   per_task=[s.reward for s in scores], texts=[c.text for c in comps])
+    per = [0.0] * len(tasks)
+    for c, s in zip(comps, scores):
+        per[c.prompt_index] += s.reward / n
+    return per, comps
 
 
-def advantages_and_returns(samples_in: list[dict], kl_coef: float, cfg) -> dict:
-    """GAE over a step's samples. Each input dict: score, logprobs, ref, values (lists per
-    token). Returns per-sample advantages and returns (lists), and batch metrics."""
-    import torch
-
-    from .algorithms import explained_variance, gae, kl_penalised_rewards, whiten
-
-    def pad(key: str) -> torch.Tensor:  # [B, T]
-        width = max(1, max(len(s[key]) for s in samples_in))
-        out = torch.zeros((len(samples_in), width), dtype=torch.float32)
-        for i, s in enumerate(samples_in):
-            out[i, : len(s[key])] = torch.tensor(s[key], dtype=torch.float32)
-        return out
-
-    lengths = torch.tensor([len(s["logprobs"]) for s in samples_in])
-    mask = torch.arange(max(1, int(lengths.max()))) [None, :] < lengths[:, None]  # [B, T]
-    scores = torch.tensor([s["score"] for s in samples_in], dtype=torch.float32)  # [B]
-    rewards, kl = kl_penalised_rewards(scores, pad("logprobs"), pad("ref"), mask, kl_coef)
-    values = pad("values") * mask
-    adv, returns = gae(rewards, values, mask, gamma=cfg.gamma, lam=cfg.lam)
-    if cfg.whiten_advantages:
-        adv = whiten(adv, mask)
-    n = mask.sum().clamp(min=1)
-    return {
-        "advantages": [adv[i, : int(lengths[i])].tolist() for i in range(len(samples_in))],
-        "returns": [returns[i, : int(lengths[i])].tolist() for i in range(len(samples_in))],
-        "kl": float(kl.sum() / n),
-        "explained_variance": explained_variance(values, returns, mask),
-    }
+async def evaluate(mesh: Mesh, tasks: list[CodeTask], scorer: str, max_tokens: int, step: int,
+                   samples: int = 0, temperature: float = 1.0) -> HeldOut:
+    greedy, comps = await _rewards(mesh, tasks, scorer, 1, 0.0, max_tokens)
+    rec = HeldOut(step=step, version=comps[0].policy_version if comps else 0, per_task=greedy,
+                  texts=[c.text for c in comps])
+    if samples:
+        rec.sampled, _ = await _rewards(mesh, tasks, scorer, samples, temperature, max_tokens)
+        rec.samples = samples
+    return rec
 
 
 async def run(job: PpoJobConfig, trainer_cfg, model_dir: Path, mesh: Mesh, run_dir: Path,
@@ -237,7 +231,7 @@ async def run(job: PpoJobConfig, trainer_cfg, model_dir: Path, mesh: Mesh, run_d
     from opentelemetry import trace
     from tqdm import tqdm
 
-    from .algorithms import AdaptiveKl
+    from .algorithms import AdaptiveKl, ppo_targets
     from .batching import Sample
     from .checkpoint import latest_checkpoint
     from .critic import make_critic
@@ -291,12 +285,15 @@ async def run(job: PpoJobConfig, trainer_cfg, model_dir: Path, mesh: Mesh, run_d
 
     async def do_eval(step: int) -> None:
         with tracer.start_as_current_span("evaluate"):
-            rec = await evaluate(mesh, heldout, job.scorer, trainer_cfg.max_new_tokens, step)
+            rec = await evaluate(mesh, heldout, job.scorer, trainer_cfg.max_new_tokens, step,
+                                 job.eval_sampled, job.sample_temperature)
         evals.append(rec)
         metrics_file.write(json.dumps({"eval": {"step": step, "version": rec.version,
-                                                "reward_mean": rec.mean}}) + "\n")
+                                                "reward_mean": rec.mean,
+                                                "sampled_reward_mean": rec.sampled_mean}}) + "\n")
         metrics_file.flush()
-        log.info("held-out greedy reward at step %d (v%d): %.3f", step, rec.version, rec.mean)
+        log.info("held-out reward at step %d (v%d): greedy %.3f, sampled %.3f", step,
+                 rec.version, rec.mean, rec.sampled_mean)
 
     try:
         if heldout:
@@ -343,7 +340,7 @@ async def run(job: PpoJobConfig, trainer_cfg, model_dir: Path, mesh: Mesh, run_d
                     values = await asyncio.to_thread(critic.values, pairs)
                 secs["values"] = time.perf_counter() - t
 
-                est = advantages_and_returns(
+                est = ppo_targets(
                     [{"score": s.reward, "logprobs": c.logprobs, "ref": r, "values": v}
                      for s, c, r, v in zip(scores, comps, ref, values)], kl_ctl.coef, pc)
                 samples = [
@@ -472,11 +469,16 @@ def summarize(steps: list[PpoStep], evals: list[HeldOut], heldout: list[CodeTask
         "users_first": job.users_first,
         "critic": trainer_cfg.critic.mode,
         "heldout": {"tasks": len(heldout), "scorer": job.scorer or "(service default)",
-                    "curve": [{"step": e.step, "version": e.version, "reward_mean": e.mean} for e in evals]},
+                    "curve": [{"step": e.step, "version": e.version, "reward_mean": e.mean,
+                               "sampled_reward_mean": e.sampled_mean} for e in evals]},
     }
     if len(evals) > 1:
         first, last = evals[0], evals[-1]
         out["heldout"]["paired"] = {"greedy_reward": paired_bootstrap(first.per_task, last.per_task)}
+        if first.sampled and last.sampled:
+            out["heldout"]["paired"]["sampled_reward"] = {
+                **paired_bootstrap(first.sampled, last.sampled), "samples_per_task": first.samples,
+                "temperature": job.sample_temperature}
         out["examples"] = [{"prompt": t.prompt, "base": first.texts[i], "final": last.texts[i],
                             "base_reward": first.per_task[i], "final_reward": last.per_task[i]}
                            for i, t in enumerate(heldout[: job.examples])]

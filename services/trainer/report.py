@@ -112,6 +112,10 @@ def _ppo_plots(summary: dict, out: Path) -> list[str]:
     if curve:
         ax[0].plot([e["step"] for e in curve], [e["reward_mean"] for e in curve], marker="s",
                    linestyle="--", label="held-out greedy")
+        sampled = [e.get("sampled_reward_mean") for e in curve]
+        if all(x is not None and x == x for x in sampled):
+            ax[0].plot([e["step"] for e in curve], sampled, marker="^", linestyle=":",
+                       label="held-out sampled")
     ax[0].set_title("reward"); ax[0].legend(); ax[0].grid(alpha=0.3)
     ax[1].plot(steps, summary["value_loss_curve"], marker="o", color="tab:red")
     ax[1].set_title("value loss"); ax[1].grid(alpha=0.3)
@@ -148,7 +152,9 @@ def write_ppo(summary: dict, run_dir: Path, config_text: str = "") -> Path:
         f"{_last(summary['value_loss_curve'])}; explained variance {_first(ev)} -> {_last(ev)}",
     ]
     for name, p in h.get("paired", {}).items():
-        what = f"held-out greedy reward ({h['scorer']}), paired over {h['tasks']} prompts"
+        how = ("greedy" if name == "greedy_reward" else
+               f"sampled ({p['samples_per_task']} per prompt, T={p['temperature']:g})")
+        what = f"held-out {how} reward ({h['scorer']}), paired over {h['tasks']} prompts"
         lines.append(f"- {verdict(p, what)}; base {p['base']:.3f} -> final {p['final']:.3f}; "
                      f"{p['tasks_improved']} prompts better, {p['tasks_worse']} worse")
     lines += ["", "| stage | seconds per step | share |", "|---|---|---|"]

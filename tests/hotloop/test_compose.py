@@ -21,7 +21,10 @@ def test_compose_services_are_real_and_health_checked():
             assert "healthcheck" in svc, f"{name} has no health check"
             served[cmd[1]] = svc
         if "--config" in cmd:
-            assert (ROOT / cmd[cmd.index("--config") + 1]).exists()
+            path = cmd[cmd.index("--config") + 1]
+            if path.startswith("${"):  # ${HOTLOOP_CONFIG:-default}
+                path = path.split(":-", 1)[1].rstrip("}")
+            assert (ROOT / path).exists()
     assert {"rollout", "reference", "reward", "gateway"} <= set(served)
     for gpu in ("rollout", "reference"):
         assert served[gpu]["deploy"]["resources"]["reservations"]["devices"][0]["capabilities"] == ["gpu"]
@@ -32,3 +35,23 @@ def test_dockerfile_copies_existing_paths():
         if line.startswith("COPY "):
             for src in line.split()[1:-1]:
                 assert (ROOT / src).exists(), f"Dockerfile copies missing {src}"
+
+
+def test_colocated_profile_runs_ppo_without_a_reference_service():
+    """`--profile colocated` starts PPO with the reference inside the trainer: no service of
+    that profile needs the reference, and the reference is not started without a profile."""
+    doc = yaml.safe_load((ROOT / "compose/docker-compose.yml").read_text())
+    services = doc["services"]
+    ppo = services["ppo-trainer"]
+    assert ppo["profiles"] == ["colocated"] and ppo["command"][:2] == ["train", "ppo"]
+    assert "reference" not in ppo["depends_on"]
+    assert "HOTLOOP__ENDPOINTS__REFERENCE" not in ppo["environment"]
+    assert "colocated" not in services["reference"]["profiles"]
+    for name, svc in services.items():
+        if "colocated" in svc.get("profiles", ["colocated"]):  # profile-less services start too
+            assert "reference" not in svc.get("depends_on", {}), name
+    from hotloop import config
+    from services.trainer.ppo import PpoJobConfig
+
+    tree = config.raw_config(ROOT / ppo["command"][3], environ={})
+    assert config.load_section(tree, "ppo", PpoJobConfig).reference == "colocated"

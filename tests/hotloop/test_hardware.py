@@ -70,3 +70,13 @@ def test_shipped_configs_default_to_auto() -> None:
         for section in ("model", "trainer", "reference"):
             got = tree.get(section, {}).get("dtype", "auto")
             assert got == "auto", f"{path.name} [{section}] dtype = {got!r}"
+
+
+def test_device_follows_cuda_and_refuses_a_missing_gpu():
+    from hotloop.hardware import resolve_device
+
+    assert resolve_device("auto", cuda=True) == "cuda"
+    assert resolve_device("auto", cuda=False) == "cpu"
+    assert resolve_device("cpu", cuda=True) == "cpu"
+    with pytest.raises(ValueError, match="no CUDA device"):
+        resolve_device("cuda", cuda=False)

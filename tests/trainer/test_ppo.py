@@ -52,10 +52,10 @@ def test_adaptive_kl_moves_toward_its_target_and_fixed_stays():
 
 
 def test_advantages_and_returns_end_to_end():
-    from services.trainer.ppo import advantages_and_returns
+    from services.trainer.algorithms import ppo_targets
 
     cfg = PpoSettings(gamma=1.0, lam=1.0, whiten_advantages=False)
-    out = advantages_and_returns(
+    out = ppo_targets(
         [{"score": 1.0, "logprobs": [-1.0, -1.0], "ref": [-1.0, -1.0], "values": [0.0, 0.0]},
          {"score": 0.0, "logprobs": [-1.0], "ref": [-1.0], "values": [0.5]}], kl_coef=0.1, cfg=cfg)
     # lambda = gamma = 1 and no KL: the return of every token is the sequence's score.
