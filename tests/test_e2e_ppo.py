@@ -92,11 +92,19 @@ kl_target = 0.1
 
             summary, report = asyncio.run(
                 run_job(mesh_cfg, job, trainer_cfg, progress=False, recipe="ppo"))
+            # A second, fresh run on the same mesh: the replica serves v2 of the first run, so
+            # the new run first serves its own (untrained) policy above it, then trains on.
+            second = job.model_copy(update={"run_id": "again", "eval_limit": 0})
+            again, _ = asyncio.run(run_job(mesh_cfg, second, trainer_cfg.model_copy(
+                update={"num_steps": 1}), progress=False, recipe="ppo"))
         finally:
             done.set()
             t.join(60)
+    assert again["steps"] == 1
+    stored = sorted(p.name for p in (tmp_path / "runs/again/store/versions").glob("v*.tar"))
+    assert stored == ["v3.tar", "v4.tar"]
     assert not failures, failures[:3]
-    assert len(served) >= 3 and set(served) <= {0, 1, 2} and served[-1] >= 1
+    assert len(served) >= 3 and set(served) <= {0, 1, 2, 3, 4} and served[-1] >= 1
     assert summary["steps"] == 2
     data = json.loads((tmp_path / "runs/e2e/report.json").read_text())
     assert set(data["stage_seconds"]) == {"generate", "score", "reference", "values", "train", "publish"}

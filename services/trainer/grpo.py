@@ -194,6 +194,25 @@ class Mesh:
     publisher: object  # services.trainer.publisher.Publisher
 
 
+async def serve_policy(policy, mesh: Mesh, run_dir: Path, version: int) -> int:
+    """Make the replicas serve exactly what `policy` computes before a run samples from them;
+    returns the version they serve. `version`: the last one the run's checkpoint published.
+
+    New versions are numbered above anything this run stored (a crash between a publish and
+    the next checkpoint leaves a newer stored version than the checkpoint knows of) and
+    anything a replica holds (the mesh outlives runs, and a replica refuses a version older
+    than its latest). A fresh run on a fresh mesh publishes nothing: version 0 is the base,
+    which a zero-initialised adapter computes exactly."""
+    stored = mesh.publisher.store.latest()
+    serving = max([(await r.status()).latest_version for r in mesh.rollout], default=0)
+    if version == 0 and serving == 0 and stored is None:
+        return 0
+    version = max(version, stored.version if stored else 0, serving) + 1
+    await mesh.publisher.publish(version, policy.save_adapter(run_dir / "adapters" / f"v{version}"))
+    log.info("the replicas now serve this run's policy as version %d", version)
+    return version
+
+
 async def run(job: GrpoJobConfig, trainer_cfg, model_dir: Path, mesh: Mesh, run_dir: Path,
               progress: bool = True, on_step=None) -> dict:
     """Train; returns the summary written to `run_dir/summary.json`."""
@@ -223,13 +242,9 @@ async def run(job: GrpoJobConfig, trainer_cfg, model_dir: Path, mesh: Mesh, run_
         state = policy.restore(ckpt)
         start_step = state.step
         stream = TaskStream(train_tasks, job.seed, state.data_position["epoch"], state.data_position["offset"])
-        # Above anything this run already stored: a crash between a publish and the next
-        # checkpoint leaves a newer stored version than the checkpoint knows of.
-        stored = mesh.publisher.store.latest()
-        version = max(state.data_position.get("version", 0), stored.version if stored else 0) + 1
-        # Serving must match the restored policy before sampling resumes.
-        await mesh.publisher.publish(version, policy.save_adapter(run_dir / "adapters" / f"v{version}"))
-        log.info("resumed from %s at step %d, published it as version %d", ckpt, start_step, version)
+        version = state.data_position.get("version", 0)
+        log.info("resumed from %s at step %d", ckpt, start_step)
+    version = await serve_policy(policy, mesh, run_dir, version)
     rollout = mesh.rollout[0]  # sampling goes to one replica; every replica gets each version
     metrics_file = open(run_dir / "metrics.jsonl", "a")
     evals: list[EvalRecord] = []

@@ -42,7 +42,7 @@ from hotloop.clients import TRAINING_PRIORITY, Completion, RolloutClient, ScoreI
 from hotloop.config import Section
 from hotloop.tasks import CodeTask, load_tasks
 
-from .grpo import Mesh, TaskStream, chat
+from .grpo import Mesh, TaskStream, chat, serve_policy
 
 log = logging.getLogger(__name__)
 STAGES = ("generate", "score", "reference", "values", "train", "publish")
@@ -257,12 +257,10 @@ async def run(job: PpoJobConfig, trainer_cfg, model_dir: Path, mesh: Mesh, run_d
         state = policy.restore(ckpt)
         critic.load(ckpt / "critic")  # CriticMismatch names what differs
         pos = state.data_position
-        start_step, kl_ctl.coef = pos["ppo_step"], pos["kl_coef"]
+        start_step, kl_ctl.coef, version = pos["ppo_step"], pos["kl_coef"], pos.get("version", 0)
         stream = TaskStream(train_tasks, job.seed, pos["epoch"], pos["offset"])
-        stored = mesh.publisher.store.latest()
-        version = max(pos.get("version", 0), stored.version if stored else 0) + 1
-        await mesh.publisher.publish(version, policy.save_adapter(run_dir / "adapters" / f"v{version}"))
-        log.info("resumed from %s at step %d, published it as version %d", ckpt, start_step, version)
+        log.info("resumed from %s at step %d", ckpt, start_step)
+    version = await serve_policy(policy, mesh, run_dir, version)
 
     def position(step: int) -> dict:
         return {**stream.position(), "version": version, "ppo_step": step, "kl_coef": kl_ctl.coef}
