@@ -290,6 +290,9 @@ class Simulation:
         self.records: list[Record] = []
         self.share = SlidingShare(cfg.window)
         self.feedback_sent: dict[str, float] = {}  # response id -> unix seconds sent
+        # user -> the phase of the request it is streaming now: a caller switching phases can
+        # wait until no request of the old phase is still running
+        self.in_flight: dict[int, str] = {}
         self.status_extra = status_extra
         self._out = open(out_path, "a") if out_path else None
         self._stop = asyncio.Event()
@@ -353,6 +356,7 @@ class Simulation:
         pi = self._rng.randrange(len(PROMPTS))
         # the phase at the start decides: an answer begun in the idle phase is never rated
         rec = Record(ts=time.time(), user=uid, phase=self.cfg.phase, prompt=pi)
+        self.in_flight[uid] = rec.phase
         rate = self.cfg.feedback
         t0 = time.perf_counter()
         text: list[str] = []
@@ -391,6 +395,8 @@ class Simulation:
                 rec.version = rec.last_version = int(raw.headers["x-hotloop-policy-version"])
         except (openai.APIError, OSError, ValueError) as e:
             rec.error = _describe(e)
+        finally:
+            self.in_flight.pop(uid, None)
         rec.total_ms = (time.perf_counter() - t0) * 1e3
         if rec.error:
             return rec

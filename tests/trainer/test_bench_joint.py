@@ -1,0 +1,156 @@
+"""`hotloop bench joint`: the summarizing and choosing logic on synthetic records (no mesh)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from hotloop.simulate import Record
+from services.trainer.bench_joint import (
+    CpuMark,
+    StepSeen,
+    bench_summary,
+    choose,
+    foreign_cpu,
+    markdown,
+    parse_policies,
+    parse_steps,
+    ppo_rate,
+)
+
+
+def rec(phase: str, ttft: float, itl: float = 50.0, error: str = "") -> Record:
+    r = Record(ts=0.0, user=0, phase=phase, prompt=0, ttft_ms=ttft, error=error, words=9, score=0.0)
+    r.itl_ms = {"p50": itl, "p99": itl * 2, "max": itl * 2, "n": 10}
+    return r
+
+
+def records() -> list[Record]:
+    out = [rec("warmup", 5000.0)]  # the engine's first batch: excluded from everything
+    out += [rec("idle", 100.0 + i) for i in range(100)]  # p99 = 100 + 98.01
+    out += [rec("none:training", 300.0 + 2 * i, itl=80.0) for i in range(100)]
+    out += [rec("nice:training", 120.0 + i) for i in range(100)]
+    out += [rec("nice:startup", 9000.0), rec("nice:stopping", 9000.0)]  # neither measured
+    out += [rec("none:training", 0.0, error="HTTP 503: busy")]
+    return out
+
+
+def steps(*specs) -> list[StepSeen]:
+    return [StepSeen(i, samples, seen_at, seconds, skipped) for i, (samples, seen_at, seconds, skipped)
+            in enumerate(specs)]
+
+
+def test_step_records_are_read_from_metrics_lines():
+    lines = [json.dumps({"step": {"step": 3, "samples": 16, "skipped": False,
+                                  "stage_seconds": {"generate": 2.0, "score": 0.5, "train": 7.5},
+                                  "paused_s": 1.5}}),
+             json.dumps({"eval": {"pass_at_1": 0.5}}), "",
+             json.dumps({"step": {"step": 4, "samples": 16, "skipped": True, "stage_seconds": {}}})]
+    got = parse_steps(lines, seen_at=42.0)
+    assert [(s.step, s.samples, s.seconds, s.skipped, s.seen_at, s.paused_s) for s in got] == [
+        (3, 16, 10.0, False, 42.0, 1.5), (4, 16, 0.0, True, 42.0, 0.0)]
+
+
+def test_ppo_rate_counts_the_steps_logged_inside_the_window_and_not_skipped_ones():
+    st = steps((16, 100.0, 9.0, False),   # the first step: it opens the window, not counted
+               (16, 120.0, 10.0, False),
+               (16, 140.0, 10.0, True),   # skipped (value divergence): no samples trained on
+               (16, 150.0, 10.0, False),
+               (16, 170.0, 10.0, False))  # logged after SIGTERM: outside
+    r = ppo_rate(st, 100.0, 160.0)
+    assert r["ppo_steps"] == 3 and r["ppo_skipped_steps"] == 1 and r["ppo_samples"] == 32
+    assert r["ppo_samples_per_s"] == pytest.approx(32 / 60)
+    assert r["ppo_samples_per_s_per_step"] == pytest.approx(32 / 20)
+    empty = ppo_rate(st, 200.0, 260.0)
+    assert empty["ppo_samples_per_s"] == 0.0 and empty["ppo_samples_per_s_per_step"] is None
+
+
+def test_summary_ratios_the_choice_and_the_aim():
+    runs = [
+        {"policy": "none", "phase": "none:training", "window": (100.0, 160.0),
+         "steps": steps((16, 100.0, 9.0, False), (16, 130.0, 9.0, False), (16, 159.0, 9.0, False)),
+         "first_step_wait_s": 40.0},
+        {"policy": "nice", "phase": "nice:training", "window": (300.0, 360.0),
+         "steps": steps((16, 300.0, 20.0, False), (16, 340.0, 20.0, False)), "first_step_wait_s": 55.0},
+    ]
+    res = bench_summary(records(), runs, default_policy="none")
+    idle_p99 = 100.0 + 98.01
+    assert res["ttft_ms"]["idle"]["p50"] == pytest.approx(149.5)
+    assert res["ttft_ms"]["idle"]["p99"] == pytest.approx(idle_p99)
+    assert res["requests"]["idle"] == 100
+    none, nice = res["policies"]["none"], res["policies"]["nice"]
+    assert none["requests"] == 101 and none["errors"] == 1  # the failed request is counted, not timed
+    assert none["ttft_p99_ratio"] == pytest.approx((300 + 2 * 98.01) / idle_p99)
+    assert nice["ttft_p99_ratio"] == pytest.approx((120 + 98.01) / idle_p99)
+    assert none["ppo_samples_per_s"] == pytest.approx(32 / 60) and nice["ppo_samples_per_s"] == pytest.approx(16 / 60)
+    assert none["first_step_wait_s"] == 40.0  # extras pass through
+    assert nice["startup"]["ttft_ms"]["p50"] == 9000.0 and none["startup"]["requests"] == 0
+    # the configured default is what "training" shows; the choice is by measurement
+    assert res["training_policy"] == "none" and res["chosen"] == "nice"
+    assert res["ttft_ms"]["training"] == none["ttft_ms"] and res["itl_ms"]["training"]["p50"] == 80.0
+    assert res["ppo_samples_per_s"] == none["ppo_samples_per_s"]
+    assert not res["aim"]["met"] and "2.51x idle" in res["aim"]["why_not"]
+    assert nice["aim_met"] and not none["aim_met"]
+    # a default that was not measured: "training" is the chosen policy's figure
+    res2 = bench_summary(records(), runs, default_policy="pause")
+    assert res2["training_policy"] == "nice" and res2["aim"]["met"] and res2["aim"]["why_not"] == ""
+    json.dumps(res2)  # the result is JSON as it stands (steps are not part of it)
+    md = markdown({**res, "notes": ["a note"]})
+    assert "users_first=nice (chosen)" in md and "**Aim not met**" in md and "- a note" in md
+
+
+def test_no_progress_means_no_choice_and_the_aim_is_not_met_whatever_the_latency():
+    runs = [{"policy": "pause", "phase": "nice:training", "window": (0.0, 60.0),
+             "steps": steps((16, 0.0, 9.0, False))}]  # only the opening step: no progress in the window
+    res = bench_summary(records(), runs, default_policy="pause")
+    assert res["policies"]["pause"]["ttft_p99_ratio"] < 1.5
+    assert res["chosen"] is None and not res["aim"]["met"]
+    assert "no progress" in res["aim"]["why_not"]
+    assert choose({}) is None
+
+
+def test_nothing_measured_still_summarizes():
+    res = bench_summary([], [], default_policy="none")
+    assert res["training_policy"] is None and res["ttft_ms"]["training"]["p99"] is None
+    assert not res["aim"]["met"] and res["ppo_samples_per_s"] == 0.0
+    markdown({**res, "notes": []})
+
+
+def test_policies_are_checked():
+    assert parse_policies("none, nice,none") == ["none", "nice"]
+    assert parse_policies("pause") == ["pause"]
+    with pytest.raises(ValueError, match="bogus"):
+        parse_policies("none,bogus")
+    with pytest.raises(ValueError):
+        parse_policies(" , ")
+
+
+def test_other_work_is_what_the_machine_did_beyond_the_bench():
+    a, b = CpuMark(0.0, 100.0, 0.0, 50.0), CpuMark(10.0, 118.0, 1.0, 60.0)
+    f = foreign_cpu(a, b)
+    assert f["other_cores"] == pytest.approx(0.8) and f["own_cores"] == pytest.approx(1.0)
+    assert f["steal_cores"] == pytest.approx(0.1)
+    assert foreign_cpu(None, b) is None
+
+
+def test_notes_say_what_weakens_the_numbers():
+    from types import SimpleNamespace
+
+    from services.trainer.bench_joint import notes
+
+    runs = [
+        {"policy": "none", "phase": "none:training", "window": (100.0, 160.0),
+         "steps": steps((16, 100.0, 9.0, False), (16, 130.0, 9.0, False))},
+        {"policy": "nice", "phase": "nice:training", "window": (300.0, 360.0),
+         "steps": steps((16, 300.0, 20.0, False), (16, 340.0, 20.0, False), (16, 350.0, 20.0, False))},
+    ]
+    recs = [r for r in records() if r.phase != "none:training"]
+    recs += [rec("none:training", 118.0 + i) for i in range(100)]  # a hair better than nice
+    res = bench_summary(recs, runs, default_policy="nice")
+    assert res["chosen"] == "none"
+    bench = SimpleNamespace(idle_cpu={"other_cores": 0.6, "steal_cores": 0.0, "cpus": 2}, runs=[], failed="")
+    got = notes(bench, res)
+    assert any("0.60 of 2 cores during the idle phase" in n for n in got)
+    assert any(n.startswith("nice is within 10% of `none`") for n in got)
+    assert any("the measurement chose `none`, the config's default is `nice`" in n for n in got)
