@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -103,6 +104,18 @@ class Critic:
 
     def _hidden(self, mb: MicroBatch, policy_hidden: CompletionHidden) -> CompletionHidden:
         return policy_hidden
+
+    def backward(self, mb: MicroBatch, policy_hidden: CompletionHidden, policy_loss: Tensor,
+                 normalizer: float) -> tuple[float, dict[str, float]]:
+        """Backward of one micro-batch's policy loss plus this critic's value loss; returns
+        their sum (nothing is backpropagated when it is not finite) and the value metrics.
+        Here (shared trunk) both losses read one graph, so one backward serves both."""
+        vloss, metrics = self.micro_loss(mb, policy_hidden, normalizer)
+        total = policy_loss + vloss
+        value = float(total.detach())
+        if math.isfinite(value):
+            total.backward()
+        return value, metrics
 
     @torch.inference_mode()
     def values(self, pairs: Sequence[tuple[Sequence[int], Sequence[int]]]) -> list[list[float]]:
@@ -197,9 +210,9 @@ class LoraCritic(Critic):
         return [*self._adapter_params, *self.head.parameters()]
 
     def _activate(self, name: str) -> None:
-        # peft's set_adapter also freezes every other adapter; the policy's and the critic's
-        # parameters must both stay trainable, since one backward after both forwards fills
-        # both gradients (each graph reaches only the adapter that was active in it).
+        # peft's set_adapter also freezes every other adapter; both stay trainable here, so
+        # that switching never changes which parameters a later backward may reach (each
+        # graph reaches only the adapter that was active in its forward).
         self.policy.model.set_adapter(name)
         for p in [*self.policy.trainable_tensors(), *self._adapter_params]:
             p.requires_grad_(True)
@@ -215,6 +228,20 @@ class LoraCritic(Critic):
     def _hidden(self, mb: MicroBatch, policy_hidden: CompletionHidden) -> CompletionHidden:
         with self.trunk(), self.policy.autocast():
             return completion_hidden(self.policy.model, mb.batch)
+
+    def backward(self, mb: MicroBatch, policy_hidden: CompletionHidden, policy_loss: Tensor,
+                 normalizer: float) -> tuple[float, dict[str, float]]:
+        """The policy's backward first, then the critic's forward and backward on its own
+        trunk: the two graphs never coexist, so the peak is one graph's, not two."""
+        value = float(policy_loss.detach())
+        if not math.isfinite(value):
+            return value, {}
+        policy_loss.backward()
+        vloss, metrics = self.micro_loss(mb, policy_hidden, normalizer)
+        v = float(vloss.detach())
+        if math.isfinite(v):
+            vloss.backward()
+        return value + v, metrics
 
     def _adapter_state(self) -> dict[str, Tensor]:
         from peft import get_peft_model_state_dict

@@ -126,9 +126,10 @@ def plan(shape: ModelShape, *, device_gib: float, gpu_memory_utilization: float,
         "critic (value head; its own LoRA in `lora` mode)": (
             shape.hidden * _ADAM_BYTES_PER_PARAM
             + (shape.lora_params(critic_r) * _ADAM_BYTES_PER_PARAM if critic_mode == "lora" else 0)),
-        # `lora` mode keeps both forwards' graphs of a micro-batch until its one backward.
+        # One graph at a time: a `lora` critic runs its forward and backward after the
+        # policy's backward (critic.py).
         "activations of one micro-batch": micro_batch_tokens
-        * shape.activation_bytes_per_token(dtype_bytes) * (2 if critic_mode == "lora" else 1),
+        * shape.activation_bytes_per_token(dtype_bytes),
         # fp32 logits, their log-softmax and its gradient for one chunk of completion tokens.
         "logits of one log-softmax chunk": logprob_chunk_tokens * shape.vocab * 4 * 3,
     }

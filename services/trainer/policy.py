@@ -148,9 +148,9 @@ class LoraPolicy:
         (`loss_normalizer`), so the accumulated gradient equals the full-batch gradient no
         matter how the token budget splits the batch.
 
-        With a `critic` (PPO), each micro-batch adds the critic's value loss (its head reads
-        the hidden states this forward computed, or its own trunk's), one backward fills both
-        gradients, and both optimizers step together. A value loss above
+        With a `critic` (PPO), each micro-batch also trains the critic's value loss (its head
+        reads the hidden states this forward computed, or its own trunk's; `Critic.backward`
+        runs the backward), and both optimizers step together. A value loss above
         `critic.cfg.max_value_loss` (divergence) skips the whole update, like a NaN does.
         """
         if not samples:
@@ -209,17 +209,22 @@ class LoraPolicy:
                 normalizer=normalizer,
                 entropy=out.entropy,
             )
-            if critic is not None:
-                # Outside autocast: the head and the value targets are float32.
-                vloss, vm = critic.micro_loss(mb, hidden, float(max(tokens, 1)))
-                loss = loss + vloss
+            if critic is None:
+                if not torch.isfinite(loss):
+                    self._zero_grad(critic)
+                    return result(float(loss.detach()), math.nan, {}, "non-finite loss")
+                loss.backward()
+                total += float(loss.detach())
+            else:
+                # The critic runs the backward(s): its value loss joins this graph (shared
+                # trunk) or follows it on its own trunk. Outside autocast: float32 head.
+                loss_value, vm = critic.backward(mb, hidden, loss, float(max(tokens, 1)))
                 for k, v in vm.items():
                     value_sums[k] = value_sums.get(k, 0.0) + v
-            if not torch.isfinite(loss):
-                self._zero_grad(critic)
-                return result(float(loss.detach()), math.nan, {}, "non-finite loss")
-            loss.backward()
-            total += float(loss.detach())
+                if not math.isfinite(loss_value):
+                    self._zero_grad(critic)
+                    return result(loss_value, math.nan, {}, "non-finite loss")
+                total += loss_value
             n = m.pop("tokens")
             for k, v in m.items():
                 sums[k] = sums.get(k, 0.0) + v * n
