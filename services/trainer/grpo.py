@@ -34,18 +34,28 @@ log = logging.getLogger(__name__)
 STAGES = ("generate", "score", "reference", "train", "publish")
 
 
-class GrpoJobConfig(Section):
-    """The `[grpo]` section: what to train on and how to evaluate (optimizer, loss and
-    LoRA settings live in `[trainer]`)."""
+class TaskJobConfig(Section):
+    """What a batch job trains and evaluates on: the fields `[grpo]` and `[ppo]` share."""
 
     tasks: str = "builtin"
     """Training tasks: `builtin`, `humaneval`, or a JSONL path (hotloop/tasks/README.md)."""
     train_split: str = "train"
     """Split of `tasks` to train on."""
     eval_tasks: str = "builtin"
-    """Held-out evaluation tasks (same forms as `tasks`)."""
+    """Held-out evaluation tasks (same forms as `tasks`), from templates disjoint from
+    training."""
     eval_split: str = "test"
     """Split of `eval_tasks` to evaluate on."""
+    out_dir: str = "runs"
+    """Run reports and checkpoints go under `<out_dir>/<run_id>/`."""
+    seed: int = 0
+    """Task order."""
+
+
+class GrpoJobConfig(TaskJobConfig):
+    """The `[grpo]` section: what to train on and how to evaluate (optimizer, loss and
+    LoRA settings live in `[trainer]`)."""
+
     eval_limit: int = Field(64, ge=0)
     """Evaluate on the first N held-out tasks (0: all)."""
     eval_samples: int = Field(1, ge=1, le=64)
@@ -65,12 +75,8 @@ class GrpoJobConfig(Section):
     sample_temperature: float = Field(1.0, gt=0)
     """Rollout temperature for training samples. Keep 1.0: the rollout reports
     temperature-1 logprobs, which the importance ratio compares against."""
-    out_dir: str = "runs"
-    """Run reports and checkpoints go under `<out_dir>/<run_id>/`."""
     run_id: str = ""
     """Empty: a timestamp. Reusing an id resumes from its last checkpoint."""
-    seed: int = 0
-    """Task order."""
     skip_uniform_groups: bool = True
     """Leave out groups whose samples all got the same reward (their advantage is zero, so
     they add no policy gradient; only their KL term is lost). Saves their reference and

@@ -39,28 +39,19 @@ from typing import Literal
 from pydantic import Field
 
 from hotloop.clients import TRAINING_PRIORITY, Completion, RolloutClient, ScoreItem
-from hotloop.config import Section
 from hotloop.tasks import CodeTask, load_tasks
 
-from .grpo import Mesh, TaskStream, chat, serve_policy
+from .grpo import Mesh, TaskJobConfig, TaskStream, chat, serve_policy
 
 log = logging.getLogger(__name__)
 STAGES = ("generate", "score", "reference", "values", "train", "publish")
 
 
-class PpoJobConfig(Section):
+class PpoJobConfig(TaskJobConfig):
     """The `[ppo]` section: what PPO trains on, where its reference comes from, how it yields to
     users, and how it is evaluated. The algorithm's knobs are `[trainer.ppo]` and
     `[trainer.critic]`; optimizer and LoRA are `[trainer]` as for GRPO."""
 
-    tasks: str = "builtin"
-    """Training prompts: `builtin`, `humaneval`, or a JSONL path (hotloop/tasks/README.md)."""
-    train_split: str = "train"
-    """Split of `tasks` to train on."""
-    eval_tasks: str = "builtin"
-    """Held-out prompts (same forms as `tasks`), from templates disjoint from training."""
-    eval_split: str = "test"
-    """Split of `eval_tasks` to evaluate on."""
     eval_limit: int = Field(64, ge=0)
     """Evaluate on the first N held-out prompts before and after (0: no evaluation)."""
     eval_sampled: int = Field(4, ge=0, le=64)
@@ -90,12 +81,8 @@ class PpoJobConfig(Section):
     """Stop taking steps once another step would end past this many seconds (0: no limit)."""
     examples: int = Field(3, ge=0, le=32)
     """Held-out prompts whose base and final completions the report shows."""
-    out_dir: str = "runs"
-    """Run reports and checkpoints go under `<out_dir>/<run_id>/`."""
     run_id: str = ""
     """Empty: `ppo-<timestamp>`. Reusing an id resumes from its last checkpoint."""
-    seed: int = 0
-    """Prompt order."""
 
 
 @dataclass

@@ -86,6 +86,11 @@ def write(summary: dict, run_dir: Path, config_text: str = "") -> Path:
     lines += [""] + [f"![{p}]({p})" for p in plots]
     if summary["skipped_steps"]:
         lines += ["", f"Skipped updates (non-finite loss or gradient): steps {summary['skipped_steps']}"]
+    return _finish(lines, summary, run_dir, config_text)
+
+
+def _finish(lines: list[str], summary: dict, run_dir: Path, config_text: str) -> Path:
+    """Append the configuration and write report.md."""
     if summary.get("config"):
         # The effective configuration (after overrides and automatic choices), not the file.
         lines += ["", "## Configuration that ran", "", "```json",
@@ -170,14 +175,7 @@ def write_ppo(summary: dict, run_dir: Path, config_text: str = "") -> Path:
             lines += [f"**Prompt:** {ex['prompt'].strip()[:300]}", "",
                       f"*Base* (reward {ex['base_reward']:.2f}):", "", "```", ex["base"].strip(), "```",
                       f"*Final* (reward {ex['final_reward']:.2f}):", "", "```", ex["final"].strip(), "```", ""]
-    if summary.get("config"):
-        lines += ["", "## Configuration that ran", "", "```json",
-                  json.dumps(summary["config"], indent=2), "```"]
-    elif config_text:
-        lines += ["", "## Configuration file", "", "```toml", config_text.strip(), "```"]
-    path = run_dir / "report.md"
-    path.write_text("\n".join(lines) + "\n")
-    return path
+    return _finish(lines, summary, run_dir, config_text)
 
 
 def _first(xs: list) -> str:

@@ -6,11 +6,21 @@ import pytest
 from pydantic import BaseModel, ValidationError
 
 from services.reference.config import ReferenceConfig
-from services.trainer.config import LoraSettings, LossSettings, OptimizerSettings, TrainerConfig
+from services.trainer.config import (
+    CriticSettings,
+    LoraSettings,
+    LossSettings,
+    OptimizerSettings,
+    PpoSettings,
+    TrainerConfig,
+)
+from services.trainer.grpo import GrpoJobConfig
+from services.trainer.ppo import PpoJobConfig
 
 
 @pytest.mark.parametrize(
-    "model", [TrainerConfig, LossSettings, OptimizerSettings, LoraSettings, ReferenceConfig]
+    "model", [TrainerConfig, LossSettings, OptimizerSettings, LoraSettings, ReferenceConfig,
+              CriticSettings, PpoSettings, GrpoJobConfig, PpoJobConfig]
 )
 def test_defaults_validate_and_every_field_has_a_docstring(model: type[BaseModel]) -> None:
     model()
