@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import ConfigDict, Field
 
 from hotloop.clients import Completion, ReferenceClient, RewardClient, RolloutClient, ScoreItem
 from hotloop.config import Section
@@ -36,6 +36,9 @@ STAGES = ("generate", "score", "reference", "train", "publish")
 
 class TaskJobConfig(Section):
     """What a batch job trains and evaluates on: the fields `[grpo]` and `[ppo]` share."""
+
+    # The docstrings below become the fields' descriptions (a test checks there is one each).
+    model_config = ConfigDict(extra="forbid", validate_default=True, use_attribute_docstrings=True)
 
     tasks: str = "builtin"
     """Training tasks: `builtin`, `humaneval`, or a JSONL path (hotloop/tasks/README.md)."""
