@@ -88,6 +88,7 @@ SERVICE_BENCHES = {
     "sandbox": "services.reward.bench",
     "threads": "services.trainer.bench_threads",
     "joint": "services.trainer.bench_joint",
+    "train-step": "services.trainer.bench_trainstep",
 }
 
 
@@ -199,6 +200,16 @@ def build_parser() -> argparse.ArgumentParser:
     bj.add_argument("--max-tokens", type=int, default=64, help="users' answer length")
     bj.add_argument("--out-dir", default="runs", help="the run's files go under OUT_DIR/bench-joint-<time>")
     bj.add_argument("--json", help="write results here")
+    bts = bsub.add_parser("train-step", help="LoRA step tokens/s against a matmul FLOP roofline "
+                          "measured in the same run")
+    bts.add_argument("--model", default="smollm2-135m-instruct")
+    bts.add_argument("--dtype", default="auto", help="auto | bfloat16 | float32")
+    bts.add_argument("--samples", type=int, default=16, help="sequences per step")
+    bts.add_argument("--prompt-tokens", type=int, default=64)
+    bts.add_argument("--completion-tokens", type=int, default=128)
+    bts.add_argument("--steps", type=int, default=3, help="timed steps (median)")
+    bts.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    bts.add_argument("--json", help="write results here")
     bu = bsub.add_parser("update-loop", help="feedback sent -> first token from a version trained on it, "
                          "with users streaming; stage budget from the traces")
     _config_args(bu)
