@@ -86,7 +86,10 @@ class Edge:
         await self.publisher.close()
         await self.server.stop(1)
         if self.bus is not None:
-            await self.bus.close()
+            try:
+                await self.bus.close()
+            except Exception as e:  # NATS gone (reconnecting) at exit: the job's work is done
+                log.warning("closing the bus connection failed: %r", e)
 
 
 async def open_edge(mesh_cfg: MeshConfig, trainer_cfg: TrainerConfig, run_dir: Path,
