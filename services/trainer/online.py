@@ -229,7 +229,7 @@ async def ack_all(items: list[Pending], bus: Bus) -> None:
     returns."""
     for p in items:
         await p.msg.ack()
-    await bus.nc.flush()
+    await bus.flush()
 
 
 # ---- resume ------------------------------------------------------------------------------------

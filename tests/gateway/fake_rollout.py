@@ -76,8 +76,9 @@ class ScriptedRollout(rollout_pb2_grpc.RolloutServicer):
                                          running_requests=self.running)
 
 
-async def start_fake(**kw) -> tuple[ScriptedRollout, grpc.aio.Server, str]:
+async def start_fake(address: str = "127.0.0.1:0", **kw) -> tuple[ScriptedRollout, grpc.aio.Server, str]:
+    """`address`: where to listen; a stopped replica comes back on its old address with it."""
     impl = ScriptedRollout(**kw)
     server, port, _ = await create_server(
-        [lambda s: rollout_pb2_grpc.add_RolloutServicer_to_server(impl, s)], [SERVICE], "127.0.0.1:0")
+        [lambda s: rollout_pb2_grpc.add_RolloutServicer_to_server(impl, s)], [SERVICE], address)
     return impl, server, f"127.0.0.1:{port}"
