@@ -6,10 +6,14 @@ Owns:
   simulated users streaming through the gateway with the `openai` client for the whole run
   (`hotloop.simulate`), and `hotloop train ppo` as a subprocess, once per policy;
 - the phases: warm-up (each user's first answer, excluded), idle (users only), then per
-  policy: start the trainer, wait for its first logged step (start-up is not training),
-  measure, let the measured requests finish, SIGTERM the trainer and wait for it. A request
-  belongs to the phase it started in, and a phase switch waits until no request of the old
-  phase is streaming, so every measured request ran wholly beside (or wholly without) training;
+  policy: start the trainer, wait for its first logged step, measure, let the measured
+  requests finish, SIGTERM the trainer and wait for it. Training starts where the first step
+  began (its metrics line's time less its stage seconds): the trainer's start-up (imports,
+  model loads, a resumed run's publish) is left out, and the first step counts, so a policy's
+  phase lasts `phase_s` or one step, whichever is longer (a step beside users took minutes on
+  2 cores). A request belongs to the phase it started in, and a phase switch waits until no
+  request of the old phase is streaming, so every measured request ran wholly beside (or
+  wholly without) training;
 - the figures: TTFT and ITL p50/p99 per phase, PPO samples/s per policy, the TTFT p99 ratio
   to idle, the choice of policy and whether the issue's aim (p99 TTFT at most 1.5x idle with
   samples/s > 0) was met; and how much CPU other work took meanwhile, since the machine is
@@ -43,14 +47,18 @@ MESH_SERVICES = ["rollout", "reward", "gateway"]  # `hotloop up --profile coloca
 RUN_ID = "ppo"  # one trainer run across policies: each trainer resumes the last one's checkpoint
 TTFT_P99_AIM = 1.5  # the issue's aim: user p99 TTFT at most 1.5x idle while PPO progresses
 WARMUP_MAX_S = 300.0  # the longest wait for every user's first answer
-FIRST_STEP_MAX_S = 240.0  # the longest wait for a trainer's first step before measuring anyway
+FIRST_STEP_MAX_S = 420.0  # the longest wait for a trainer's first step (one took 310 s beside
+                          # users on 2 cores) before measuring anyway
 DRAIN_MAX_S = 60.0  # the longest wait for a phase's requests to finish after it ends
 STOP_GRACE_S = 30.0  # SIGTERM -> SIGKILL for the trainer
 PROGRESS_S = 15.0
+MARK_S = 5.0  # CPU accounting marks, to take other work's share from a start found afterwards
 ENDLESS_STEPS = 1_000_000  # the trainer runs until SIGTERM
-SAMPLES_PER_S_METHOD = ("samples of the non-skipped PPO steps whose metrics line appeared during the "
-                        "measured window / the window's wall time (window: first step logged -> "
-                        "SIGTERM); per_step: samples / the sum of those steps' stage_seconds")
+SAMPLES_PER_S_METHOD = ("samples of the non-skipped PPO steps whose metrics line appeared in the "
+                        "training window / the window's wall time (window: the first step's start, "
+                        "i.e. its line's time less its stage_seconds -> SIGTERM; a step cut by "
+                        "SIGTERM is not counted); per_step: samples / the sum of those steps' "
+                        "stage_seconds")
 log = logging.getLogger(__name__)
 
 
@@ -112,10 +120,21 @@ def ratio(x: float | None, base: float | None) -> float | None:
     return x / base if x is not None and base else None
 
 
-def policy_figures(records: list[Record], phase: str, idle: dict, steps: list[StepSeen],
-                   t0: float | None, t1: float | None) -> dict:
+def training_records(records: list[Record], policy: str, window: tuple[float, float] | None) -> list[Record]:
+    """The requests that ran beside `policy`'s training: started at or after training began
+    (labelled start-up while the first step ran, or training after it was logged). None of
+    them is still streaming at SIGTERM (the bench waits). Without a window (an interrupted
+    run), those labelled training."""
+    if window is None:
+        return [r for r in records if r.phase == f"{policy}:training"]
+    return [r for r in records if r.phase in (f"{policy}:startup", f"{policy}:training") and r.ts >= window[0]]
+
+
+def policy_figures(records: list[Record], policy: str, idle: dict, steps: list[StepSeen],
+                   window: tuple[float, float] | None) -> dict:
     """One policy's latency, its ratios to idle and PPO's progress during its phase."""
-    lat = latency([r for r in records if r.phase == phase])
+    lat = latency(training_records(records, policy, window))
+    t0, t1 = window or (None, None)
     rate = ppo_rate(steps, t0, t1) if t0 is not None and t1 is not None else ppo_rate([], 0, 0)
     return {**lat, **rate,
             "ttft_p99_ratio": ratio(lat["ttft_ms"]["p99"], idle["ttft_ms"]["p99"]),
@@ -138,24 +157,26 @@ def choose(policies: dict[str, dict]) -> str | None:
 
 def bench_summary(records: list[Record], runs: list[dict], default_policy: str,
                   aim: float = TTFT_P99_AIM) -> dict:
-    """The bench's JSON (less settings and timings). `runs` holds per policy: policy, phase,
-    steps (StepSeen), window (t0, t1) and whatever else to report (first-step wait, exit).
+    """The bench's JSON (less settings and timings). `runs` holds per policy: policy, steps
+    (StepSeen), window (t0, t1: training start -> SIGTERM, unix seconds) and whatever else to
+    report (first-step wait, exit).
 
     "training" at the top is the configured default policy's figure when it was measured,
     else the chosen one's (else the first measured), and `training_policy` says which."""
     idle = latency([r for r in records if r.phase == "idle"])
     policies = {}
     for run in runs:
-        t0, t1 = run.get("window") or (None, None)
-        fig = policy_figures(records, run["phase"], idle, run["steps"], t0, t1)
-        extra = {k: v for k, v in run.items() if k not in ("policy", "phase", "steps", "window")}
+        window = run.get("window")
+        fig = policy_figures(records, run["policy"], idle, run["steps"], window)
+        extra = {k: v for k, v in run.items() if k not in ("policy", "steps", "window")}
         # the trainer's start-up (imports, model loads) is a cost users pay too, reported apart
-        startup = latency([r for r in records if r.phase == f"{run['policy']}:startup"])
+        startup = latency([r for r in records if r.phase == f"{run['policy']}:startup"
+                           and (window is None or r.ts < window[0])])
         policies[run["policy"]] = {**fig, "aim_met": meets_aim(fig, aim), "startup": startup, **extra}
     chosen = choose(policies)
     shown = (default_policy if default_policy in policies
              else chosen if chosen is not None else next(iter(policies), None))
-    train = policies.get(shown) or policy_figures([], "-", idle, [], None, None)
+    train = policies.get(shown) or policy_figures([], "-", idle, [], None)
     met = meets_aim(train, aim)
     why = []
     if train.get("ttft_p99_ratio") is None:
@@ -218,10 +239,11 @@ def markdown(result: dict) -> str:
 
 @dataclass
 class CpuMark:
-    at: float  # monotonic seconds
+    at: float  # unix seconds
     busy_s: float  # all CPUs: non-idle, non-iowait, non-steal seconds
     steal_s: float
     own_s: float  # this process and its descendants (the mesh, the trainer)
+    others: dict[int, tuple[float, str]] = field(default_factory=dict)  # pid -> (CPU s, command)
 
 
 def cpu_mark() -> CpuMark | None:
@@ -235,13 +257,20 @@ def cpu_mark() -> CpuMark | None:
     # children_*: descendants that exited and were reaped stay counted (in their reaper)
     own = 0.0
     me = psutil.Process()
-    for p in [me, *me.children(recursive=True)]:
+    tree = [me, *me.children(recursive=True)]
+    for p in tree:
         try:
             c = p.cpu_times()
             own += c.user + c.system + c.children_user + c.children_system
         except psutil.Error:
             pass
-    return CpuMark(time.monotonic(), busy, getattr(t, "steal", 0.0), own)
+    mine = {p.pid for p in tree}
+    others = {}
+    for p in psutil.process_iter(["name", "cmdline", "cpu_times"]):
+        c = p.info["cpu_times"]
+        if p.pid not in mine and c is not None:
+            others[p.pid] = (c.user + c.system, " ".join(p.info["cmdline"] or [p.info["name"] or "?"])[:120])
+    return CpuMark(time.time(), busy, getattr(t, "steal", 0.0), own, others)
 
 
 def foreign_cpu(a: CpuMark | None, b: CpuMark | None) -> dict | None:
@@ -250,9 +279,14 @@ def foreign_cpu(a: CpuMark | None, b: CpuMark | None) -> dict | None:
     if a is None or b is None or b.at <= a.at:
         return None
     wall = b.at - a.at
+    # the busiest other processes: a process started since `a` counts from 0, one that ended
+    # before `b` is missing (it still counts in other_cores)
+    top = sorted(((cpu - a.others.get(pid, (0.0, ""))[0], cmd) for pid, (cpu, cmd) in b.others.items()),
+                 reverse=True)[:3]
     return {"other_cores": max(0.0, (b.busy_s - a.busy_s) - (b.own_s - a.own_s)) / wall,
             "own_cores": (b.own_s - a.own_s) / wall, "steal_cores": (b.steal_s - a.steal_s) / wall,
-            "cpus": os.cpu_count()}
+            "cpus": os.cpu_count(), "window_s": wall,
+            "top_other": [{"cores": round(d / wall, 2), "cmd": cmd} for d, cmd in top if d / wall >= 0.05]}
 
 
 # ---- the run --------------------------------------------------------------------------------
@@ -267,7 +301,8 @@ class PolicyRun:
     started_at: float = 0.0  # unix
     first_step_wait_s: float | None = None
     first_step_logged: bool = False
-    window: tuple[float, float] | None = None  # unix seconds: first step logged -> SIGTERM
+    startup_s: float | None = None  # trainer started -> its first step began
+    window: tuple[float, float] | None = None  # unix seconds: the first step began -> SIGTERM
     steps: list[StepSeen] = field(default_factory=list)
     stop_s: float | None = None  # SIGTERM -> exit
     exit_code: int | None = None
@@ -279,8 +314,9 @@ class PolicyRun:
         return f"{self.policy}:training"
 
     def report(self) -> dict:
-        return {"policy": self.policy, "phase": self.phase, "steps": self.steps, "window": self.window,
+        return {"policy": self.policy, "steps": self.steps, "window": self.window,
                 "first_step_wait_s": self.first_step_wait_s, "first_step_logged": self.first_step_logged,
+                "startup_s": self.startup_s,
                 "steps_total": len(self.steps), "stop_s": self.stop_s, "exit_code": self.exit_code,
                 "failed": self.failed, "other_cpu": self.cpu, "trainer_log": str(self.log_path)}
 
@@ -300,6 +336,10 @@ class Bench:
     failed: str = ""
     idle_cpu: dict | None = None
     timings: dict = field(default_factory=dict)
+    marks: list[CpuMark] = field(default_factory=list)  # every few seconds: CPU use from any start
+
+    def mark_at(self, t: float) -> CpuMark | None:
+        return next((m for m in self.marks if m.at >= t), None)
 
     @property
     def metrics_path(self) -> Path:
@@ -352,7 +392,7 @@ class Bench:
             self.timings["warmup_s"] = time.monotonic() - t0
             await self.switch(users, "idle")
             mark = cpu_mark()
-            await self.measure(users, "idle", None)
+            await self.measure(users, "idle", None, time.time())
             await self.switch(users, "idle:after")
             self.idle_cpu = foreign_cpu(mark, cpu_mark())
             for policy in self.policies:
@@ -379,6 +419,9 @@ class Bench:
         if users.done():
             users.result()  # raises what stopped them
             raise RuntimeError("the simulated users stopped")
+        if not self.marks or time.time() - self.marks[-1].at >= MARK_S:
+            if (m := cpu_mark()) is not None:
+                self.marks.append(m)
         if (why := self.mesh_dead()) is not None:
             raise RuntimeError(why)
         if run is not None and run.popen is not None and run.popen.poll() is not None and not run.failed:
@@ -389,21 +432,21 @@ class Bench:
                           f"of {run.log_path}:\n{tail_log(run.log_path, 8)}")
             self.say(run.failed)
 
-    async def switch(self, users: asyncio.Task, phase: str) -> None:
+    async def switch(self, users: asyncio.Task, phase: str, also: tuple[str, ...] = ()) -> None:
         """Start labelling new requests `phase`, then wait until no request of the previous
-        phase is still streaming (bounded)."""
-        old, self.sim.cfg.phase = self.sim.cfg.phase, phase
+        phase (nor of the phases in `also`) is still streaming (bounded)."""
+        old, self.sim.cfg.phase = {self.sim.cfg.phase, *also}, phase
         t0 = time.monotonic()
-        while old in self.sim.in_flight.values() and time.monotonic() - t0 < DRAIN_MAX_S:
+        while old & set(self.sim.in_flight.values()) and time.monotonic() - t0 < DRAIN_MAX_S:
             await asyncio.wait({users}, timeout=0.1)
             if users.done():
                 users.result()
 
-    async def measure(self, users: asyncio.Task, phase: str, run: PolicyRun | None) -> None:
+    async def measure(self, users: asyncio.Task, phase: str, run: PolicyRun | None, since: float) -> None:
+        """Label new requests `phase` until `phase_s` after `since` (unix seconds)."""
         self.sim.cfg.phase = phase
-        t0 = time.monotonic()
-        last = t0
-        while time.monotonic() - t0 < self.phase_s:
+        last = time.monotonic()
+        while time.time() - since < self.phase_s:
             await self.tick(users, run)
             if run is not None:
                 self.read_steps(run)
@@ -411,20 +454,23 @@ class Bench:
                     return
             if time.monotonic() - last >= PROGRESS_S:
                 last = time.monotonic()
-                self.progress(phase, time.monotonic() - t0, run)
+                self.progress(phase, since, run)
 
-    def progress(self, phase: str, elapsed: float, run: PolicyRun | None) -> None:
-        lat = latency([r for r in self.sim.records if r.phase == phase])
+    def progress(self, phase: str, since: float, run: PolicyRun | None) -> None:
+        now = time.time()
+        recs = ([r for r in self.sim.records if r.phase == phase] if run is None
+                else training_records(self.sim.records, run.policy, (since, now)))
+        lat = latency(recs)
         t, i = lat["ttft_ms"], lat["itl_ms"]
 
         def f(x):
             return "-" if x is None else f"{x:.0f}"
 
         ppo = ""
-        if run is not None and run.window is not None:
-            rate = ppo_rate(run.steps, run.window[0], time.time())
+        if run is not None:
+            rate = ppo_rate(run.steps, since, now)
             ppo = f"  PPO steps {rate['ppo_steps']} ({rate['ppo_samples']} samples)"
-        self.say(f"{phase} {elapsed:3.0f}/{self.phase_s:g} s: {lat['requests']} requests "
+        self.say(f"{phase} {now - since:3.0f}/{self.phase_s:g} s: {lat['requests']} requests "
                  f"({lat['errors']} errors), TTFT p50 {f(t['p50'])} p99 {f(t['p99'])} ms, "
                  f"ITL p50 {f(i['p50'])} ms{ppo}")
 
@@ -452,17 +498,25 @@ class Bench:
                     self.say(f"{run.policy}: waiting for the trainer's first step ({time.monotonic() - t0:.0f} s)")
             run.first_step_wait_s = time.monotonic() - t0
             run.first_step_logged = bool(run.steps)
-            self.say(f"{run.policy}: " + (f"first step logged after {run.first_step_wait_s:.0f} s; measuring "
-                                          f"{self.phase_s:g} s" if run.first_step_logged else
-                                          f"no step within {FIRST_STEP_MAX_S:.0f} s; measuring anyway"))
-            mark, w0 = cpu_mark(), time.time()
-            await self.measure(users, run.phase, run)
+            if run.steps:  # training began when the first step did; start-up is left out
+                start = max(run.started_at, run.steps[0].seen_at - run.steps[0].seconds)
+                run.startup_s = start - run.started_at
+                self.say(f"{run.policy}: first step logged after {run.first_step_wait_s:.0f} s (start-up "
+                         f"{run.startup_s:.0f} s, the step {run.steps[0].seconds:.0f} s); training counts "
+                         f"from the step's start, measuring until {self.phase_s:g} s after it")
+            else:
+                start = time.time()
+                self.say(f"{run.policy}: no step within {FIRST_STEP_MAX_S:.0f} s; measuring "
+                         f"{self.phase_s:g} s anyway")
+            await self.measure(users, run.phase, run, start)
             if run.failed:
                 return
-            await self.switch(users, f"{run.policy}:stopping")  # the measured requests finish beside training
+            # the measured requests (some labelled start-up: they began after the first step
+            # did) finish beside training
+            await self.switch(users, f"{run.policy}:stopping", also=(f"{run.policy}:startup",))
             self.read_steps(run)
-            run.window = (w0, time.time())
-            run.cpu = foreign_cpu(mark, cpu_mark())
+            run.window = (start, time.time())
+            run.cpu = foreign_cpu(self.mark_at(start), cpu_mark())
         finally:
             t = time.monotonic()
             await asyncio.to_thread(stop_trainer, run.popen)
@@ -511,8 +565,10 @@ def notes(bench: Bench, result: dict) -> list[str]:
     out = []
     for name, cpu in [("idle", bench.idle_cpu), *((r.policy, r.cpu) for r in bench.runs)]:
         if cpu and cpu["other_cores"] > 0.25:
+            top = "; ".join(f"{t['cores']:.2f} {t['cmd']}" for t in cpu.get("top_other", []))
             out.append(f"other work used {cpu['other_cores']:.2f} of {cpu['cpus']} cores during the {name} "
-                       f"phase: its numbers are contaminated by a busy machine")
+                       f"phase: its numbers are contaminated by a busy machine"
+                       + (f" (busiest: {top})" if top else ""))
         if cpu and cpu["steal_cores"] > 0.1:
             out.append(f"the hypervisor stole {cpu['steal_cores']:.2f} cores during the {name} phase")
     for run in bench.runs:
@@ -520,7 +576,7 @@ def notes(bench: Bench, result: dict) -> list[str]:
             out.append(f"{run.policy}: not measured to the end (the run was interrupted or stopped)")
         elif not run.first_step_logged and not run.failed:
             out.append(f"{run.policy}: no step was logged within {FIRST_STEP_MAX_S:.0f} s; its phase "
-                       f"includes trainer start-up")
+                       f"starts after that wait, not at the first step")
         if run.failed:
             out.append(f"{run.policy}: {run.failed.splitlines()[0]}")
         elif run.exit_code not in (0, 130, None):

@@ -20,19 +20,23 @@ from services.trainer.bench_joint import (
 )
 
 
-def rec(phase: str, ttft: float, itl: float = 50.0, error: str = "") -> Record:
-    r = Record(ts=0.0, user=0, phase=phase, prompt=0, ttft_ms=ttft, error=error, words=9, score=0.0)
+def rec(phase: str, ttft: float, itl: float = 50.0, error: str = "", ts: float = 0.0) -> Record:
+    r = Record(ts=ts, user=0, phase=phase, prompt=0, ttft_ms=ttft, error=error, words=9, score=0.0)
     r.itl_ms = {"p50": itl, "p99": itl * 2, "max": itl * 2, "n": 10}
     return r
 
 
 def records() -> list[Record]:
-    out = [rec("warmup", 5000.0)]  # the engine's first batch: excluded from everything
-    out += [rec("idle", 100.0 + i) for i in range(100)]  # p99 = 100 + 98.01
-    out += [rec("none:training", 300.0 + 2 * i, itl=80.0) for i in range(100)]
-    out += [rec("nice:training", 120.0 + i) for i in range(100)]
-    out += [rec("nice:startup", 9000.0), rec("nice:stopping", 9000.0)]  # neither measured
-    out += [rec("none:training", 0.0, error="HTTP 503: busy")]
+    """Policy `none` trains in (100, 160], `nice` in (300, 360] (unix seconds)."""
+    out = [rec("warmup", 5000.0, ts=1.0)]  # the engine's first batch: excluded from everything
+    out += [rec("idle", 100.0 + i, ts=10.0) for i in range(100)]  # p99 = 100 + 98.01
+    # started while the first step ran (labelled start-up: the step was not logged yet)
+    out += [rec("none:startup", 300.0 + 2 * i, itl=80.0, ts=101.0) for i in range(10)]
+    out += [rec("none:training", 300.0 + 2 * i, itl=80.0, ts=130.0) for i in range(10, 100)]
+    out += [rec("nice:training", 120.0 + i, ts=330.0) for i in range(100)]
+    # the trainer's start-up (before its first step began), and after the window: not measured
+    out += [rec("nice:startup", 9000.0, ts=290.0), rec("nice:stopping", 9000.0, ts=359.0)]
+    out += [rec("none:training", 0.0, error="HTTP 503: busy", ts=140.0)]
     return out
 
 
@@ -68,11 +72,12 @@ def test_ppo_rate_counts_the_steps_logged_inside_the_window_and_not_skipped_ones
 
 def test_summary_ratios_the_choice_and_the_aim():
     runs = [
-        {"policy": "none", "phase": "none:training", "window": (100.0, 160.0),
-         "steps": steps((16, 100.0, 9.0, False), (16, 130.0, 9.0, False), (16, 159.0, 9.0, False)),
+        {"policy": "none", "window": (100.0, 160.0),
+         "steps": steps((16, 95.0, 9.0, False),  # the previous policy's trainer: outside
+                        (16, 109.0, 9.0, False), (16, 130.0, 9.0, False)),
          "first_step_wait_s": 40.0},
-        {"policy": "nice", "phase": "nice:training", "window": (300.0, 360.0),
-         "steps": steps((16, 300.0, 20.0, False), (16, 340.0, 20.0, False)), "first_step_wait_s": 55.0},
+        {"policy": "nice", "window": (300.0, 360.0),
+         "steps": steps((16, 320.0, 20.0, False), (16, 365.0, 20.0, False)), "first_step_wait_s": 55.0},
     ]
     res = bench_summary(records(), runs, default_policy="none")
     idle_p99 = 100.0 + 98.01
@@ -86,6 +91,7 @@ def test_summary_ratios_the_choice_and_the_aim():
     assert none["ppo_samples_per_s"] == pytest.approx(32 / 60) and nice["ppo_samples_per_s"] == pytest.approx(16 / 60)
     assert none["first_step_wait_s"] == 40.0  # extras pass through
     assert nice["startup"]["ttft_ms"]["p50"] == 9000.0 and none["startup"]["requests"] == 0
+    assert nice["requests"] == 100  # neither the start-up nor the stopping request
     # the configured default is what "training" shows; the choice is by measurement
     assert res["training_policy"] == "none" and res["chosen"] == "nice"
     assert res["ttft_ms"]["training"] == none["ttft_ms"] and res["itl_ms"]["training"]["p50"] == 80.0
@@ -101,10 +107,10 @@ def test_summary_ratios_the_choice_and_the_aim():
 
 
 def test_no_progress_means_no_choice_and_the_aim_is_not_met_whatever_the_latency():
-    runs = [{"policy": "pause", "phase": "nice:training", "window": (0.0, 60.0),
-             "steps": steps((16, 0.0, 9.0, False))}]  # only the opening step: no progress in the window
-    res = bench_summary(records(), runs, default_policy="pause")
-    assert res["policies"]["pause"]["ttft_p99_ratio"] < 1.5
+    runs = [{"policy": "nice", "window": (300.0, 360.0),
+             "steps": steps((16, 370.0, 9.0, False))}]  # logged after SIGTERM: no progress in the window
+    res = bench_summary(records(), runs, default_policy="nice")
+    assert res["policies"]["nice"]["ttft_p99_ratio"] < 1.5
     assert res["chosen"] is None and not res["aim"]["met"]
     assert "no progress" in res["aim"]["why_not"]
     assert choose({}) is None
@@ -127,10 +133,13 @@ def test_policies_are_checked():
 
 
 def test_other_work_is_what_the_machine_did_beyond_the_bench():
-    a, b = CpuMark(0.0, 100.0, 0.0, 50.0), CpuMark(10.0, 118.0, 1.0, 60.0)
+    a = CpuMark(0.0, 100.0, 0.0, 50.0, {7: (3.0, "pytest tests/x"), 8: (1.0, "idle daemon")})
+    b = CpuMark(10.0, 118.0, 1.0, 60.0, {7: (9.0, "pytest tests/x"), 8: (1.1, "idle daemon"),
+                                         9: (2.0, "a new python")})
     f = foreign_cpu(a, b)
     assert f["other_cores"] == pytest.approx(0.8) and f["own_cores"] == pytest.approx(1.0)
     assert f["steal_cores"] == pytest.approx(0.1)
+    assert f["top_other"] == [{"cores": 0.6, "cmd": "pytest tests/x"}, {"cores": 0.2, "cmd": "a new python"}]
     assert foreign_cpu(None, b) is None
 
 
@@ -140,13 +149,12 @@ def test_notes_say_what_weakens_the_numbers():
     from services.trainer.bench_joint import notes
 
     runs = [
-        {"policy": "none", "phase": "none:training", "window": (100.0, 160.0),
-         "steps": steps((16, 100.0, 9.0, False), (16, 130.0, 9.0, False))},
-        {"policy": "nice", "phase": "nice:training", "window": (300.0, 360.0),
-         "steps": steps((16, 300.0, 20.0, False), (16, 340.0, 20.0, False), (16, 350.0, 20.0, False))},
+        {"policy": "none", "window": (100.0, 160.0), "steps": steps((16, 130.0, 9.0, False))},
+        {"policy": "nice", "window": (300.0, 360.0),
+         "steps": steps((16, 310.0, 20.0, False), (16, 340.0, 20.0, False))},
     ]
-    recs = [r for r in records() if r.phase != "none:training"]
-    recs += [rec("none:training", 118.0 + i) for i in range(100)]  # a hair better than nice
+    recs = [r for r in records() if not r.phase.startswith("none:")]
+    recs += [rec("none:training", 118.0 + i, ts=120.0) for i in range(100)]  # a hair better than nice
     res = bench_summary(recs, runs, default_policy="nice")
     assert res["chosen"] == "none"
     bench = SimpleNamespace(idle_cpu={"other_cores": 0.6, "steal_cores": 0.0, "cpus": 2}, runs=[], failed="")
