@@ -191,6 +191,11 @@ async def open_online(mesh_cfg: MeshConfig, job, trainer_cfg: TrainerConfig,
     if trainer_cfg.loss.kl_beta > 0 and not ep.reference:
         raise SystemExit("kl_beta > 0 needs the reference service: no endpoint configured")
     run_dir = Path(job.out_dir) / job.run_id
+    from .usersfirst import UsersFirst
+
+    # Here, in the processes that run the loop, before the policy loads (torch's threads
+    # inherit the priority); not in `online.run`, which tests drive inside pytest.
+    UsersFirst(job.users_first).start()
     edge = await open_edge(mesh_cfg, trainer_cfg, run_dir, "reinforce_tis", address)
     mesh = online.OnlineMesh(edge.bus, edge.publisher, edge.reference,
                              [RolloutClient(a) for a in ep.rollout])

@@ -13,7 +13,7 @@ serves users. Per step:
    together (policy.train_step with the critic);
 7. publish the adapter as a new version; adapt kl_coef toward kl_target.
 Users first: `users_first` chooses how the trainer yields the CPU to users sharing the host
-(`UsersFirst`); bench_joint.py measures the policies.
+(usersfirst.py); bench_joint.py measures the policies.
 
 Failure policy (as GRPO's): a reward scorer error is a sample with reward 0 and its status
 counted; a non-finite loss, or a value loss past `[trainer.critic] max_value_loss`
@@ -28,7 +28,6 @@ import contextlib
 import json
 import logging
 import math
-import os
 import statistics
 import threading
 import time
@@ -38,10 +37,11 @@ from typing import Literal
 
 from pydantic import Field
 
-from hotloop.clients import TRAINING_PRIORITY, Completion, RolloutClient, ScoreItem
+from hotloop.clients import TRAINING_PRIORITY, Completion, ScoreItem
 from hotloop.tasks import CodeTask, load_tasks
 
 from .grpo import Mesh, TaskJobConfig, TaskStream, chat, serve_policy
+from .usersfirst import UsersFirst
 
 log = logging.getLogger(__name__)
 STAGES = ("generate", "score", "reference", "values", "train", "publish")
@@ -103,57 +103,6 @@ class PpoStep:
     paused_s: float = 0.0  # `pause`: time the train stage waited for users
     train: dict[str, float] = field(default_factory=dict)
     statuses: dict[str, int] = field(default_factory=dict)
-
-
-class UsersFirst:
-    """The trainer's side of sharing the host with users (`[ppo] users_first`)."""
-
-    def __init__(self, policy: str, rollout: RolloutClient, max_pause_s: float) -> None:
-        self.policy, self.rollout, self.max_pause_s = policy, rollout, max_pause_s
-        self._users = threading.Event()  # set while the rollout reports users in flight
-        self.paused_s = 0.0
-        self._watcher: asyncio.Task | None = None
-
-    def start(self) -> None:
-        """Call before the policy is loaded, so that every thread torch starts inherits the
-        priority (Linux niceness is per thread and inherited at creation)."""
-        if self.policy == "nice":
-            for tid in _threads():
-                with contextlib.suppress(OSError):  # a thread that just ended
-                    os.setpriority(os.PRIO_PROCESS, tid, 19)
-        elif self.policy == "pause":
-            self._watcher = asyncio.get_running_loop().create_task(self._watch())
-
-    async def _watch(self) -> None:
-        while True:
-            try:
-                busy = (await self.rollout.status()).foreground_requests > 0
-            except Exception:  # the replica restarting: train on, do not fail the run
-                busy = False
-            (self._users.set if busy else self._users.clear)()
-            await asyncio.sleep(0.05)
-
-    def wait(self, stop: threading.Event) -> None:
-        """In the train thread, between micro-batches: wait while users are in flight."""
-        if self.policy != "pause" or not self._users.is_set():
-            return
-        t0 = time.monotonic()
-        while self._users.is_set() and not stop.is_set() and time.monotonic() - t0 < self.max_pause_s:
-            time.sleep(0.01)
-        self.paused_s += time.monotonic() - t0
-
-    async def close(self) -> None:
-        if self._watcher is not None:
-            self._watcher.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._watcher
-
-
-def _threads() -> list[int]:
-    try:
-        return [int(t) for t in os.listdir("/proc/self/task")]
-    except OSError:  # not Linux: the calling thread only
-        return [0]
 
 
 def score_items(tasks: list[CodeTask], comps: list[Completion], scorer: str) -> list[ScoreItem]:
