@@ -582,9 +582,13 @@ def notes(bench: Bench, result: dict) -> list[str]:
         elif run.exit_code not in (0, 130, None):
             out.append(f"{run.policy}: the trainer exited with code {run.exit_code} after SIGTERM "
                        f"(see {run.log_path})")
+    counts = [("idle", result["requests"]["idle"])] + [(n, p["requests"]) for n, p in result["policies"].items()]
+    for name, n in counts:
+        if n < 100:  # p99 interpolates between the two slowest of fewer than 100
+            out.append(f"{name}: {n} requests: its p99 rests on its one or two slowest requests")
     for name, p in result["policies"].items():
-        if p["requests"] < 20:
-            out.append(f"{name}: {p['requests']} requests: a p99 of so few is close to their maximum")
+        if p["ppo_steps"] == 1:
+            out.append(f"{name}: PPO samples/s from one step of {p['step_s_median']:.0f} s")
     chosen = result["policies"].get(result["chosen"] or "")
     for name, p in result["policies"].items():
         # one run's p99 moves by more than this between repeats on a shared 2-core box
