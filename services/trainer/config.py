@@ -251,7 +251,8 @@ class OnlineConfig(_Strict):
     """Metrics, checkpoints and the version store go under `<out_dir>/<run_id>/`."""
     run_id: str = "online"
     """Reusing an id resumes from its last checkpoint and the consumer's position."""
-    users_first: Literal["none", "nice"] = "nice"
+    users_first: Literal["none", "nice"] = "none"
     """How the trainer yields the CPU to the users the engine serves meanwhile
-    (services/trainer/usersfirst.py): `nice` runs its threads at the lowest OS priority, which
-    kept users' p99 time to first token at 1.01x idle beside PPO (1.52x with `none`)."""
+    (services/trainer/usersfirst.py): `nice` runs its threads at the lowest OS priority. Beside
+    PPO on 2 cores it bought no latency and cost 30% of training throughput (bench joint), so
+    the default is `none`."""

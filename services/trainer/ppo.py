@@ -65,13 +65,14 @@ class PpoJobConfig(TaskJobConfig):
     """`colocated`: reference logprobs from the policy's own base with the adapter disabled,
     in this process (no second copy of the base weights; `hotloop up --profile colocated`
     starts no reference service). `service`: the reference service of the mesh."""
-    users_first: Literal["none", "nice", "pause"] = "nice"
+    users_first: Literal["none", "nice", "pause"] = "none"
     """How the trainer yields to users served by the same host. `none`: it computes as it
     likes. `nice`: its threads run at the lowest OS priority (19), so the kernel gives the
     cores to the engine whenever users' tokens are being computed. `pause`: between
     micro-batches it waits while the rollout reports users' requests in flight (at most
-    `max_pause_s` per wait). Chosen by `hotloop bench joint`; docs/architecture.md has the
-    table."""
+    `max_pause_s` per wait). `hotloop bench joint` measures them; docs/architecture.md has the
+    table (on 2 cores with 2 streaming users, `nice` bought no latency and cost 30% of PPO's
+    throughput, so the default is `none`)."""
     max_pause_s: float = Field(2.0, gt=0.0, le=60.0)
     """`pause`: the longest one wait for users lasts, so training always progresses."""
     sample_temperature: float = Field(1.0, gt=0)

@@ -5,8 +5,8 @@ Owns the three policies, chosen by measurement (`hotloop bench joint`; docs/arch
 - `none`: the trainer computes as it likes;
 - `nice`: every thread of the trainer runs at the lowest OS priority (19), so the kernel gives
   the cores to the engine whenever it has users' tokens to compute, and the trainer keeps
-  whatever is idle (measured: user p99 TTFT 1.01x idle instead of 1.52x, at the same PPO
-  throughput);
+  whatever is idle (measured on 2 cores with 2 streaming users: no latency gain, 30% less PPO
+  throughput, because the engine alone kept both cores busy);
 - `pause`: between micro-batches the trainer waits while the rollout reports users' requests
   in flight (`RolloutStatus.foreground_requests`), at most `max_pause_s` per wait.
 Does not own: the engine's own priority scheduling (users at priority 0, training at
