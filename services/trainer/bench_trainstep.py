@@ -1,0 +1,421 @@
+"""`hotloop bench train-step`: the LoRA step's tokens/s against a matmul roofline measured in
+the same run.
+
+Owns the measurement behind issue 8 §3 ("the LoRA step at the speed its FLOPs allow"): a real
+`LoraPolicy.train_step` on synthetic GRPO samples, a FLOP model of that step, a matmul benchmark
+on this CPU with the step's own shapes, dtype and thread count, and a profile of where the
+non-matmul time goes. Does not own the step itself (policy.py) or any default it measures.
+
+The FLOP model (`step_flops`), for a Llama-shaped decoder with hidden H, intermediate I, nh query
+heads and nkv key/value heads of size hd, `layers` layers, vocabulary V and LoRA rank r on every
+linear of the body, per sequence of p prompt and c completion tokens, L = p + c:
+
+    P = H*nh*hd + 2*H*nkv*hd + nh*hd*H + 3*H*I    weights per layer (q, k, v, o, gate, up, down)
+    S = sum over those 7 linears of (in + out)    what one LoRA rank costs per token
+    base      = layers * 4*P*L          forward 2*P*L; backward 2*P*L: the base is frozen, so only
+                                        the activation gradient dX = dY W is computed, never dW
+    lora      = layers * 6*r*S*L        forward 2*r*S*L; backward twice that (dX and dW of A and B)
+    attention = layers * 6*nh*hd*L*(L+1)
+                                        forward QK^T and PV over the L(L+1)/2 causal pairs,
+                                        2*2*nh*hd each; backward twice the forward
+    head      = 4*H*V*c                 the (tied, frozen) output head runs on completion
+                                        positions only (hotloop.logprobs): forward + dX
+
+Summed over the step's sequences. Not counted: embeddings (lookups), RMSNorm, RoPE, SiLU,
+residual adds, softmax and log-softmax, the loss, clipping and AdamW (all O(L*H) or O(c*V)
+elementwise work, or O(adapter) per step), padding (counted tokens are real tokens), and the
+flash-attention backward's recomputation of QK^T (an implementation choice). The formula slightly
+over-counts: autograd skips dX of layer 0's q/k/v (their input, the normed embedding, needs no
+gradient), under 0.3% of the step for SmolLM2-135M.
+
+The roofline is a matmul benchmark of exactly the shapes the step's FLOPs run on: every body
+linear forward ([M, in] x [in, out]) and its backward dX ([M, out] x [out, in]) with M the
+padded tokens of the largest micro-batch, and the head forward and backward on one logprob
+chunk. `matmul_gflops` is their FLOP-weighted harmonic mean (the step's matmul FLOPs divided by
+the time they take at the benchmarked speeds), and
+
+    roofline_ratio = (step_gflop / step_s) / matmul_gflops
+
+so 1.0 would be a step that spends all its time in matmuls as fast as this CPU runs them alone.
+LoRA's skinny matmuls and attention are held to the same rate: the aim is the speed the FLOPs
+allow, and a shape this CPU runs slowly is part of what the ratio shows.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the FLOP model reads from an HF Llama-style config."""
+
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+
+    @classmethod
+    def from_hf_config(cls, c: Any) -> ModelShape:
+        heads = c.num_attention_heads
+        return cls(
+            hidden=c.hidden_size,
+            intermediate=c.intermediate_size,
+            layers=c.num_hidden_layers,
+            heads=heads,
+            kv_heads=getattr(c, "num_key_value_heads", None) or heads,
+            head_dim=getattr(c, "head_dim", None) or c.hidden_size // heads,
+            vocab=c.vocab_size,
+        )
+
+    def linears(self) -> list[tuple[str, int, int]]:
+        """(name, in, out) of each body linear of one layer: what `all-linear` LoRA adapts."""
+        h, q, kv, i = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim, \
+            self.intermediate
+        return [("q_proj", h, q), ("k_proj", h, kv), ("v_proj", h, kv), ("o_proj", q, h),
+                ("gate_proj", h, i), ("up_proj", h, i), ("down_proj", i, h)]
+
+
+def step_flops(shape: ModelShape, lora_r: int,
+               lengths: Sequence[tuple[int, int]]) -> dict[str, float]:
+    """FLOPs of one train step over sequences of (prompt, completion) tokens (module docstring),
+    by part and in total."""
+    P = sum(i * o for _, i, o in shape.linears())
+    S = sum(i + o for _, i, o in shape.linears())
+    n = shape.layers
+    out = {"base": 0.0, "lora": 0.0, "attention": 0.0, "head": 0.0}
+    for p, c in lengths:
+        L = p + c
+        out["base"] += n * 4 * P * L
+        out["lora"] += n * 6 * lora_r * S * L
+        out["attention"] += n * 6 * shape.heads * shape.head_dim * L * (L + 1)
+        out["head"] += 4 * shape.hidden * shape.vocab * c
+    out["total"] = sum(out.values())
+    return out
+
+
+# ---- the roofline ---------------------------------------------------------------------------
+
+
+def _time(fn: Callable[[], Any], min_s: float = 0.25, max_reps: int = 50) -> float:
+    """Median seconds of `fn` after one warm-up call, repeated for about `min_s`."""
+    fn()
+    times: list[float] = []
+    spent = 0.0
+    while len(times) < 3 or (spent < min_s and len(times) < max_reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+        spent += times[-1]
+    return statistics.median(times)
+
+
+def matmul_roofline(shape: ModelShape, rows: int, tokens: int, head_rows: int,
+                    completion_tokens: int, dtype: str) -> dict[str, Any]:
+    """Benchmark the step's matmul shapes (module docstring) in `dtype` on the current torch
+    threads. `rows`: M of the body's matmuls (padded tokens of a micro-batch); `tokens` and
+    `completion_tokens`: the step's totals, which weight each shape by the FLOPs it carries."""
+    import torch
+    import torch.nn.functional as F
+
+    dt = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+    g = torch.Generator().manual_seed(0)
+
+    def rand(*size: int) -> torch.Tensor:
+        return torch.randn(*size, generator=g).to(dt)
+
+    # (label, m, k, n, step FLOPs on this shape); F.linear is what nn.Linear runs forward,
+    # mm(dY, W) what its backward runs for dX.
+    work: dict[tuple[int, int, int], float] = {}
+    for _, i, o in shape.linears():
+        f = 2.0 * i * o * tokens * shape.layers
+        work[(rows, i, o)] = work.get((rows, i, o), 0.0) + f  # forward
+        work[(rows, o, i)] = work.get((rows, o, i), 0.0) + f  # backward dX
+    head_f = 2.0 * shape.hidden * shape.vocab * completion_tokens
+    results = []
+    total_f = total_t = 0.0
+    with torch.no_grad():
+        for (m, k, n), f in work.items():
+            x, w = rand(m, k), rand(n, k)  # w as nn.Linear stores it: [out, in]
+            s = _time(lambda: F.linear(x, w))
+            results.append({"m": m, "k": k, "n": n, "gflops": 2 * m * k * n / s / 1e9})
+            total_f, total_t = total_f + f, total_t + f / (2 * m * k * n / s)
+        emb = rand(shape.vocab, shape.hidden)
+        h, dlogits = rand(head_rows, shape.hidden), rand(head_rows, shape.vocab)
+        for label, fn, (m, k, n) in (
+            ("head", lambda: F.linear(h, emb), (head_rows, shape.hidden, shape.vocab)),
+            ("head_dx", lambda: torch.mm(dlogits, emb), (head_rows, shape.vocab, shape.hidden)),
+        ):
+            s = _time(fn)
+            results.append({"m": m, "k": k, "n": n, "gflops": 2 * m * k * n / s / 1e9,
+                            "what": label})
+            total_f, total_t = total_f + head_f, total_t + head_f / (2 * m * k * n / s)
+    return {"gflops": total_f / total_t / 1e9, "shapes": results}
+
+
+# ---- the profile ----------------------------------------------------------------------------
+
+_MATMUL = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::linear",
+           "aten::matmul"}
+_COPY = {"aten::copy_", "aten::fill_", "aten::zero_", "aten::cat", "aten::index",
+         "aten::index_put_", "aten::_index_put_impl_", "aten::clone", "aten::contiguous",
+         "aten::empty", "aten::empty_strided", "aten::zeros", "aten::full", "aten::to",
+         "aten::_to_copy", "aten::gather", "aten::scatter", "aten::scatter_add_",
+         "aten::index_select", "aten::embedding", "aten::embedding_dense_backward",
+         "aten::new_zeros", "aten::resize_", "aten::stack", "aten::nonzero",
+         "aten::masked_fill", "aten::masked_fill_", "aten::where"}
+_LOG_SOFTMAX = {"aten::_log_softmax", "aten::_log_softmax_backward_data", "aten::log_softmax"}
+
+
+def _category(name: str, shapes: Sequence[Any], lora_r: int, in_optimizer: bool) -> str:
+    if in_optimizer:
+        return "optimizer"
+    if "scaled_dot_product" in name or "flash_attention" in name:
+        return "attention"
+    if name in _MATMUL:
+        dims = [d for s in shapes if isinstance(s, (list, tuple)) for d in s]
+        return "matmul_lora" if lora_r in dims else "matmul_base_head"
+    if name in _LOG_SOFTMAX:
+        return "log_softmax"
+    if name in _COPY:
+        return "copy_index_alloc"
+    if name.startswith("aten::"):
+        return "elementwise"  # norms, RoPE, SiLU, residuals, peft's scale and add, the loss
+    return "python_dispatch"  # autograd nodes' and modules' own (non-aten) time
+
+
+def profile_step(policy: Any, samples: Sequence[Any], lora_r: int) -> dict[str, Any]:
+    """One train step under torch.profiler: self time by category (shares of the profiled
+    step), the top ops, and the step's page faults. The profiler slows small ops more than big
+    ones, so the shares lean towards the non-matmul side."""
+    from torch.profiler import ProfilerActivity, profile
+
+    faults0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        m = policy.train_step(samples)
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults0
+    events = list(prof.events())
+
+    def under_optimizer(e: Any) -> bool:
+        p = e
+        while p is not None:
+            if p.name.startswith("Optimizer."):
+                return True
+            p = p.cpu_parent
+        return False
+
+    by_cat: dict[str, float] = {}
+    by_op: dict[str, float] = {}
+    for e in events:
+        us = e.self_cpu_time_total
+        if us <= 0:
+            continue
+        cat = _category(e.name, e.input_shapes or [], lora_r, under_optimizer(e))
+        by_cat[cat] = by_cat.get(cat, 0.0) + us
+        by_op[e.name] = by_op.get(e.name, 0.0) + us
+    total = sum(by_cat.values()) or 1.0
+    top = sorted(by_op.items(), key=lambda kv: -kv[1])[:12]
+    return {
+        "step_s_profiled": m.seconds,
+        "shares": {k: round(v / total, 4) for k, v in sorted(by_cat.items(), key=lambda kv: -kv[1])},
+        "top_ops": [{"op": k, "share": round(v / total, 4)} for k, v in top],
+        "minor_page_faults": faults,
+    }
+
+
+# ---- the machine ----------------------------------------------------------------------------
+
+
+def _cpu_busy() -> tuple[float, float, float]:
+    """(monotonic s, all CPUs' busy s, this process's CPU s) for `other_cores`."""
+    with open("/proc/stat") as f:
+        fields = [float(x) for x in f.readline().split()[1:]]
+    tick = os.sysconf("SC_CLK_TCK")
+    # user nice system idle iowait irq softirq steal ...: busy = all but idle, iowait, steal
+    busy = (sum(fields[:8]) - fields[3] - fields[4] - fields[7]) / tick
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return time.monotonic(), busy, ru.ru_utime + ru.ru_stime
+
+
+def other_cores(a: tuple[float, float, float], b: tuple[float, float, float]) -> float:
+    """Cores' worth of CPU that other processes used between two `_cpu_busy` marks."""
+    wall = b[0] - a[0]
+    return max(0.0, (b[1] - a[1]) - (b[2] - a[2])) / wall if wall > 0 else 0.0
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+# ---- the run --------------------------------------------------------------------------------
+
+
+def synthetic_samples(policy: Any, n: int, prompt_tokens: int, completion_tokens: int,
+                      seed: int = 0) -> list[Any]:
+    """`n` samples of the given shape: random ids in the vocabulary, old (and reference)
+    logprobs scored by the policy itself, so the importance ratio starts at 1, and random
+    sequence advantages."""
+    import torch
+
+    from services.trainer.batching import Sample
+
+    g = torch.Generator().manual_seed(seed)
+    vocab = policy.model.get_base_model().config.vocab_size
+    pairs = [(torch.randint(0, vocab, (prompt_tokens,), generator=g).tolist(),
+              torch.randint(0, vocab, (completion_tokens,), generator=g).tolist())
+             for _ in range(n)]
+    old = policy.logprobs(pairs)
+    adv = torch.randn(n, generator=g).tolist()
+    return [Sample(prompt_ids=p, completion_ids=c, old_logprobs=o, advantage=a, ref_logprobs=o)
+            for (p, c), o, a in zip(pairs, old, adv)]
+
+
+def run(model: str, dtype: str = "auto", samples: int = 16, prompt_tokens: int = 64,
+        completion_tokens: int = 128, steps: int = 3, threads: int = 0, profile: bool = True,
+        say: Callable[[str], None] = print) -> dict[str, Any]:
+    """Build the policy, time `steps` train steps after one warm-up (median), benchmark the
+    roofline, profile one more step; returns the JSON's fields. CPU only: the roofline is a
+    CPU matmul benchmark, so the policy is pinned to the CPU even where CUDA is present."""
+    import torch
+
+    from hotloop.hardware import cpu_capability
+    from hotloop.logprobs import plan_micro_batches
+    from services.trainer.config import TrainerConfig
+    from services.trainer.policy import LoraPolicy
+
+    # The demo's trainer (configs/demo.toml): LoRA r=16 on all linears, lr 1e-4, KL 0.04,
+    # micro-batches of 2048 padded tokens.
+    cfg = TrainerConfig(model=model, dtype=dtype, device="cpu", torch_threads=threads or None,
+                        micro_batch_tokens=2048, lora={"r": 16, "alpha": 32},
+                        optimizer={"lr": 1e-4}, loss={"kl_beta": 0.04})
+    load0 = os.getloadavg()[0]
+    policy = LoraPolicy(cfg)  # resolves dtype "auto" and sets the threads before anything runs
+    dtype, nthreads = policy.cfg.dtype, torch.get_num_threads()
+    shape = ModelShape.from_hf_config(policy.model.get_base_model().config)
+    say(f"[train-step] {model}: {shape.layers} layers x {shape.hidden}, {dtype}, {nthreads} "
+        f"threads; {samples} samples x ({prompt_tokens} prompt + {completion_tokens} completion)")
+    batch = synthetic_samples(policy, samples, prompt_tokens, completion_tokens)
+    lengths = [(len(s.prompt_ids), len(s.completion_ids)) for s in batch]
+    flops = step_flops(shape, cfg.lora.r, lengths)
+    tokens = sum(p + c for p, c in lengths)
+    completion = sum(c for _, c in lengths)
+    groups = plan_micro_batches([p + c for p, c in lengths], cfg.micro_batch_tokens)
+    rows = max(len(grp) * max(sum(lengths[i]) for i in grp) for grp in groups)
+
+    say("[train-step] warm-up step...")
+    warm = policy.train_step(batch)
+    say(f"[train-step]   {warm.seconds:.2f} s ({warm.micro_batches} micro-batches)")
+    secs = []
+    mark0, ru0 = _cpu_busy(), resource.getrusage(resource.RUSAGE_SELF)
+    for k in range(steps):
+        t0 = time.perf_counter()
+        policy.train_step(batch)
+        secs.append(time.perf_counter() - t0)
+        say(f"[train-step] step {k + 1}/{steps}: {secs[-1]:.2f} s")
+    step_s = statistics.median(secs)
+    mark1, ru1 = _cpu_busy(), resource.getrusage(resource.RUSAGE_SELF)
+
+    say(f"[train-step] matmul roofline ({dtype}, M={rows}, head chunk "
+        f"{min(cfg.logprob_chunk_tokens, completion)})...")
+    roof = matmul_roofline(shape, rows, tokens, min(cfg.logprob_chunk_tokens, completion),
+                           completion, dtype)
+    mark2 = _cpu_busy()
+    say(f"[train-step]   {roof['gflops']:.1f} GFLOP/s")
+    prof = None
+    if profile:
+        say("[train-step] profiled step...")
+        prof = profile_step(policy, batch, cfg.lora.r)
+    step_gflops = flops["total"] / step_s / 1e9
+    others = max(other_cores(mark0, mark1), other_cores(mark1, mark2))
+    busy = others > 0.25
+    if busy:
+        say(f"[train-step] WARNING: other processes used {others:.2f} cores meanwhile; "
+            "the numbers are low")
+    return {
+        "tokens_per_s": tokens / step_s,
+        "tokens_counted": "prompt + completion (real tokens, no padding)",
+        "completion_tokens_per_s": completion / step_s,
+        "roofline_ratio": step_gflops / roof["gflops"],
+        "step_s": step_s,
+        "step_s_all": secs,
+        "step_gflop": flops["total"] / 1e9,
+        "step_gflop_by_part": {k: v / 1e9 for k, v in flops.items() if k != "total"},
+        "step_gflops": step_gflops,
+        "matmul_gflops": roof["gflops"],
+        "matmul_shapes": roof["shapes"],
+        "matmul_only_s": flops["total"] / 1e9 / roof["gflops"],
+        "dtype": dtype,
+        "cpu": str(cpu_capability()),
+        "cpu_model": _cpu_model(),
+        "threads": nthreads,
+        "model": model,
+        "shape": asdict(shape),
+        "samples": samples,
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "micro_batches": warm.micro_batches,
+        # Fresh pages the allocator faults in per step (glibc returns large freed blocks to
+        # the OS), and the kernel time they and other syscalls cost.
+        "page_faults_per_step": (ru1.ru_minflt - ru0.ru_minflt) / steps,
+        "sys_s_per_step": (ru1.ru_stime - ru0.ru_stime) / steps,
+        "warmup_s": warm.seconds,
+        "micro_batch_tokens": cfg.micro_batch_tokens,
+        "lora_r": cfg.lora.r,
+        "profile": prof,
+        "other_cores": others,
+        "busy": busy,
+        "loadavg_1m": [load0, os.getloadavg()[0]],
+    }
+
+
+def table(r: dict[str, Any]) -> str:
+    rows = [
+        ("tokens/s (prompt+completion)", f"{r['tokens_per_s']:.0f}"),
+        ("step", f"{r['step_s']:.2f} s ({r['micro_batches']} micro-batches)"),
+        ("step FLOPs", f"{r['step_gflop']:.0f} GFLOP ("
+         + ", ".join(f"{k} {v:.0f}" for k, v in r["step_gflop_by_part"].items()) + ")"),
+        ("achieved", f"{r['step_gflops']:.1f} GFLOP/s"),
+        ("matmul roofline", f"{r['matmul_gflops']:.1f} GFLOP/s ({r['dtype']}, "
+         f"{r['threads']} threads, {r['cpu']})"),
+        ("roofline ratio", f"{r['roofline_ratio']:.2f} (matmul-only step: "
+         f"{r['matmul_only_s']:.2f} s)"),
+    ]
+    if r.get("profile"):
+        rows.append(("profile (self time)", ", ".join(
+            f"{k} {v:.0%}" for k, v in r["profile"]["shares"].items() if v >= 0.005)))
+    if r["busy"]:
+        rows.append(("WARNING", f"other processes used {r['other_cores']:.2f} cores"))
+    w = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{w}}  {v}" for k, v in rows)
+
+
+def main(args: Any) -> int:
+    from hotloop import models
+
+    result = run(str(models.resolve(args.model)), dtype=args.dtype, samples=args.samples,
+                 prompt_tokens=args.prompt_tokens, completion_tokens=args.completion_tokens,
+                 steps=args.steps, threads=args.threads)
+    result["model"] = args.model
+    print(table(result))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(result, indent=2))
+    return 0
