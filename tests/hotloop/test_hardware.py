@@ -39,7 +39,8 @@ def test_explicit_dtypes_pass_through_and_unknown_ones_fail() -> None:
 @pytest.mark.parametrize(
     "environ",
     [{"ATEN_CPU_CAPABILITY": "avx2"}, {"ONEDNN_MAX_CPU_ISA": "AVX2"},
-     {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}],
+     {"MKL_ENABLE_INSTRUCTIONS": "AVX2"},
+     {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}],
 )
 def test_caps_make_an_avx512_host_choose_like_an_avx2_one(environ) -> None:
     cpu = cpu_capability(SAPPHIRE, environ=environ)
