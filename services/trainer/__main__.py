@@ -21,6 +21,7 @@ from hotloop import service
 from hotloop.config import MeshConfig, Section
 
 log = logging.getLogger("trainer")
+STOP_TIMEOUT_S = 10.0  # per stage of a stop: the loop's cancellation, then closing connections
 
 
 class TrainerServerConfig(Section):
@@ -57,12 +58,20 @@ async def build(mesh: MeshConfig, cfg: TrainerServerConfig) -> service.Running:
             raise FatalError("the online loop finished (online.max_steps reached)")
 
     async def stop() -> None:
+        # Bounded: a stop must end the process within seconds whatever an await is stuck on.
+        # Nothing is lost by giving up on one: feedback is acked only after its checkpoint,
+        # so anything in flight is redelivered to the next run.
+        log.info("stopping the online loop")
         loop.cancel()
+        done, _ = await asyncio.wait([loop], timeout=STOP_TIMEOUT_S)
+        if not done:
+            log.error("the online loop did not stop within %.0f s; closing without it",
+                      STOP_TIMEOUT_S)
         try:
-            await loop
-        except (asyncio.CancelledError, Exception):
-            pass
-        await close_online(edge, omesh)
+            await asyncio.wait_for(close_online(edge, omesh), STOP_TIMEOUT_S)
+        except Exception as e:  # TimeoutError included: exit anyway, nothing acked is lost
+            log.error("closing the trainer's connections failed: %r", e)
+        log.info("online loop stopped")
 
     return service.Running(edge.server, edge.port, edge.health, cleanups=[stop], check=check)
 

@@ -178,11 +178,11 @@ async def run(job: PpoJobConfig, trainer_cfg, model_dir: Path, mesh: Mesh, run_d
     run_dir.mkdir(parents=True, exist_ok=True)
     rollout = mesh.rollout[0]
     users = UsersFirst(job.users_first, rollout, job.max_pause_s)
-    users.start()  # before the policy loads: torch's threads inherit a lower priority
 
     # ---- setup -------------------------------------------------------------------------
     train_tasks = load_tasks(job.tasks, job.train_split)
     heldout = load_tasks(job.eval_tasks, job.eval_split)[: job.eval_limit] if job.eval_limit else []
+    users.start()  # before the policy loads: torch's threads inherit a lower priority
     policy = LoraPolicy(trainer_cfg, model_dir)
     critic = make_critic(policy, trainer_cfg.critic)
     pc = trainer_cfg.ppo
@@ -230,7 +230,16 @@ async def run(job: PpoJobConfig, trainer_cfg, model_dir: Path, mesh: Mesh, run_d
         log.info("held-out reward at step %d (v%d): greedy %.3f, sampled %.3f", step,
                  rec.version, rec.mean, rec.sampled_mean)
 
+    stop = threading.Event()  # set on cancellation: the train thread stops within a micro-batch
+    train_job: asyncio.Future | None = None
+    done_step = start_step
+
+    def poll() -> bool:  # polled by the train thread before each micro-batch
+        users.wait(stop)
+        return stop.is_set()
+
     try:
+        users.watch()
         if heldout:
             await do_eval(start_step)
 
@@ -239,14 +248,6 @@ async def run(job: PpoJobConfig, trainer_cfg, model_dir: Path, mesh: Mesh, run_d
                    total=trainer_cfg.num_steps, desc="ppo", unit="step", disable=not progress,
                    dynamic_ncols=True)
         train_t0 = time.monotonic()
-        stop = threading.Event()
-        train_job: asyncio.Future | None = None
-
-        def poll() -> bool:  # polled by the train thread before each micro-batch
-            users.wait(stop)
-            return stop.is_set()
-
-        done_step = start_step
         for step in bar:
             secs: dict[str, float] = {}
             with tracer.start_as_current_span("ppo.step", attributes={"step": step}):

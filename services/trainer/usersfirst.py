@@ -38,13 +38,16 @@ class UsersFirst:
         self._watcher: asyncio.Task | None = None
 
     def start(self) -> None:
-        """Call before the policy is loaded, so that every thread torch starts inherits the
-        priority (Linux niceness is per thread and inherited at creation)."""
+        """`nice`: call before the policy is loaded, so that every thread torch starts inherits
+        the priority (Linux niceness is per thread and inherited at creation)."""
         if self.policy == "nice":
             for tid in _threads():
                 with contextlib.suppress(OSError):  # a thread that just ended
                     os.setpriority(os.PRIO_PROCESS, tid, 19)
-        elif self.policy == "pause":
+
+    def watch(self) -> None:
+        """`pause`: start watching the replica's users in flight (stop with `close`)."""
+        if self.policy == "pause" and self._watcher is None:
             self._watcher = asyncio.get_running_loop().create_task(self._watch())
 
     async def _watch(self) -> None:
