@@ -26,11 +26,12 @@ from dataclasses import dataclass
 from .task import CODE_BLOCK_INSTRUCTION, CodeTask
 
 DEFAULT_TRAIN = 500
-DEFAULT_TEST = 80
+DEFAULT_TEST = 128
 TESTS_PER_TASK = 4
 
 _INT_ARGS = ("x", "n", "num", "value")
 _PAIR_ARGS = (("a", "b"), ("x", "y"), ("m", "n"))
+_TRIPLE_ARGS = (("a", "b", "c"), ("x", "y", "z"), ("p", "q", "r"))
 _STR_ARGS = ("s", "text", "word")
 _LIST_ARGS = ("xs", "nums", "values", "numbers")
 _WORDS = ("cat", "level", "banana", "hello", "apple", "noon", "python", "tree", "radar",
@@ -45,6 +46,10 @@ def _ints(rng: random.Random) -> tuple:
 
 def _pairs(rng: random.Random) -> tuple:
     return (rng.randint(-20, 40), rng.randint(-20, 40))
+
+
+def _triples(rng: random.Random) -> tuple:
+    return (rng.randint(-20, 40), rng.randint(-20, 40), rng.randint(-20, 40))
 
 
 def _words(rng: random.Random) -> tuple:
@@ -178,6 +183,29 @@ TEST_TEMPLATES: tuple[Template, ...] = (
              "return [v + {k} for v in {a0}]", _lists, {"k": tuple(range(1, 10))}),
     Template("last_element", ("last", "tail_item", "last_item"), _one(*_LIST_ARGS),
              "returns the last element of the non-empty list {a0}", "return {a0}[-1]", _nonempty_lists),
+    # Added so that the held-out set reaches 128 tasks (16 templates x 8): enough for a
+    # paired before/after difference to resolve a 10-point change. Two per family.
+    Template("k_minus", ("subtract_from_{k}", "take_from_{k}"), _one(*_INT_ARGS),
+             "returns {k} minus {a0}", "return {k} - {a0}", _ints, {"k": tuple(range(5, 31, 5))}),
+    Template("max_three", ("largest_of_three", "max_of_three", "biggest_of_three", "max3"),
+             _TRIPLE_ARGS, "returns the largest of {a0}, {a1} and {a2}",
+             "return max({a0}, {a1}, {a2})", _triples),
+    Template("is_odd", ("is_odd", "odd", "check_odd"), _one(*_INT_ARGS),
+             "returns True if {a0} is odd, otherwise False", "return {a0} % 2 == 1", _ints),
+    Template("is_negative", ("is_negative", "negative", "below_zero"), _one(*_INT_ARGS),
+             "returns True if {a0} is less than 0, otherwise False", "return {a0} < 0", _ints),
+    Template("is_palindrome", ("is_palindrome", "palindrome", "reads_same", "same_backwards"),
+             _one(*_STR_ARGS), "returns True if the string {a0} reads the same backwards, "
+             "otherwise False", "return {a0} == {a0}[::-1]", _words),
+    Template("last_k_chars", ("last_{k}", "tail_{k}", "suffix_{k}"), _one(*_STR_ARGS),
+             "returns the last {k} characters of the string {a0} (all of it if it is shorter)",
+             "return {a0}[-{k}:]", _words, {"k": (2, 3, 4)}),
+    Template("min_list", ("smallest", "min_value", "lowest"), _one(*_LIST_ARGS),
+             "returns the smallest number in the non-empty list {a0}", "return min({a0})",
+             _nonempty_lists),
+    Template("sum_squares", ("sum_squares", "square_total", "sum_of_squares"), _one(*_LIST_ARGS),
+             "returns the sum of the squares of the numbers in the list {a0}",
+             "return sum(v * v for v in {a0})", _lists),
 )
 
 

@@ -26,9 +26,10 @@ def _template(task: CodeTask) -> str:
 
 def test_builtin_sizes_and_splits():
     train, test = load_tasks("builtin", "train"), load_tasks("builtin", "test")
-    assert len(train) == 500 and len(test) == 80
-    assert len({t.task_id for t in train + test}) == 580
-    assert len(load_tasks("builtin", "all")) == 580
+    # 128 held-out tasks: enough for the demo's paired before/after to resolve 10 points
+    assert len(train) == 500 and len(test) == 128
+    assert len({t.task_id for t in train + test}) == 628
+    assert len(load_tasks("builtin", "all")) == 628
     # Disjoint by template, and every template is used.
     assert {_template(t) for t in train} == {t.key for t in TRAIN_TEMPLATES}
     assert {_template(t) for t in test} == {t.key for t in TEST_TEMPLATES}
@@ -37,7 +38,33 @@ def test_builtin_sizes_and_splits():
         load_tasks("builtin", "validation")
 
 
+def test_heldout_templates_are_new_operations_spread_evenly():
+    test = load_tasks("builtin", "test")
+    per_template = {}
+    for t in test:
+        per_template[_template(t)] = per_template.get(_template(t), 0) + 1
+    assert len(TEST_TEMPLATES) == 16 and set(per_template.values()) == {8}
+    # Disjoint from training by operation, not only by key: no held-out reference body is a
+    # training template's body, and no held-out function name pattern is a training one.
+    train_bodies = {t.body for t in TRAIN_TEMPLATES}
+    train_names = {n for t in TRAIN_TEMPLATES for n in t.names}
+    for t in TEST_TEMPLATES:
+        assert t.body not in train_bodies, t.key
+        assert not set(t.names) & train_names, t.key
+    train_prompts = {t.prompt for t in load_tasks("builtin", "train")}
+    assert not train_prompts & {t.prompt for t in test}
+
+
+def test_builtin_train_split_is_unchanged_by_heldout_templates():
+    # Adding held-out templates must not move the training split (runs resume by position).
+    import hashlib
+
+    ids = "".join(t.task_id for t in builtin_tasks("train"))
+    assert hashlib.sha1(ids.encode()).hexdigest() == "f8d4dddd5dc8afd12ff4e4e48ac80cab45d13b5c"
+
+
 def test_builtin_is_deterministic_per_seed():
+    assert builtin_tasks("test", seed=0) == builtin_tasks("test", seed=0)
     assert builtin_tasks("train", seed=0) == builtin_tasks("train", seed=0)
     assert [t.task_id for t in builtin_tasks("train", seed=1)] != [t.task_id for t in builtin_tasks("train", seed=0)]
 
