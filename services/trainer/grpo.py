@@ -113,6 +113,15 @@ class EvalRecord:
     pass_at_k: dict[str, float] = field(default_factory=dict)
     per_task: list[float] = field(default_factory=list)  # pass@1 per task, in task order
     sampled: EvalRecord | None = None  # sampled pass@1 at the training temperature, if asked
+    texts: list[str] = field(default_factory=list)  # the first completion per task, in task order
+
+    def as_dict(self) -> dict:
+        """For metrics and the report's curve: everything but the completions' texts."""
+        d = asdict(self)
+        d.pop("texts")
+        if d["sampled"] is not None:
+            d["sampled"].pop("texts")
+        return d
 
 
 def chat(task: CodeTask) -> list[dict[str, str]]:
@@ -152,8 +161,11 @@ async def evaluate(rollout: RolloutClient, reward: RewardClient, tasks: list[Cod
     )
     scores = await reward.score([score_item(tasks[c.prompt_index], c, i) for i, c in enumerate(comps)])
     correct = [0] * len(tasks)
+    texts: list[str | None] = [None] * len(tasks)
     for c, s in zip(comps, scores):
         correct[c.prompt_index] += int(s.reward >= 1.0)
+        if texts[c.prompt_index] is None:
+            texts[c.prompt_index] = c.text
     per_task = [pass_at_k(samples, ci, 1) for ci in correct]
     mean = statistics.fmean(per_task)
     sd = statistics.pstdev(per_task) if len(per_task) > 1 else 0.0
@@ -163,7 +175,7 @@ async def evaluate(rollout: RolloutClient, reward: RewardClient, tasks: list[Cod
         ci95=1.96 * sd / math.sqrt(max(1, len(per_task))),
         pass_at_k={str(k): statistics.fmean(pass_at_k(samples, ci, k) for ci in correct)
                    for k in ks if k <= samples},
-        per_task=per_task,
+        per_task=per_task, texts=[t or "" for t in texts],
     )
 
 
@@ -270,7 +282,7 @@ async def run(job: GrpoJobConfig, trainer_cfg, model_dir: Path, mesh: Mesh, run_
                     temperature=job.sample_temperature, max_tokens=trainer_cfg.max_new_tokens,
                     step=step)
         evals.append(rec)
-        metrics_file.write(json.dumps({"eval": asdict(rec)}) + "\n")
+        metrics_file.write(json.dumps({"eval": rec.as_dict()}) + "\n")
         metrics_file.flush()
         log.info("held-out pass@1 at step %d (v%d): %.3f ± %.3f", step, rec.version, rec.pass_at_1, rec.ci95)
 
@@ -408,7 +420,7 @@ async def run(job: GrpoJobConfig, trainer_cfg, model_dir: Path, mesh: Mesh, run_
     if heldout and (not evals or evals[-1].step != done_step):
         await do_eval(done_step)
     metrics_file.close()
-    summary = summarize(steps, evals, job, trainer_cfg)
+    summary = summarize(steps, evals, job, trainer_cfg, heldout)
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
 
@@ -428,7 +440,31 @@ def paired(first: EvalRecord, last: EvalRecord, job: GrpoJobConfig) -> dict:
     return out
 
 
-def summarize(steps: list[StepRecord], evals: list[EvalRecord], job: GrpoJobConfig, trainer_cfg) -> dict:
+def examples(first: EvalRecord, last: EvalRecord, tasks: list[CodeTask], k: int = 3) -> list[dict]:
+    """A few held-out tasks before and after, chosen to show what changed: the k whose
+    sampled pass@1 (greedy without a sampled evaluation) rose most, plus the one that fell
+    most, if any did, so the report shows losses too. Completions are the first sample (the
+    greedy one without a sampled evaluation), drawn with the same seed before and after."""
+    main_first, main_last = (first.sampled, last.sampled) if first.sampled and last.sampled else (first, last)
+    diffs = [b - a for a, b in zip(main_first.per_task, main_last.per_task)]
+    order = sorted(range(len(diffs)), key=lambda i: (-diffs[i], i))
+    picked = [i for i in order[:k] if diffs[i] > 0] or order[:k]
+    if diffs and min(diffs) < 0 and order[-1] not in picked:
+        picked.append(order[-1])
+    out = []
+    for i in picked:
+        ex = {"task_id": tasks[i].task_id, "prompt": tasks[i].prompt,
+              "base": main_first.texts[i], "final": main_last.texts[i],
+              "shown": "greedy" if main_first is first else "sampled",
+              "base_greedy": first.per_task[i], "final_greedy": last.per_task[i]}
+        if main_first is not first:
+            ex |= {"base_sampled": main_first.per_task[i], "final_sampled": main_last.per_task[i]}
+        out.append(ex)
+    return out
+
+
+def summarize(steps: list[StepRecord], evals: list[EvalRecord], job: GrpoJobConfig, trainer_cfg,
+              heldout: list[CodeTask] | None = None) -> dict:
     stage_totals = {s: sum(r.stage_seconds.get(s, 0.0) for r in steps) for s in STAGES}
     total = sum(stage_totals.values()) or 1.0
     samples = sum(trainer_cfg.batch_prompts * trainer_cfg.group_size for _ in steps)
@@ -445,9 +481,11 @@ def summarize(steps: list[StepRecord], evals: list[EvalRecord], job: GrpoJobConf
             "pass_at_1_final": evals[-1].pass_at_1 if evals else None,
             "ci95_base": evals[0].ci95 if evals else None,
             "ci95_final": evals[-1].ci95 if evals else None,
-            "curve": [asdict(e) for e in evals],
+            "curve": [e.as_dict() for e in evals],
             **({"paired": paired(evals[0], evals[-1], job)} if len(evals) > 1 else {}),
         },
+        "examples": (examples(evals[0], evals[-1], heldout)
+                     if heldout and len(evals) > 1 and evals[0].texts else []),
         "reward_curve": [r.reward_mean for r in steps],
         "pass_rate_curve": [r.pass_rate for r in steps],
         "skipped_steps": [r.step for r in steps if r.skipped],

@@ -31,8 +31,17 @@ def _plots(summary: dict, out: Path) -> list[str]:
         xs = [e["step"] for e in curve]
         ys = [e["pass_at_1"] for e in curve]
         err = [e["ci95"] for e in curve]
-        ax[1].errorbar(xs, ys, yerr=err, marker="o", capsize=4)
-        ax[1].set_ylim(0, max(0.1, min(1.0, max(y + e for y, e in zip(ys, err)) * 1.2)))
+        ax[1].errorbar(xs, ys, yerr=err, marker="o", capsize=4, label="greedy")
+        top = max(y + e for y, e in zip(ys, err))
+        if all(e.get("sampled") for e in curve):
+            s_ys = [e["sampled"]["pass_at_1"] for e in curve]
+            s_err = [e["sampled"]["ci95"] for e in curve]
+            n = curve[0]["sampled"]["samples_per_task"]
+            ax[1].errorbar(xs, s_ys, yerr=s_err, marker="^", capsize=4, linestyle=":",
+                           label=f"sampled ({n} per task)")
+            top = max(top, max(y + e for y, e in zip(s_ys, s_err)))
+            ax[1].legend()
+        ax[1].set_ylim(0, max(0.1, min(1.0, top * 1.2)))
     ax[1].set_xlabel("step"); ax[1].set_ylabel("pass@1")
     ax[1].set_title(f"held-out pass@1 ({summary['heldout']['tasks']} tasks, 95% CI)")
     ax[1].grid(alpha=0.3)
@@ -76,17 +85,53 @@ def write(summary: dict, run_dir: Path, config_text: str = "") -> Path:
             f"{h['tasks']} tasks x {h['samples_per_task']} samples, 95% CI over tasks)"
         )
     for name, p in h.get("paired", {}).items():
-        what = (f"held-out {name} pass@1, paired over {h['tasks']} tasks "
-                f"({p['samples_per_task']} sample(s) per task)")
+        how = (f"at T={p['temperature']:g}, {p['samples_per_task']} samples per task" if name == "sampled"
+               else f"{p['samples_per_task']} sample(s) per task")
+        what = f"held-out {name} pass@1 ({how}), paired over {h['tasks']} tasks"
         lines.append(f"- {verdict(p, what)}; base {p['base']:.3f} -> final {p['final']:.3f}; "
                      f"{p['tasks_improved']} tasks better, {p['tasks_worse']} worse")
+    if (aim := aim_line(h.get("paired", {}))) is not None:
+        lines.append(f"- {aim}")
     lines += ["", "| stage | seconds per step | share |", "|---|---|---|"]
     for s in STAGES:
         lines.append(f"| {s} | {summary['stage_seconds'][s]:.2f} | {summary['stage_share'][s]:.1%} |")
     lines += [""] + [f"![{p}]({p})" for p in plots]
     if summary["skipped_steps"]:
         lines += ["", f"Skipped updates (non-finite loss or gradient): steps {summary['skipped_steps']}"]
+    if summary.get("examples"):
+        lines += _examples_header()
+        for ex in summary["examples"]:
+            notes = [f"greedy pass@1 {ex[k + '_greedy']:.0f}" for k in ("base", "final")]
+            if ex["shown"] == "sampled":
+                notes = [f"sampled pass@1 {ex[k + '_sampled']:.2f}, {n}; the first sample shown"
+                         for k, n in zip(("base", "final"), notes)]
+            lines += _example(ex["prompt"], ex["base"], ex["final"], *notes)
     return _finish(lines, summary, run_dir, config_text)
+
+
+def aim_line(paired: dict, min_gain: float = 0.10) -> str | None:
+    """Whether a run met the demo's aim (issue 8): sampled pass@1 up by at least `min_gain`
+    with its paired CI above zero, and greedy pass@1 not significantly worse."""
+    if "sampled" not in paired or "greedy" not in paired:
+        return None
+    s, g = paired["sampled"], paired["greedy"]
+    sampled_ok = s["diff"] >= min_gain and s["ci95"][0] > 0
+    greedy_ok = g["ci95"][1] >= 0
+    return (f"demo aim (sampled pass@1 +{min_gain * 100:.0f} points or more with the CI above zero, "
+            f"greedy not significantly worse): {'met' if sampled_ok and greedy_ok else 'not met'} "
+            f"(sampled {s['diff'] * 100:+.1f} points, CI low end {s['ci95'][0] * 100:+.1f}; greedy CI "
+            f"high end {g['ci95'][1] * 100:+.1f})")
+
+
+def _examples_header() -> list[str]:
+    return ["", "## What changed: held-out completions before and after", ""]
+
+
+def _example(prompt: str, base: str, final: str, base_note: str, final_note: str) -> list[str]:
+    """One held-out prompt with the base and the final policy's completions (GRPO and PPO)."""
+    return [f"**Prompt:** {prompt.strip()[:300]}", "",
+            f"*Base* ({base_note}):", "", "```", base.strip(), "```",
+            f"*Final* ({final_note}):", "", "```", final.strip(), "```", ""]
 
 
 def _finish(lines: list[str], summary: dict, run_dir: Path, config_text: str) -> Path:
@@ -170,11 +215,10 @@ def write_ppo(summary: dict, run_dir: Path, config_text: str = "") -> Path:
         lines += ["", "Skipped updates:"] + [f"- step {s['step']}: {s['reason']}"
                                              for s in summary["skipped_steps"]]
     if summary.get("examples"):
-        lines += ["", "## What changed: held-out completions before and after", ""]
+        lines += _examples_header()
         for ex in summary["examples"]:
-            lines += [f"**Prompt:** {ex['prompt'].strip()[:300]}", "",
-                      f"*Base* (reward {ex['base_reward']:.2f}):", "", "```", ex["base"].strip(), "```",
-                      f"*Final* (reward {ex['final_reward']:.2f}):", "", "```", ex["final"].strip(), "```", ""]
+            lines += _example(ex["prompt"], ex["base"], ex["final"], f"reward {ex['base_reward']:.2f}",
+                              f"reward {ex['final_reward']:.2f}")
     return _finish(lines, summary, run_dir, config_text)
 
 
