@@ -176,6 +176,12 @@ class RolloutClient:
         return await _call("rollout", self.address,
                            lambda: self.stub.Status(rollout_pb2.StatusRequest(), timeout=10))
 
+    async def watch_load(self) -> AsyncIterator[tuple[int, int]]:
+        """(users' requests in flight, those waiting for a first token): now, then at every
+        change. Ends with the replica (an error); the caller decides whether to watch again."""
+        async for msg in self.stub.WatchLoad(rollout_pb2.WatchLoadRequest()):
+            yield msg.foreground_requests, msg.waiting_requests
+
     async def close(self) -> None:
         await self.channel.close()
 

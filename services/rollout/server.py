@@ -100,12 +100,17 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
             latest_version=self.core.latest,
             versions=[version_to_proto(v) for v in self.core.versions()],
             running_requests=self.core.running(),
-            foreground_requests=self.core.foreground,
+            foreground_requests=self.core.users.foreground,
+            waiting_requests=self.core.users.waiting,
             update_mode=self.core.mode,
             engine=self.core.engine_name,
             runtime=common_pb2.RuntimeInfo(**runtime_info(self.core.dtype)),
             swap=self.core.swap,
         )
+
+    async def WatchLoad(self, request, context):
+        async for foreground, waiting in self.core.users.watch():
+            yield rollout_pb2.RolloutLoad(foreground_requests=foreground, waiting_requests=waiting)
 
 
 async def serve(core: RolloutCore, address: str, admin_token: str) -> tuple[grpc.aio.Server, int, object]:

@@ -251,8 +251,10 @@ class OnlineConfig(_Strict):
     """Metrics, checkpoints and the version store go under `<out_dir>/<run_id>/`."""
     run_id: str = "online"
     """Reusing an id resumes from its last checkpoint and the consumer's position."""
-    users_first: Literal["none", "nice"] = "none"
+    users_first: Literal["none", "nice", "pause"] = "none"
     """How the trainer yields the CPU to the users the engine serves meanwhile
-    (services/trainer/usersfirst.py): `nice` runs its threads at the lowest OS priority. Beside
-    PPO on 2 cores it bought no latency and cost 30% of training throughput (bench joint), so
-    the default is `none`."""
+    (services/trainer/usersfirst.py): `nice` runs its threads at the lowest OS priority;
+    `pause` holds its forward and backward passes between layers while a user waits for a
+    first token (at most `max_pause_s` per busy spell), as `[ppo] users_first` does."""
+    max_pause_s: float = Field(2.0, gt=0.0, le=60.0)
+    """`pause`: the longest one busy spell of users stops training, so training progresses."""

@@ -66,6 +66,7 @@ from hotloop.clients import ReferenceClient, RolloutClient
 from hotloop.proto.v1 import bus_pb2, common_pb2
 
 from .config import OnlineConfig, TrainerConfig
+from .usersfirst import UsersFirst
 
 log = logging.getLogger(__name__)
 _tracer = trace.get_tracer(__name__)
@@ -335,8 +336,13 @@ async def run(job: OnlineConfig, trainer_cfg: TrainerConfig, model_dir: Path, me
             held.pop(p.seq, None)
         uncommitted.clear()
 
+    users = UsersFirst(job.users_first, mesh.rollout[0].address if mesh.rollout else None,
+                       job.max_pause_s)
+    users.attach(policy.model)  # `pause`: the update holds while users wait for a first token
+
     # ---- train -------------------------------------------------------------------------------
     try:
+        users.watch()
         while job.max_steps == 0 or updates < job.max_steps:
             first = await _take(queue, intake, None)  # idle until feedback arrives: not a stage
             secs: dict[str, float] = {}
@@ -457,6 +463,7 @@ async def run(job: OnlineConfig, trainer_cfg: TrainerConfig, model_dir: Path, me
         stop.set()  # nothing to save: what was not acked is redelivered to the next run
         raise
     finally:
+        await users.close()
         intake.cancel()
         try:
             await intake

@@ -68,13 +68,12 @@ class PpoJobConfig(TaskJobConfig):
     users_first: Literal["none", "nice", "pause"] = "none"
     """How the trainer yields to users served by the same host. `none`: it computes as it
     likes. `nice`: its threads run at the lowest OS priority (19), so the kernel gives the
-    cores to the engine whenever users' tokens are being computed. `pause`: between
-    micro-batches it waits while the rollout reports users' requests in flight (at most
-    `max_pause_s` per wait). `hotloop bench joint` measures them; docs/architecture.md has the
-    table (on 2 cores with 2 streaming users, `nice` bought no latency and cost 30% of PPO's
-    throughput, so the default is `none`)."""
+    cores to the engine whenever users' tokens are being computed. `pause`: its forward and
+    backward passes hold between decoder layers while a user waits for a first token (the
+    rollout's `WatchLoad` stream), at most `max_pause_s` per busy spell. `hotloop bench joint`
+    measures them; docs/architecture.md has the table."""
     max_pause_s: float = Field(2.0, gt=0.0, le=60.0)
-    """`pause`: the longest one wait for users lasts, so training always progresses."""
+    """`pause`: the longest one busy spell of users stops training, so training progresses."""
     sample_temperature: float = Field(1.0, gt=0)
     """Rollout temperature. Keep 1.0: the rollout reports temperature-1 logprobs, which the
     importance ratio and the KL penalty compare against."""
@@ -101,7 +100,7 @@ class PpoStep:
     updates: int  # minibatch optimizer steps applied
     skipped: bool = False
     skip_reason: str = ""
-    paused_s: float = 0.0  # `pause`: time the train stage waited for users
+    paused_s: float = 0.0  # `pause`: time the step's compute (reference, values, train) waited for users
     train: dict[str, float] = field(default_factory=dict)
     statuses: dict[str, int] = field(default_factory=dict)
 
@@ -177,7 +176,7 @@ async def run(job: PpoJobConfig, trainer_cfg, model_dir: Path, mesh: Mesh, run_d
     tracer = trace.get_tracer("hotloop.trainer")
     run_dir.mkdir(parents=True, exist_ok=True)
     rollout = mesh.rollout[0]
-    users = UsersFirst(job.users_first, rollout, job.max_pause_s)
+    users = UsersFirst(job.users_first, rollout.address, job.max_pause_s)
 
     # ---- setup -------------------------------------------------------------------------
     train_tasks = load_tasks(job.tasks, job.train_split)
@@ -185,6 +184,7 @@ async def run(job: PpoJobConfig, trainer_cfg, model_dir: Path, mesh: Mesh, run_d
     users.start()  # before the policy loads: torch's threads inherit a lower priority
     policy = LoraPolicy(trainer_cfg, model_dir)
     critic = make_critic(policy, trainer_cfg.critic)
+    users.attach(policy.model)  # `pause`: every forward and backward in this process holds
     pc = trainer_cfg.ppo
     kl_ctl = AdaptiveKl(pc.kl_coef, pc.kl_target, pc.kl_horizon)
     stream = TaskStream(train_tasks, job.seed)
@@ -235,7 +235,6 @@ async def run(job: PpoJobConfig, trainer_cfg, model_dir: Path, mesh: Mesh, run_d
     done_step = start_step
 
     def poll() -> bool:  # polled by the train thread before each micro-batch
-        users.wait(stop)
         return stop.is_set()
 
     try:
@@ -250,6 +249,7 @@ async def run(job: PpoJobConfig, trainer_cfg, model_dir: Path, mesh: Mesh, run_d
         train_t0 = time.monotonic()
         for step in bar:
             secs: dict[str, float] = {}
+            paused0 = users.paused_s
             with tracer.start_as_current_span("ppo.step", attributes={"step": step}):
                 tasks = stream.take(trainer_cfg.batch_prompts)
                 t = time.perf_counter()
@@ -287,7 +287,6 @@ async def run(job: PpoJobConfig, trainer_cfg, model_dir: Path, mesh: Mesh, run_d
                 ]
 
                 t = time.perf_counter()
-                paused0 = users.paused_s
                 results = []
                 with tracer.start_as_current_span("train"):
                     for _ in range(pc.epochs):

@@ -3,40 +3,58 @@
 Owns the three policies, chosen by measurement (`hotloop bench joint`; docs/architecture.md,
 "PPO with joint serving"):
 - `none`: the trainer computes as it likes;
-- `nice`: every thread of the trainer runs at the lowest OS priority (19), so the kernel gives
-  the cores to the engine whenever it has users' tokens to compute, and the trainer keeps
-  whatever is idle (measured on 2 cores with 2 streaming users: no latency gain, 30% less PPO
-  throughput, because the engine alone kept both cores busy);
-- `pause`: between micro-batches the trainer waits while the rollout reports users' requests
-  in flight (`RolloutStatus.foreground_requests`), at most `max_pause_s` per wait.
+- `nice`: every thread of the trainer runs at the lowest OS priority (19). Measured on 2 cores
+  with 2 streaming users: no latency gain and 30% less PPO throughput, because the engine
+  alone kept both cores busy and a nice-19 trainer still takes the caches and memory bandwidth;
+- `pause`: the trainer stops computing while any user waits for a first token. The rollout
+  streams its users' load (`Rollout.WatchLoad`); a watcher thread turns it into an event, and
+  hooks on every decoder layer (forward, and backward through a hook on the layer's output)
+  wait on it. So the trainer yields within one layer's work (tens of milliseconds on a CPU),
+  not one micro-batch (seconds), and only for the prefill of users' requests: time to first
+  token is protected and decoding shares the cores. One busy spell stops the trainer for at
+  most `max_pause_s`; after that it computes until the rollout reports no user waiting, so
+  training always progresses.
 Does not own: the engine's own priority scheduling (users at priority 0, training at
-`hotloop.clients.TRAINING_PRIORITY`), or when a recipe calls `wait`.
+`hotloop.clients.TRAINING_PRIORITY`), or which model the hooks go on (the recipe calls
+`attach` with the model that computes in this process).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import threading
 import time
 
-from hotloop.clients import RolloutClient
+log = logging.getLogger(__name__)
+
+RECONNECT_S = 0.5  # a replica restarting: watch again after this (meanwhile nobody waits)
 
 
 class UsersFirst:
     """The trainer's side of sharing the host with users (`[ppo]` / `[online] users_first`).
-    `rollout` is needed by `pause` only."""
+    `rollout` (a replica's address) is needed by `pause` only."""
 
-    def __init__(self, policy: str, rollout: RolloutClient | None = None,
-                 max_pause_s: float = 2.0) -> None:
-        if policy == "pause" and rollout is None:
+    def __init__(self, policy: str, rollout: str | None = None, max_pause_s: float = 2.0) -> None:
+        if policy == "pause" and not rollout:
             raise ValueError("users_first = 'pause' watches a rollout replica: none given")
         self.policy, self.rollout, self.max_pause_s = policy, rollout, max_pause_s
-        self._users = threading.Event()  # set while the rollout reports users in flight
-        self.paused_s = 0.0
-        self._watcher: asyncio.Task | None = None
+        self.paused_s = 0.0  # time the compute waited for users, all spells together
+        self.pauses = 0  # waits that actually waited
+        self._lock = threading.Lock()
+        self._free = threading.Event()  # set while no user waits for a first token
+        self._free.set()
+        self._budget = max_pause_s  # what the current busy spell may still take
+        self._closed = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._task: asyncio.Task | None = None
+        self._hooks: list = []
+        self.connected = threading.Event()  # the watcher has the replica's first load report
 
+    # ---- nice ------------------------------------------------------------------------
     def start(self) -> None:
         """`nice`: call before the policy is loaded, so that every thread torch starts inherits
         the priority (Linux niceness is per thread and inherited at creation)."""
@@ -45,34 +63,124 @@ class UsersFirst:
                 with contextlib.suppress(OSError):  # a thread that just ended
                     os.setpriority(os.PRIO_PROCESS, tid, 19)
 
+    # ---- pause: the watcher --------------------------------------------------------------
     def watch(self) -> None:
-        """`pause`: start watching the replica's users in flight (stop with `close`)."""
-        if self.policy == "pause" and self._watcher is None:
-            self._watcher = asyncio.get_running_loop().create_task(self._watch())
+        """`pause`: start watching the replica's users (a daemon thread with its own event
+        loop, so a busy trainer loop never delays the news). Stop with `close`."""
+        if self.policy != "pause" or self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self._run, name="users-first", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        self._loop = asyncio.new_event_loop()
+        try:
+            self._task = self._loop.create_task(self._watch())
+            with contextlib.suppress(asyncio.CancelledError):
+                self._loop.run_until_complete(self._task)
+        finally:
+            self._loop.close()
 
     async def _watch(self) -> None:
-        while True:
-            try:
-                busy = (await self.rollout.status()).foreground_requests > 0
-            except Exception:  # the replica restarting: train on, do not fail the run
-                busy = False
-            (self._users.set if busy else self._users.clear)()
-            await asyncio.sleep(0.05)
+        from hotloop.clients import RolloutClient
 
-    def wait(self, stop: threading.Event) -> None:
-        """In the train thread, between micro-batches: wait while users are in flight."""
-        if self.policy != "pause" or not self._users.is_set():
+        client = RolloutClient(self.rollout)
+        warned = False
+        try:
+            while not self._closed.is_set():
+                try:
+                    async for _in_flight, waiting in client.watch_load():
+                        self.connected.set()
+                        self.users_waiting(waiting > 0)
+                except Exception as e:  # the replica restarting: train on, do not fail the run
+                    if not warned:
+                        log.warning("users-first: lost the rollout's load stream (%s); "
+                                    "training on, watching again", e)
+                        warned = True
+                self.users_waiting(False)
+                await asyncio.sleep(RECONNECT_S)
+        finally:
+            await client.close()
+
+    def users_waiting(self, busy: bool) -> None:
+        """The watcher's news (also the unit tests' way in)."""
+        with self._lock:
+            if busy and self._free.is_set():  # a new busy spell: a fresh budget
+                self._budget = self.max_pause_s
+                self._free.clear()
+            elif not busy:
+                self._free.set()
+
+    # ---- pause: the compute side ----------------------------------------------------------
+    def hold(self) -> None:
+        """In the computing thread: wait while users wait for a first token, within the
+        spell's budget. Returns at once when nobody waits, the budget is spent, or on close."""
+        if self._free.is_set() or self._closed.is_set():
+            return
+        with self._lock:
+            budget = self._budget
+        if budget <= 0:
             return
         t0 = time.monotonic()
-        while self._users.is_set() and not stop.is_set() and time.monotonic() - t0 < self.max_pause_s:
-            time.sleep(0.01)
-        self.paused_s += time.monotonic() - t0
+        self._free.wait(budget)
+        waited = time.monotonic() - t0
+        with self._lock:
+            self._budget -= waited
+        self.paused_s += waited
+        self.pauses += 1
+
+    def attach(self, model) -> None:
+        """`pause`: hook `model`'s decoder layers so that its forward and backward passes hold
+        between layers. Any model computing in this process: the policy, its colocated
+        reference (the same layers, adapter off) and a shared or LoRA critic all run
+        through them."""
+        if self.policy != "pause" or self._hooks:
+            return
+        import torch
+
+        layers = decoder_layers(model)
+
+        def grad_hold(grad):
+            self.hold()
+            return None  # the gradient unchanged
+
+        def after(module, args, out):
+            t = out[0] if isinstance(out, (tuple, list)) else out
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                t.register_hook(grad_hold)  # runs before the backward of this layer
+
+        for layer in layers:
+            self._hooks.append(layer.register_forward_pre_hook(lambda module, args: self.hold()))
+            self._hooks.append(layer.register_forward_hook(after))
+        log.info("users-first pause: %d decoder layers hooked", len(layers))
 
     async def close(self) -> None:
-        if self._watcher is not None:
-            self._watcher.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._watcher
+        self._closed.set()
+        self._free.set()  # release a compute thread waiting now
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+        if self._thread is not None:
+            if self._loop is not None and self._task is not None:
+                with contextlib.suppress(RuntimeError):  # its loop already closed
+                    self._loop.call_soon_threadsafe(self._task.cancel)
+            await asyncio.to_thread(self._thread.join, 5.0)
+            self._thread = None
+
+
+def decoder_layers(model) -> list:
+    """The transformer's blocks: the longest `ModuleList` whose name ends in `layers` or `h`
+    (Llama/Qwen/Mistral `model.layers`, GPT-2 `transformer.h`), under peft wrappers too."""
+    import torch
+
+    best: list = []
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.ModuleList) and name.split(".")[-1] in ("layers", "h"):
+            if len(module) > len(best):
+                best = list(module)
+    if not best:
+        raise ValueError(f"users_first = 'pause': no decoder layers found in {type(model).__name__}")
+    return best
 
 
 def _threads() -> list[int]:

@@ -196,3 +196,67 @@ async def test_status_counts_foreground_requests(rollout, priority, expected):
             break
         await asyncio.sleep(0.05)
     assert status.foreground_requests == 0 and status.running_requests == 0
+
+
+async def _next_load(watch, want, timeout=5.0):
+    """Read the load stream until it reports `want` (in flight, waiting); all reads seen."""
+    seen = []
+    async def read():
+        async for load in watch:
+            seen.append(load)
+            if load == want:
+                return
+    await asyncio.wait_for(read(), timeout)
+    return seen
+
+
+async def test_watch_load_follows_users_to_their_first_token(rollout):
+    """WatchLoad reports users' requests in flight and those still waiting for a first token:
+    what a `pause` trainer holds on. A training request (priority 1) is not a user's; a
+    user's first token ends its wait; a cancelled stream ends its count."""
+    _, stub, address = rollout
+    client = RolloutClient(address)
+    watch = client.watch_load()
+    try:
+        assert await anext(watch) == (0, 0)  # at once, before any change
+        train = stub.Generate(stream_request([text_prompt("train:")], priority=1, max_tokens=400))
+        async for _ in train:
+            break
+        user = stub.Generate(stream_request([text_prompt("user:")], priority=0, max_tokens=400))
+        async for _ in user:
+            break  # the user has a first token: nobody waits, one user in flight
+        seen = await _next_load(watch, (1, 0))
+        assert all(w <= f <= 1 for f, w in seen), seen  # never the training request
+        user.cancel()
+        await _next_load(watch, (0, 0))
+        train.cancel()
+    finally:
+        await watch.aclose()
+        await client.close()
+
+
+async def test_a_pause_trainer_sees_users_wait_and_get_served(rollout):
+    """`users_first = "pause"` end to end on the stream: the trainer's watcher thread (its own
+    event loop and channel) is told when a user waits for a first token and when none does."""
+    from services.trainer.usersfirst import UsersFirst
+
+    _, stub, address = rollout
+    users = UsersFirst("pause", rollout=address, max_pause_s=1.0)
+    seen: list[bool] = []
+    real = users.users_waiting
+    users.users_waiting = lambda busy: (seen.append(busy), real(busy))
+    users.watch()
+    try:
+        assert await asyncio.to_thread(users.connected.wait, 10.0)
+        for _ in range(5):  # each request opens a wait that its first token closes
+            call = stub.Generate(stream_request([text_prompt("hi")], priority=0, max_tokens=4))
+            async for _ in call:
+                pass
+        t0 = time.perf_counter()
+        while not (seen and seen[-1] is False and users._free.is_set()) and time.perf_counter() - t0 < 5:
+            await asyncio.sleep(0.02)
+        assert True in seen, seen  # at least one wait was seen (changes may coalesce)
+        assert seen[-1] is False and users._free.is_set()  # and nobody waits now
+    finally:
+        await users.close()
+    assert users._thread is None

@@ -98,7 +98,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class RolloutStatus(_message.Message):
-    __slots__ = ("model", "latest_version", "versions", "running_requests", "update_mode", "engine", "runtime", "swap", "foreground_requests")
+    __slots__ = ("model", "latest_version", "versions", "running_requests", "update_mode", "engine", "runtime", "swap", "foreground_requests", "waiting_requests")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     LATEST_VERSION_FIELD_NUMBER: _ClassVar[int]
     VERSIONS_FIELD_NUMBER: _ClassVar[int]
@@ -108,6 +108,7 @@ class RolloutStatus(_message.Message):
     RUNTIME_FIELD_NUMBER: _ClassVar[int]
     SWAP_FIELD_NUMBER: _ClassVar[int]
     FOREGROUND_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    WAITING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     model: str
     latest_version: int
     versions: _containers.RepeatedCompositeFieldContainer[_common_pb2.VersionInfo]
@@ -117,4 +118,17 @@ class RolloutStatus(_message.Message):
     runtime: _common_pb2.RuntimeInfo
     swap: str
     foreground_requests: int
-    def __init__(self, model: _Optional[str] = ..., latest_version: _Optional[int] = ..., versions: _Optional[_Iterable[_Union[_common_pb2.VersionInfo, _Mapping]]] = ..., running_requests: _Optional[int] = ..., update_mode: _Optional[str] = ..., engine: _Optional[str] = ..., runtime: _Optional[_Union[_common_pb2.RuntimeInfo, _Mapping]] = ..., swap: _Optional[str] = ..., foreground_requests: _Optional[int] = ...) -> None: ...
+    waiting_requests: int
+    def __init__(self, model: _Optional[str] = ..., latest_version: _Optional[int] = ..., versions: _Optional[_Iterable[_Union[_common_pb2.VersionInfo, _Mapping]]] = ..., running_requests: _Optional[int] = ..., update_mode: _Optional[str] = ..., engine: _Optional[str] = ..., runtime: _Optional[_Union[_common_pb2.RuntimeInfo, _Mapping]] = ..., swap: _Optional[str] = ..., foreground_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ...) -> None: ...
+
+class WatchLoadRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class RolloutLoad(_message.Message):
+    __slots__ = ("foreground_requests", "waiting_requests")
+    FOREGROUND_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    WAITING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    foreground_requests: int
+    waiting_requests: int
+    def __init__(self, foreground_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ...) -> None: ...

@@ -49,6 +49,11 @@ class RolloutStub:
                 request_serializer=hotloop_dot_proto_dot_v1_dot_rollout__pb2.StatusRequest.SerializeToString,
                 response_deserializer=hotloop_dot_proto_dot_v1_dot_rollout__pb2.RolloutStatus.FromString,
                 _registered_method=True)
+        self.WatchLoad = channel.unary_stream(
+                '/hotloop.v1.Rollout/WatchLoad',
+                request_serializer=hotloop_dot_proto_dot_v1_dot_rollout__pb2.WatchLoadRequest.SerializeToString,
+                response_deserializer=hotloop_dot_proto_dot_v1_dot_rollout__pb2.RolloutLoad.FromString,
+                _registered_method=True)
 
 
 class RolloutServicer:
@@ -80,6 +85,14 @@ class RolloutServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WatchLoad(self, request, context):
+        """The users' load, now and at every change: what a trainer sharing the host watches to
+        yield the cores while users wait for their first token (`users_first = "pause"`).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RolloutServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -97,6 +110,11 @@ def add_RolloutServicer_to_server(servicer, server):
                     servicer.Status,
                     request_deserializer=hotloop_dot_proto_dot_v1_dot_rollout__pb2.StatusRequest.FromString,
                     response_serializer=hotloop_dot_proto_dot_v1_dot_rollout__pb2.RolloutStatus.SerializeToString,
+            ),
+            'WatchLoad': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchLoad,
+                    request_deserializer=hotloop_dot_proto_dot_v1_dot_rollout__pb2.WatchLoadRequest.FromString,
+                    response_serializer=hotloop_dot_proto_dot_v1_dot_rollout__pb2.RolloutLoad.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -180,6 +198,33 @@ class Rollout:
             '/hotloop.v1.Rollout/Status',
             hotloop_dot_proto_dot_v1_dot_rollout__pb2.StatusRequest.SerializeToString,
             hotloop_dot_proto_dot_v1_dot_rollout__pb2.RolloutStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchLoad(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/hotloop.v1.Rollout/WatchLoad',
+            hotloop_dot_proto_dot_v1_dot_rollout__pb2.WatchLoadRequest.SerializeToString,
+            hotloop_dot_proto_dot_v1_dot_rollout__pb2.RolloutLoad.FromString,
             options,
             channel_credentials,
             insecure,

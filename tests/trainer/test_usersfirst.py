@@ -1,0 +1,115 @@
+"""`UsersFirst` (services/trainer/usersfirst.py): the `pause` policy holds a model's forward
+and backward between decoder layers while users wait for a first token, within a per-spell
+budget, and through a real rollout's WatchLoad stream."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+import torch
+
+from services.trainer.usersfirst import UsersFirst, decoder_layers
+
+
+def tiny_llama(layers: int = 3):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    return LlamaForCausalLM(cfg)
+
+
+def counting(users: UsersFirst) -> list[str]:
+    """Record where `hold` is called from (forward or backward)."""
+    calls: list[str] = []
+    real = users.hold
+
+    def hold():
+        calls.append("grad" if _in_backward() else "fwd")
+        real()
+
+    users.hold = hold
+    return calls
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
+def test_hooks_hold_every_layer_forward_and_backward():
+    model = tiny_llama(3)
+    users = UsersFirst("pause", rollout="unused:0")
+    calls = counting(users)
+    users.attach(model)
+    x = torch.randint(0, 64, (2, 8))
+    model(input_ids=x, labels=x).loss.backward()
+    assert calls.count("fwd") == 3 and calls.count("grad") == 3, calls
+    with torch.no_grad():  # the colocated reference and critic values: forward only
+        model(input_ids=x)
+    assert calls.count("fwd") == 6 and calls.count("grad") == 3
+    asyncio.run(users.close())
+    model(input_ids=x)
+    assert len(calls) == 9  # closed: hooks removed
+
+
+def test_hold_waits_while_users_wait_and_resumes_when_they_are_served():
+    users = UsersFirst("pause", rollout="unused:0", max_pause_s=5.0)
+    users.users_waiting(True)
+    threading.Timer(0.2, users.users_waiting, args=(False,)).start()
+    t0 = time.monotonic()
+    users.hold()
+    waited = time.monotonic() - t0
+    assert 0.15 < waited < 2.0 and users.pauses == 1
+    t0 = time.monotonic()
+    users.hold()  # nobody waits: no wait
+    assert time.monotonic() - t0 < 0.05 and users.pauses == 1
+
+
+def test_one_busy_spell_stops_training_at_most_max_pause_s():
+    users = UsersFirst("pause", rollout="unused:0", max_pause_s=0.2)
+    users.users_waiting(True)
+    t0 = time.monotonic()
+    for _ in range(5):  # every layer of a pass asks; the spell's budget is shared
+        users.hold()
+    assert time.monotonic() - t0 < 0.5
+    users.users_waiting(True)  # still the same spell: no fresh budget
+    t0 = time.monotonic()
+    users.hold()
+    assert time.monotonic() - t0 < 0.05
+    users.users_waiting(False)
+    users.users_waiting(True)  # a new spell: a new budget
+    t0 = time.monotonic()
+    users.hold()
+    assert time.monotonic() - t0 >= 0.15
+
+
+def test_close_releases_a_waiting_compute_thread():
+    users = UsersFirst("pause", rollout="unused:0", max_pause_s=30.0)
+    users.users_waiting(True)
+    t = threading.Thread(target=users.hold)
+    t.start()
+    time.sleep(0.1)
+    asyncio.run(users.close())
+    t.join(2.0)
+    assert not t.is_alive()
+
+
+def test_other_policies_hook_nothing_and_pause_needs_a_replica():
+    model = tiny_llama(2)
+    UsersFirst("none").attach(model)
+    assert not any(layer._forward_pre_hooks for layer in decoder_layers(model))
+    with pytest.raises(ValueError, match="rollout replica"):
+        UsersFirst("pause")
+
+
+def test_decoder_layers_are_found_under_peft_and_missing_ones_are_an_error():
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(tiny_llama(4), LoraConfig(r=2, target_modules="all-linear"))
+    assert len(decoder_layers(model)) == 4
+    with pytest.raises(ValueError, match="no decoder layers"):
+        decoder_layers(torch.nn.Linear(2, 2))
