@@ -51,6 +51,18 @@ async def _call(what: str, address: str, fn):
         raise
 
 
+async def _unavailable_named(what: str, address: str, call) -> AsyncIterator:
+    """The messages of a streaming call that is not retried; UNAVAILABLE becomes the same
+    `Unavailable` naming the service that `_call` raises after its retries."""
+    try:
+        async for msg in call:
+            yield msg
+    except grpc.aio.AioRpcError as e:
+        if e.code() == grpc.StatusCode.UNAVAILABLE:
+            raise Unavailable(f"{what} at {address} is unavailable: {e.details()}") from e
+        raise
+
+
 # ---- rollout ------------------------------------------------------------------------------
 @dataclass
 class Completion:
@@ -172,6 +184,40 @@ class RolloutClient:
         finally:
             call.cancel()  # no-op once the call has finished
 
+    async def generate_each(
+        self,
+        chats: Sequence[Sequence[dict[str, str]]],
+        n: int = 1,
+        max_tokens: int = 128,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        pin_version: int = 0,
+        return_prompt_ids: bool = True,
+        priority: int = 0,
+    ) -> AsyncIterator[Completion]:
+        """`generate`, but each whole completion as soon as the engine finishes it (a prompt's
+        `n` samples arrive together), in finishing order, so a caller can score the first
+        while the rest still generate.
+
+        Not retried: results already handed out cannot be replayed (a failure surfaces as
+        `Unavailable` or grpc.aio.AioRpcError). Leaving the loop early cancels the call."""
+        req = rollout_pb2.GenerateRequest(
+            prompts=_chat_prompts(chats),
+            sampling=common_pb2.SamplingParams(
+                n=n, max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
+            ),
+            pin_version=pin_version,
+            return_prompt_ids=return_prompt_ids,
+            priority=priority,
+        )
+        call = self.stub.Generate(req)
+        try:
+            async for c in _unavailable_named("rollout", self.address, call):
+                yield _completion(c)
+        finally:
+            call.cancel()  # no-op once the call has finished
+
     async def status(self) -> rollout_pb2.RolloutStatus:
         return await _call("rollout", self.address,
                            lambda: self.stub.Status(rollout_pb2.StatusRequest(), timeout=10))
@@ -212,6 +258,14 @@ class Score:
     seconds: float
 
 
+def _score_request(it: ScoreItem) -> reward_pb2.ScoreRequest:
+    return reward_pb2.ScoreRequest(
+        id=it.id, prompt=it.prompt, completion=it.completion, scorer=it.scorer,
+        task=reward_pb2.TaskSpec(task_id=it.task_id, tests=it.tests, entry_point=it.entry_point,
+                                 test_cases=it.test_cases, extra=it.extra),
+    )
+
+
 class RewardClient:
     def __init__(self, address: str):
         self.address = address
@@ -223,12 +277,7 @@ class RewardClient:
 
         def requests():
             for it in items:
-                yield reward_pb2.ScoreRequest(
-                    id=it.id, prompt=it.prompt, completion=it.completion, scorer=it.scorer,
-                    task=reward_pb2.TaskSpec(task_id=it.task_id, tests=it.tests,
-                                             entry_point=it.entry_point,
-                                             test_cases=it.test_cases, extra=it.extra),
-                )
+                yield _score_request(it)
 
         async def run():
             return [r async for r in self.stub.Score(requests())]
@@ -241,6 +290,23 @@ class RewardClient:
             Score(r.id, r.reward, r.passed, r.failed, r.timed_out, r.error, r.status, r.seconds)
             for r in (results[it.id] for it in items)
         ]
+
+    async def score_each(self, items: AsyncIterator[ScoreItem]) -> AsyncIterator[Score]:
+        """Score items as the caller produces them, over one bidirectional stream; each result
+        as soon as its sample is scored (in finishing order, matched by `id`). The stream ends
+        after the last result of an exhausted `items`. Not retried (see `generate_each`)."""
+
+        async def requests():
+            async for it in items:
+                yield _score_request(it)
+
+        call = self.stub.Score(requests())
+        try:
+            async for r in _unavailable_named("reward", self.address, call):
+                yield Score(r.id, r.reward, r.passed, r.failed, r.timed_out, r.error, r.status,
+                            r.seconds)
+        finally:
+            call.cancel()
 
     async def close(self) -> None:
         await self.channel.close()
@@ -267,6 +333,24 @@ class ReferenceClient:
         if len(results) != len(pairs):
             raise RuntimeError(f"reference returned {len(results)} of {len(pairs)} results")
         return [results[str(i)] for i in range(len(pairs))]
+
+    async def logprobs_each(
+        self, pairs: AsyncIterator[tuple[str, Sequence[int], Sequence[int]]]
+    ) -> AsyncIterator[tuple[str, list[float]]]:
+        """Base-model logprobs of (id, prompt_ids, completion_ids) as the caller produces them,
+        over one stream; each (id, logprobs) as soon as it is computed (the service batches
+        whatever is waiting). Not retried (see `RolloutClient.generate_each`)."""
+
+        async def requests():
+            async for i, p, c in pairs:
+                yield reference_pb2.LogprobsRequest(id=i, prompt_ids=list(p), completion_ids=list(c))
+
+        call = self.stub.Logprobs(requests())
+        try:
+            async for r in _unavailable_named("reference", self.address, call):
+                yield r.id, list(r.logprobs)
+        finally:
+            call.cancel()
 
     async def status(self) -> reference_pb2.ReferenceStatus:
         return await _call("reference", self.address,
