@@ -4,8 +4,8 @@ Owns: group-relative advantages (GRPO / Dr.GRPO), the REINFORCE advantage and it
 (EMA) baseline, the clipped importance-ratio objective with a k3 KL term and two aggregation
 modes, the truncated-importance-sampling REINFORCE objective of the online loop, and PPO's
 pieces (the KL-penalised per-token reward, GAE, whitening, the clipped value loss, explained
-variance, the adaptive KL controller), and `make_algorithm` /
-`make_online_algorithm`, the only places that pick an objective.
+variance, the adaptive KL controller), and `make_algorithm` / `make_online_algorithm` /
+`make_offpolicy_algorithm`, the only places that pick an objective.
 
 Does not own: models, batching, optimizers (policy.py), or where rewards come from.
 Shapes: B sequences, T completion tokens (right-padded, `mask` marks real tokens),
@@ -448,5 +448,23 @@ def make_online_algorithm(cfg: TrainerConfig, *, is_cap: float) -> Algorithm:
         name="reinforce_tis",
         loss_cfg=cfg.loss,
         _advantages=reinforce_advantages,
+        _loss=partial(tis_reinforce_loss, is_cap=is_cap),
+    )
+
+
+def make_offpolicy_algorithm(cfg: TrainerConfig, *, is_cap: float) -> Algorithm:
+    """Asynchronous GRPO's objective (grpo_async.py): `make_algorithm`'s advantages (group
+    advantages for `grpo`) with the truncated-IS objective of the online loop
+    (`tis_reinforce_loss`) against the rollout's per-token logprobs.
+
+    Its samples are up to `max_staleness` versions old, so the clipped objective would zero
+    the gradient of every token whose ratio drifted past the clip, however informative;
+    min(pi / mu, is_cap) * A * grad(log pi) keeps them, weighted. On-policy (ratio 1) the two
+    give the same gradient, so the synchronous baseline and this one learn the same thing."""
+    base = make_algorithm(cfg)
+    return Algorithm(
+        name=f"{base.name}_tis",
+        loss_cfg=cfg.loss,
+        _advantages=base._advantages,
         _loss=partial(tis_reinforce_loss, is_cap=is_cap),
     )

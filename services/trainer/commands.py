@@ -16,13 +16,14 @@ from pathlib import Path
 
 
 def load_job_configs(config_path: str | None, overrides: list[str]):
-    """The mesh, `[grpo]` and `[trainer]` sections from one config (file < env < --set)."""
+    """The mesh, `[grpo]` and `[trainer]` sections from one config (file < env < --set).
+    `[grpo]` includes the asynchronous mode's fields (`max_staleness`, `is_cap`)."""
     from hotloop import config
     from services.trainer.config import TrainerConfig
-    from services.trainer.grpo import GrpoJobConfig
+    from services.trainer.grpo_async import AsyncGrpoJobConfig
 
     tree = config.raw_config(config_path, overrides)
-    return (config.load_mesh(tree), config.load_section(tree, "grpo", GrpoJobConfig),
+    return (config.load_mesh(tree), config.load_section(tree, "grpo", AsyncGrpoJobConfig),
             config.load_section(tree, "trainer", TrainerConfig))
 
 

@@ -19,7 +19,7 @@ from hotloop import models, telemetry
 from hotloop.clients import ReferenceClient, RewardClient, RolloutClient
 from hotloop.config import MeshConfig
 
-from . import grpo, report
+from . import grpo, grpo_async, report
 from .config import TrainerConfig
 
 log = logging.getLogger(__name__)
@@ -140,7 +140,8 @@ async def run_job(mesh_cfg: MeshConfig, job, trainer_cfg: TrainerConfig, config_
             raise SystemExit("[ppo] reference = 'service' needs the reference service: no endpoint "
                              "configured (or use reference = 'colocated')")
     else:
-        run, write, default_id = grpo.run, report.write, ""
+        run = grpo_async.recipe(job)  # max_staleness 0: the synchronous baseline, grpo.run
+        write, default_id = report.write, ""
         if trainer_cfg.loss.kl_beta > 0 and not ep.reference:
             raise SystemExit("kl_beta > 0 needs the reference service: no endpoint configured")
     telemetry.setup("trainer", mesh_cfg.telemetry, mesh_cfg.run_dir)

@@ -45,11 +45,11 @@ def test_every_config_file_parses(path):
     from services.gateway.config import GatewayConfig
     from services.trainer.__main__ import TrainerServerConfig
     from services.trainer.config import OnlineConfig
-    from services.trainer.grpo import GrpoJobConfig
+    from services.trainer.grpo_async import AsyncGrpoJobConfig
     from services.trainer.ppo import PpoJobConfig
 
     sections = {"rollout": RolloutConfig, "reward": RewardConfig, "reference": ReferenceConfig,
-                "trainer": TrainerConfig, "grpo": GrpoJobConfig, "gateway": GatewayConfig,
+                "trainer": TrainerConfig, "grpo": AsyncGrpoJobConfig, "gateway": GatewayConfig,
                 "ppo": PpoJobConfig,
                 "online": OnlineConfig, "trainer_server": TrainerServerConfig}
     tree = config.raw_config(path, environ={})

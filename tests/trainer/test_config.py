@@ -15,12 +15,13 @@ from services.trainer.config import (
     TrainerConfig,
 )
 from services.trainer.grpo import GrpoJobConfig
+from services.trainer.grpo_async import AsyncGrpoJobConfig
 from services.trainer.ppo import PpoJobConfig
 
 
 @pytest.mark.parametrize(
     "model", [TrainerConfig, LossSettings, OptimizerSettings, LoraSettings, ReferenceConfig,
-              CriticSettings, PpoSettings, GrpoJobConfig, PpoJobConfig]
+              CriticSettings, PpoSettings, GrpoJobConfig, AsyncGrpoJobConfig, PpoJobConfig]
 )
 def test_defaults_validate_and_every_field_has_a_docstring(model: type[BaseModel]) -> None:
     model()
