@@ -179,6 +179,23 @@ async def evaluate(rollout: RolloutClient, reward: RewardClient, tasks: list[Cod
     )
 
 
+async def evaluate_both(rollout: RolloutClient, reward: RewardClient, heldout: list[CodeTask],
+                        job: GrpoJobConfig, trainer_cfg, step: int) -> EvalRecord:
+    """The held-out evaluation of a run: the main one (greedy with eval_samples == 1) and,
+    with `eval_sampled`, sampled pass@1 at the training temperature (as `.sampled`). Both
+    run at once: the engine batches their requests together, and the greedy completions
+    are scored while the sampled ones still generate."""
+    runs = [evaluate(rollout, reward, heldout, samples=job.eval_samples, temperature=job.eval_temperature,
+                     max_tokens=trainer_cfg.max_new_tokens, step=step)]
+    if job.eval_sampled:
+        runs.append(evaluate(rollout, reward, heldout, samples=job.eval_sampled,
+                             temperature=job.sample_temperature, max_tokens=trainer_cfg.max_new_tokens,
+                             step=step))
+    rec, *sampled = await asyncio.gather(*runs)
+    rec.sampled = sampled[0] if sampled else None
+    return rec
+
+
 class TaskStream:
     """Shuffled epochs over the training tasks; its position is part of a checkpoint."""
 
@@ -270,21 +287,17 @@ async def run(job: GrpoJobConfig, trainer_cfg, model_dir: Path, mesh: Mesh, run_
     metrics_file = open(run_dir / "metrics.jsonl", "a")
     evals: list[EvalRecord] = []
     steps: list[StepRecord] = []
-    eval_kw = dict(samples=job.eval_samples, temperature=job.eval_temperature,
-                   max_tokens=trainer_cfg.max_new_tokens)
 
     async def do_eval(step: int) -> None:
         with tracer.start_as_current_span("evaluate"):
-            rec = await evaluate(rollout, mesh.reward, heldout, step=step, **eval_kw)
-            if job.eval_sampled:
-                rec.sampled = await evaluate(
-                    rollout, mesh.reward, heldout, samples=job.eval_sampled,
-                    temperature=job.sample_temperature, max_tokens=trainer_cfg.max_new_tokens,
-                    step=step)
+            rec = await evaluate_both(rollout, mesh.reward, heldout, job, trainer_cfg, step)
         evals.append(rec)
         metrics_file.write(json.dumps({"eval": rec.as_dict()}) + "\n")
         metrics_file.flush()
         log.info("held-out pass@1 at step %d (v%d): %.3f ± %.3f", step, rec.version, rec.pass_at_1, rec.ci95)
+        if rec.sampled is not None:
+            log.info("held-out sampled pass@1 at step %d: %.3f ± %.3f", step, rec.sampled.pass_at_1,
+                     rec.sampled.ci95)
 
     if heldout:
         await do_eval(start_step)

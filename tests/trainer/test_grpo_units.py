@@ -1,4 +1,5 @@
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -44,7 +45,6 @@ def _eval(step: int, greedy: list[float], sampled: list[float], tag: str):
 
 def test_report_carries_paired_greedy_and_sampled_and_says_what_changed(tmp_path):
     import json
-    from types import SimpleNamespace
 
     from hotloop.tasks import load_tasks
     from services.trainer import report
@@ -99,3 +99,35 @@ def test_demo_aim_needs_ten_points_and_greedy_not_worse():
     assert "not met" in aim_line({"sampled": p(0.12, -0.01, 0.2), "greedy": p(0.0, -0.02, 0.02)})
     assert "not met" in aim_line({"sampled": p(0.12, 0.05, 0.2), "greedy": p(-0.05, -0.08, -0.01)})
     assert aim_line({"greedy": p(0.0, 0.0, 0.0)}) is None
+
+
+def test_evaluate_both_scores_the_same_tasks_greedy_and_sampled():
+    import asyncio
+
+    from hotloop.clients import Completion, Score
+    from hotloop.tasks import load_tasks
+    from services.trainer.grpo import GrpoJobConfig, evaluate_both
+
+    tasks = load_tasks("builtin", "test")[:5]
+    calls = []
+
+    class Rollout:  # task i's sample j passes when j < i (greedy: task i passes when i > 0)
+        async def generate(self, chats, n, max_tokens, temperature, seed, pin_version):
+            calls.append((n, temperature))
+            return [Completion(i, j, f"t{i}s{j}T{temperature}", [1], [0.0], "stop", 3)
+                    for i in range(len(chats)) for j in range(n)]
+
+    class Reward:
+        async def score(self, items):
+            rewards = []
+            for it in items:
+                i, j = (int(x) for x in it.completion[1:].split("T")[0].split("s"))
+                rewards.append(float(j < i))
+            return [Score(it.id, r, 0, 0, False, "", "ok", 0.0) for it, r in zip(items, rewards)]
+
+    job = GrpoJobConfig(eval_sampled=4, sample_temperature=1.0)
+    rec = asyncio.run(evaluate_both(Rollout(), Reward(), tasks, job, SimpleNamespace(max_new_tokens=8), 2))
+    assert sorted(calls) == [(1, 0.0), (4, 1.0)]
+    assert rec.per_task == [0.0, 1.0, 1.0, 1.0, 1.0] and rec.step == 2 and rec.version == 3
+    assert rec.sampled.per_task == [0.0, 0.25, 0.5, 0.75, 1.0] and rec.sampled.samples_per_task == 4
+    assert rec.texts[1] == "t1s0T0.0" and rec.sampled.texts[1] == "t1s0T1.0"
