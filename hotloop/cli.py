@@ -89,6 +89,7 @@ SERVICE_BENCHES = {
     "threads": "services.trainer.bench_threads",
     "joint": "services.trainer.bench_joint",
     "train-step": "services.trainer.bench_trainstep",
+    "grpo": "services.trainer.bench_grpo",
 }
 
 
@@ -210,6 +211,15 @@ def build_parser() -> argparse.ArgumentParser:
     bts.add_argument("--steps", type=int, default=3, help="timed steps (median)")
     bts.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     bts.add_argument("--json", help="write results here")
+    bg = bsub.add_parser("grpo", help="GRPO samples/s, seconds per stage and idle share of the cores, "
+                         "synchronous vs asynchronous on the demo configuration; --peer trl adds TRL")
+    _config_args(bg)
+    bg.add_argument("--steps", type=int, default=4, help="steps of each mode (the first is start-up)")
+    bg.add_argument("--max-staleness", type=int, default=1, help="the asynchronous mode's bound")
+    bg.add_argument("--peer", choices=["trl"], help="also run TRL's GRPOTrainer (pip install -e '.[peer]')")
+    bg.add_argument("--peer-steps", type=int, default=3, help="TRL optimizer steps (median of all but the first)")
+    bg.add_argument("--out-dir", default="runs", help="the run's files go under OUT_DIR/bench-grpo-<time>")
+    bg.add_argument("--json", help="write results here")
     bu = bsub.add_parser("update-loop", help="feedback sent -> first token from a version trained on it, "
                          "with users streaming; stage budget from the traces")
     _config_args(bu)

@@ -102,6 +102,19 @@ class Batch:
     seconds: dict[str, float] = field(default_factory=dict)
 
 
+def _traced(tracer, name: str):
+    """A span around a coroutine function (its stage of `produce`; they overlap)."""
+
+    def wrap(fn):
+        async def inner():
+            with tracer.start_as_current_span(name):
+                return await fn()
+
+        return inner
+
+    return wrap
+
+
 async def _drain(q: asyncio.Queue) -> AsyncIterator:
     while (item := await q.get()) is not None:
         yield item
@@ -113,7 +126,9 @@ async def produce(step: int, tasks: list[CodeTask], position: dict, mesh: Mesh, 
     a group's reference logprobs are requested as soon as its rewards are in (when kl_beta > 0
     and the group is kept). Advantages are per group, so per-group computation is exact."""
     import torch
+    from opentelemetry import trace
 
+    tracer = trace.get_tracer("hotloop.trainer")
     B, G = len(tasks), trainer_cfg.group_size
     need_ref = trainer_cfg.loss.kl_beta > 0 and mesh.reference is not None
     comps: list[Completion | None] = [None] * (B * G)
@@ -128,6 +143,7 @@ async def produce(step: int, tasks: list[CodeTask], position: dict, mesh: Mesh, 
     t0 = time.perf_counter()
     ends: dict[str, float] = {}
 
+    @_traced(tracer, "generate")
     async def generate() -> None:
         try:
             async for c in mesh.rollout[0].generate_each(
@@ -142,6 +158,7 @@ async def produce(step: int, tasks: list[CodeTask], position: dict, mesh: Mesh, 
         if (missing := sum(c is None for c in comps)) > 0:
             raise RuntimeError(f"rollout returned {B * G - missing} completions, expected {B * G}")
 
+    @_traced(tracer, "score")
     async def score() -> None:
         try:
             async for s in mesh.reward.score_each(_drain(to_score)):
@@ -164,6 +181,7 @@ async def produce(step: int, tasks: list[CodeTask], position: dict, mesh: Mesh, 
             ends["score"] = time.perf_counter()
             await to_ref.put(None)
 
+    @_traced(tracer, "reference")
     async def reference() -> None:
         async for i, lp in mesh.reference.logprobs_each(_drain(to_ref)):
             ref[int(i)] = lp

@@ -1,0 +1,63 @@
+"""`hotloop bench grpo`'s figures from synthetic steps and CPU samples (the run itself needs
+the mesh and minutes; `make bench` runs it)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from services.trainer.bench_grpo import (CpuSample, StepSeen, compare, idle, markdown, merge,
+                                         phase_figures)
+
+
+def cpu(rate_own: float, rate_busy: float, t0: float = 1000.0, t1: float = 1100.0) -> list[CpuSample]:
+    """Samples every second of a run using `rate_own` cores itself and `rate_busy` in all."""
+    return [CpuSample(t, (t - t0) * rate_own, (t - t0) * rate_busy) for t in range(int(t0), int(t1) + 1)]
+
+
+def test_idle_share_is_the_unused_part_of_the_cores():
+    s = cpu(1.5, 1.8)
+    f = idle(s, [(1010.0, 1020.0), (1030.5, 1040.5)], cpus=2)
+    assert f["idle_share"] == pytest.approx(0.25) and f["machine_idle_share"] == pytest.approx(0.1)
+    assert f["other_cores"] == pytest.approx(0.3) and f["seconds"] == pytest.approx(20.0)
+    assert idle(s, [], 2)["idle_share"] is None
+
+
+def test_overlapping_stage_windows_count_once():
+    assert merge([(5, 7), (1, 3), (2, 4), (7, 8)]) == [(1, 4), (5, 8)]
+
+
+def steps(walls: list[float], rewards: list[float], t0: float = 1000.0) -> list[StepSeen]:
+    out, end = [], t0
+    for i, (w, r) in enumerate(zip(walls, rewards)):
+        end += w
+        out.append(StepSeen(i + 1, end, w, {"generate": w / 2, "train": w / 2}, r, 64))
+    return out
+
+
+def test_samples_per_s_is_the_median_step_after_the_first_and_idle_covers_the_same_steps():
+    seen = steps([30.0, 10.0, 20.0, 10.0], [0.1, 0.2, 0.3, 0.4])
+    spans = [("generate", 1030.0, 1035.0), ("train", 1035.0, 1040.0), ("generate", 1200.0, 1300.0)]
+    f = phase_figures(seen, cpu(1.0, 1.0, 1000, 1070), spans, cpus=2)
+    assert f["samples_per_s"] == pytest.approx(64 / 10.0)
+    assert f["samples_per_s_all"] == pytest.approx(4 * 64 / 70.0)
+    assert f["idle_share"] == pytest.approx(0.5) and f["stage_idle_share"]["train"] == pytest.approx(0.5)
+    assert f["stage_seconds"] == {"generate": 7.5, "train": 7.5}  # medians
+    assert [p["samples"] for p in f["reward_curve"]] == [64, 128, 192, 256]
+
+
+def test_compare_states_each_aim():
+    seen_sync = phase_figures(steps([20.0, 20.0, 20.0], [0.2, 0.3, 0.25]), cpu(1.6, 1.6), [], 2)
+    seen_async = phase_figures(steps([20.0, 14.0, 14.0], [0.3, 0.2, 0.25]), cpu(1.9, 1.9), [], 2)
+    c = compare(seen_sync, seen_async, {"name": "trl", "samples_per_s": 1.0})
+    assert c["async_vs_sync"] == pytest.approx(20 / 14)
+    assert c["aims"]["async_vs_sync_met"] and c["aims"]["async_idle_share_met"]  # 5% idle
+    assert c["aims"]["learning_within_noise"]
+    assert c["vs_peer"]["async"] == pytest.approx(64 / 14) and c["aims"]["vs_peer_met"]
+    slow = compare(seen_sync, seen_sync, None)
+    assert not slow["aims"]["async_vs_sync_met"] and "vs_peer" not in slow
+    result = {"sync": seen_sync, "async": seen_async, "peer": {"name": "trl", "samples_per_s": 1.0},
+              "comparison": c, "notes": ["a note"]}
+    md = markdown(json.loads(json.dumps(result)))
+    assert "| async |" in md and "vs peer" in md and "- a note" in md
