@@ -6,8 +6,8 @@ metrics, checkpoints and summary (grpo.py, which stays the baseline: `max_stalen
 group is scored as soon as the engine finishes it and its reference logprobs are requested as
 soon as its rewards are known, over one stream per service.
 
-Does not own: the objective (`algorithms.make_offpolicy_algorithm`), evaluation, task order
-and version numbering (grpo.py), publishing (publisher.py), the LoRA step (policy.py).
+Does not own: the objective (`algorithms.make_offpolicy_algorithm`), evaluation
+(`grpo.evaluate_both`), task order and version numbering (grpo.py), publishing (publisher.py), the LoRA step (policy.py).
 
 The bound: batch k is sampled only once the policy has taken k - max_staleness steps, so when
 step k trains, every token of its batch came from a version at most `max_staleness` versions
@@ -40,7 +40,7 @@ from pydantic import Field
 from hotloop.clients import Completion, Score
 from hotloop.tasks import CodeTask, load_tasks
 
-from .grpo import (EvalRecord, GrpoJobConfig, Mesh, StepRecord, TaskStream, chat, evaluate,
+from .grpo import (EvalRecord, GrpoJobConfig, Mesh, StepRecord, TaskStream, chat, evaluate_both,
                    score_item, serve_policy, summarize)
 
 log = logging.getLogger(__name__)
@@ -220,21 +220,6 @@ async def _next_batch(ready: asyncio.Queue, producer: asyncio.Task) -> Batch:
         return await get
     finally:
         get.cancel()
-
-
-async def evaluate_both(rollout, reward, heldout: list[CodeTask], job: GrpoJobConfig, trainer_cfg,
-                        step: int) -> EvalRecord:
-    """The held-out evaluation of grpo.py: greedy (or `eval_samples`) and, with `eval_sampled`,
-    sampled pass@1 at the training temperature, both at once."""
-    runs = [evaluate(rollout, reward, heldout, samples=job.eval_samples, temperature=job.eval_temperature,
-                     max_tokens=trainer_cfg.max_new_tokens, step=step)]
-    if job.eval_sampled:
-        runs.append(evaluate(rollout, reward, heldout, samples=job.eval_sampled,
-                             temperature=job.sample_temperature, max_tokens=trainer_cfg.max_new_tokens,
-                             step=step))
-    rec, *sampled = await asyncio.gather(*runs)
-    rec.sampled = sampled[0] if sampled else None
-    return rec
 
 
 def recipe(job: GrpoJobConfig):
