@@ -7,6 +7,7 @@ the recipe returned.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 from .grpo import STAGES
@@ -130,8 +131,16 @@ def _examples_header() -> list[str]:
 def _example(prompt: str, base: str, final: str, base_note: str, final_note: str) -> list[str]:
     """One held-out prompt with the base and the final policy's completions (GRPO and PPO)."""
     return [f"**Prompt:** {prompt.strip()[:300]}", "",
-            f"*Base* ({base_note}):", "", "```", base.strip(), "```",
-            f"*Final* ({final_note}):", "", "```", final.strip(), "```", ""]
+            f"*Base* ({base_note}):", "", *_fenced(base.strip()),
+            f"*Final* ({final_note}):", "", *_fenced(final.strip()), ""]
+
+
+def _fenced(text: str) -> list[str]:
+    """`text` verbatim in a code block whose fence is longer than any backtick run inside it:
+    completions hold ``` fences of their own, which would otherwise close the block."""
+    longest = max((len(run) for run in re.findall(r"`+", text)), default=0)
+    fence = "`" * max(3, longest + 1)
+    return [fence, text, fence]
 
 
 def _finish(lines: list[str], summary: dict, run_dir: Path, config_text: str) -> Path:

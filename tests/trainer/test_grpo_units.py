@@ -36,9 +36,10 @@ def _eval(step: int, greedy: list[float], sampled: list[float], tag: str):
     from services.trainer.grpo import EvalRecord
 
     n = len(greedy)
-    texts = [f"{tag} greedy {i}" for i in range(n)]
+    texts = [f"{tag} greedy {i}\n```python\ndef f(): pass\n```" for i in range(n)]
     s = EvalRecord(step=step, version=step, tasks=n, samples_per_task=4, pass_at_1=sum(sampled) / n,
-                   ci95=0.05, per_task=sampled, texts=[f"{tag} sample {i}" for i in range(n)])
+                   ci95=0.05, per_task=sampled,
+                   texts=[f"{tag} sample {i}\n```python\ndef f(): pass\n```" for i in range(n)])
     return EvalRecord(step=step, version=step, tasks=n, samples_per_task=1, pass_at_1=sum(greedy) / n,
                       ci95=0.05, per_task=greedy, sampled=s, texts=texts)
 
@@ -85,6 +86,8 @@ def test_report_carries_paired_greedy_and_sampled_and_says_what_changed(tmp_path
     assert "held-out greedy pass@1" in md and "not significant" in md
     assert "demo aim" in md and ": met" in md
     assert "## What changed" in md and tasks[7].prompt[:60] in md and "final sample 7" in md
+    # completions carry ``` fences of their own: the block around them needs a longer fence
+    assert "````\nbase sample" in md and "```python\ndef f(): pass\n```\n````" in md
     assert json.loads((tmp_path / "report.json").read_text())["heldout"]["paired"]["sampled"]["ci95"]
 
 
