@@ -102,7 +102,7 @@ def write(summary: dict, run_dir: Path, config_text: str = "") -> Path:
     if summary.get("examples"):
         lines += _examples_header()
         for ex in summary["examples"]:
-            notes = [f"greedy pass@1 {ex[k + '_greedy']:.0f}" for k in ("base", "final")]
+            notes = [f"greedy pass@1 {ex[k + '_greedy']:.2f}" for k in ("base", "final")]
             if ex["shown"] == "sampled":
                 notes = [f"sampled pass@1 {ex[k + '_sampled']:.2f}, {n}; the first sample shown"
                          for k, n in zip(("base", "final"), notes)]
