@@ -33,6 +33,7 @@ exporter = "jsonl"
 kv_cache_gib = 1
 [grpo]
 eval_limit = 4
+eval_sampled = 4
 out_dir = "{tmp_path / 'runs'}"
 run_id = "e2e"
 skip_uniform_groups = false  # random tiny model: every reward is 0; train anyway
@@ -73,8 +74,14 @@ kl_beta = 0.04
     data = json.loads((tmp_path / "runs/e2e/report.json").read_text())
     assert set(data["stage_seconds"]) == {"generate", "score", "reference", "train", "publish"}
     assert data["heldout"]["tasks"] == 4 and data["heldout"]["pass_at_1_base"] is not None
-    g = data["heldout"]["paired"]["greedy"]  # same tasks before and after: a paired difference
-    assert g["diff"] == pytest.approx(g["final"] - g["base"]) and g["ci95"][0] <= g["diff"] <= g["ci95"][1]
+    paired = data["heldout"]["paired"]  # same tasks before and after: paired differences
+    for g in (paired["greedy"], paired["sampled"]):
+        assert g["diff"] == pytest.approx(g["final"] - g["base"]) and g["ci95"][0] <= g["diff"] <= g["ci95"][1]
+    assert paired["sampled"]["samples_per_task"] == 4
+    assert data["heldout"]["curve"][0]["sampled"]["samples_per_task"] == 4
+    assert len(data["examples"]) == 3 and {"prompt", "base", "final"} <= set(data["examples"][0])
+    md = (tmp_path / "runs/e2e/report.md").read_text()
+    assert "held-out sampled pass@1" in md and "## What changed" in md and "demo aim" in md
     ran = data["config"]  # the effective configuration, with automatic choices resolved
     assert ran["trainer"]["num_steps"] == 2 and ran["grpo"]["run_id"] == "e2e"
     assert ran["trainer"]["dtype"] in ("bfloat16", "float32")
