@@ -10,6 +10,7 @@ call services only through these classes.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Sequence
+from typing import NamedTuple
 from dataclasses import dataclass, field
 
 import grpc
@@ -105,6 +106,15 @@ def _chat_prompts(chats: Sequence[Sequence[dict[str, str]]]) -> list[common_pb2.
             common_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in chat]))
         for chat in chats
     ]
+
+
+class Load(NamedTuple):
+    """A rollout replica's users' load (`RolloutClient.watch_load`)."""
+
+    in_flight: int
+    waiting: int  # of those, without a first token yet
+    board_path: str = ""  # the same counts in shared memory on the replica's host (loadboard.py)
+    board_nonce: int = 0
 
 
 class RolloutClient:
@@ -222,11 +232,11 @@ class RolloutClient:
         return await _call("rollout", self.address,
                            lambda: self.stub.Status(rollout_pb2.StatusRequest(), timeout=10))
 
-    async def watch_load(self) -> AsyncIterator[tuple[int, int]]:
-        """(users' requests in flight, those waiting for a first token): now, then at every
+    async def watch_load(self) -> AsyncIterator[Load]:
+        """Users' requests in flight and those waiting for a first token: now, then at every
         change. Ends with the replica (an error); the caller decides whether to watch again."""
         async for msg in self.stub.WatchLoad(rollout_pb2.WatchLoadRequest()):
-            yield msg.foreground_requests, msg.waiting_requests
+            yield Load(msg.foreground_requests, msg.waiting_requests, msg.board_path, msg.board_nonce)
 
     async def close(self) -> None:
         await self.channel.close()

@@ -309,6 +309,9 @@ class UserLoad:
         self.foreground = 0
         self.waiting = 0
         self._watchers: set[asyncio.Event] = set()
+        # The same counts in shared memory for a trainer on this host (hotloop/loadboard.py):
+        # its hooks read them directly, with no thread to wake. Opened by the core's start.
+        self.board = None
 
     def begin(self) -> None:
         self.foreground += 1
@@ -330,8 +333,21 @@ class UserLoad:
         return self.foreground, self.waiting
 
     def _changed(self) -> None:
+        if self.board is not None:
+            self.board.write(self.foreground, self.waiting)
         for ev in self._watchers:
             ev.set()
+
+    def open_board(self) -> None:
+        from hotloop.loadboard import LoadBoard
+
+        self.board = LoadBoard()
+        self.board.write(self.foreground, self.waiting)
+
+    def close_board(self) -> None:
+        if self.board is not None:
+            self.board.close()
+            self.board = None
 
     async def watch(self) -> AsyncIterator[tuple[int, int]]:
         """The counts now, then after each change; changes made while the caller is busy
@@ -406,6 +422,7 @@ class RolloutCore:
 
         # The engine core and its workers die with this process, even on SIGKILL.
         enginewatch.arm()
+        self.users.open_board()
         args = AsyncEngineArgs(
             model=str(self.model_dir),
             dtype=self.dtype,
@@ -452,6 +469,7 @@ class RolloutCore:
             os.environ.setdefault("OMP_WAIT_POLICY", self.cfg.omp_wait_policy.upper())
 
     async def stop(self) -> None:
+        self.users.close_board()
         if self.engine is not None:
             self.engine.shutdown()
             self.engine = None

@@ -109,8 +109,11 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         )
 
     async def WatchLoad(self, request, context):
+        board = self.core.users.board
+        path, nonce = (str(board.path), board.nonce) if board is not None else ("", 0)
         async for foreground, waiting in self.core.users.watch():
-            yield rollout_pb2.RolloutLoad(foreground_requests=foreground, waiting_requests=waiting)
+            yield rollout_pb2.RolloutLoad(foreground_requests=foreground, waiting_requests=waiting,
+                                          board_path=path, board_nonce=nonce)
 
 
 async def serve(core: RolloutCore, address: str, admin_token: str) -> tuple[grpc.aio.Server, int, object]:

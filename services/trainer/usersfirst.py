@@ -7,9 +7,10 @@ Owns the three policies, chosen by measurement (`hotloop bench joint`; docs/arch
   with 2 streaming users: no latency gain and 30% less PPO throughput, because the engine
   alone kept both cores busy and a nice-19 trainer still takes the caches and memory bandwidth;
 - `pause`: the trainer stops computing while any user waits for a first token. The rollout
-  streams its users' load (`Rollout.WatchLoad`); a watcher thread turns it into an event, and
-  hooks on every matmul of the decoder layers (forward, and backward through a hook on the
-  matmul's output) wait on it. So the trainer yields within one matmul (~20 ms on 2 cores),
+  streams its users' load (`Rollout.WatchLoad`), and hooks on every matmul of the decoder
+  layers (forward, and backward through a hook on the matmul's output) hold on it: on the
+  same host they read the rollout's counts straight from shared memory (hotloop/loadboard.py),
+  elsewhere a watcher thread turns the stream into an event. So the trainer yields within one matmul (~20 ms on 2 cores),
   not one micro-batch (seconds), and only for the prefill of users' requests: time to first
   token is protected and decoding shares the cores. One busy spell stops the trainer for at
   most `max_pause_s`; after that it computes until the rollout reports no user waiting, so
@@ -28,9 +29,12 @@ import os
 import threading
 import time
 
+from hotloop.loadboard import LoadReader
+
 log = logging.getLogger(__name__)
 
 RECONNECT_S = 0.5  # a replica restarting: watch again after this (meanwhile nobody waits)
+POLL_S = 0.001  # holding on the shared-memory board: how often to look again
 
 
 class UsersFirst:
@@ -43,10 +47,10 @@ class UsersFirst:
         self.policy, self.rollout, self.max_pause_s = policy, rollout, max_pause_s
         self.paused_s = 0.0  # time the compute waited for users, all spells together
         self.pauses = 0  # waits that actually waited
-        self._lock = threading.Lock()
-        self._free = threading.Event()  # set while no user waits for a first token
+        self._free = threading.Event()  # set while no user waits for a first token (the stream)
         self._free.set()
-        self._budget = max_pause_s  # what the current busy spell may still take
+        self._board = None  # the rollout's counts in shared memory, where this host sees them
+        self._spell_left = max_pause_s  # what the current busy spell may still take
         self._closed = threading.Event()
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -89,9 +93,14 @@ class UsersFirst:
         try:
             while not self._closed.is_set():
                 try:
-                    async for _in_flight, waiting in client.watch_load():
+                    async for load in client.watch_load():
+                        if not self.connected.is_set() and self._board is None:
+                            self._board = LoadReader.open(load.board_path, load.board_nonce)
+                            log.info("users-first pause: reading the rollout's load from %s",
+                                     self._board.path if self._board else "its gRPC stream "
+                                     "(its shared-memory board is not visible from here)")
                         self.connected.set()
-                        self.users_waiting(waiting > 0)
+                        self.users_waiting(load.waiting > 0)
                 except Exception as e:  # the replica restarting: train on, do not fail the run
                     if not warned:
                         log.warning("users-first: lost the rollout's load stream (%s); "
@@ -103,29 +112,44 @@ class UsersFirst:
             await client.close()
 
     def users_waiting(self, busy: bool) -> None:
-        """The watcher's news (also the unit tests' way in)."""
-        with self._lock:
-            if busy and self._free.is_set():  # a new busy spell: a fresh budget
-                self._budget = self.max_pause_s
-                self._free.clear()
-            elif not busy:
-                self._free.set()
+        """The watcher's news from the stream (also the unit tests' way in)."""
+        if busy:
+            self._free.clear()
+        else:
+            self._spell_left = self.max_pause_s  # the spell is over: the next gets a fresh budget
+            self._free.set()
+
+    def _busy(self) -> bool:
+        board = self._board
+        if board is not None:
+            try:
+                return board.waiting() > 0
+            except ValueError:  # closed under us by `close`
+                return False
+        return not self._free.is_set()
 
     # ---- pause: the compute side ----------------------------------------------------------
     def hold(self) -> None:
-        """In the computing thread: wait while users wait for a first token, within the
-        spell's budget. Returns at once when nobody waits, the budget is spent, or on close."""
-        if self._free.is_set() or self._closed.is_set():
+        """In the computing thread (one at a time): wait while users wait for a first token,
+        within the spell's budget. Returns at once when nobody waits, the budget is spent, or
+        on close. With the shared-memory board it polls every millisecond (a read costs
+        ~0.3 us), otherwise it waits on the stream's event."""
+        if self._closed.is_set():
             return
-        with self._lock:
-            budget = self._budget
-        if budget <= 0:
+        if not self._busy():
+            self._spell_left = self.max_pause_s
+            return
+        if self._spell_left <= 0:
             return
         t0 = time.monotonic()
-        self._free.wait(budget)
+        deadline = t0 + self._spell_left
+        while self._busy() and not self._closed.is_set() and (now := time.monotonic()) < deadline:
+            if self._board is not None:
+                time.sleep(POLL_S)
+            else:
+                self._free.wait(deadline - now)
         waited = time.monotonic() - t0
-        with self._lock:
-            self._budget -= waited
+        self._spell_left = self.max_pause_s if not self._busy() else self._spell_left - waited
         self.paused_s += waited
         self.pauses += 1
 
@@ -167,6 +191,9 @@ class UsersFirst:
                     self._loop.call_soon_threadsafe(self._task.cancel)
             await asyncio.to_thread(self._thread.join, 5.0)
             self._thread = None
+        if self._board is not None:
+            self._board.close()
+            self._board = None
 
 
 def hold_points(layers: list) -> list:

@@ -203,8 +203,8 @@ async def _next_load(watch, want, timeout=5.0):
     seen = []
     async def read():
         async for load in watch:
-            seen.append(load)
-            if load == want:
+            seen.append(tuple(load[:2]))
+            if tuple(load[:2]) == want:
                 return
     await asyncio.wait_for(read(), timeout)
     return seen
@@ -218,7 +218,12 @@ async def test_watch_load_follows_users_to_their_first_token(rollout):
     client = RolloutClient(address)
     watch = client.watch_load()
     try:
-        assert await anext(watch) == (0, 0)  # at once, before any change
+        first = await anext(watch)  # at once, before any change
+        assert (first.in_flight, first.waiting) == (0, 0)
+        from hotloop.loadboard import LoadReader
+
+        board = LoadReader.open(first.board_path, first.board_nonce)  # this host: readable
+        assert board is not None and board.counts() == (0, 0)
         train = stub.Generate(stream_request([text_prompt("train:")], priority=1, max_tokens=400))
         async for _ in train:
             break
@@ -227,9 +232,13 @@ async def test_watch_load_follows_users_to_their_first_token(rollout):
             break  # the user has a first token: nobody waits, one user in flight
         seen = await _next_load(watch, (1, 0))
         assert all(w <= f <= 1 for f, w in seen), seen  # never the training request
+        assert board.counts() == (1, 0)  # the shared-memory board says the same
         user.cancel()
         await _next_load(watch, (0, 0))
+        assert board.counts() == (0, 0)
+        assert LoadReader.open(first.board_path, first.board_nonce + 1) is None  # not ours
         train.cancel()
+        board.close()
     finally:
         await watch.aclose()
         await client.close()
@@ -248,6 +257,7 @@ async def test_a_pause_trainer_sees_users_wait_and_get_served(rollout):
     users.watch()
     try:
         assert await asyncio.to_thread(users.connected.wait, 10.0)
+        assert users._board is not None  # the same host: it reads the shared-memory board
         for _ in range(5):  # each request opens a wait that its first token closes
             call = stub.Generate(stream_request([text_prompt("hi")], priority=0, max_tokens=4))
             async for _ in call:

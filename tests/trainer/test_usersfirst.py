@@ -122,3 +122,22 @@ def test_decoder_layers_are_found_under_peft_and_missing_ones_are_an_error():
     assert len(decoder_layers(model)) == 4
     with pytest.raises(ValueError, match="no decoder layers"):
         decoder_layers(torch.nn.Linear(2, 2))
+
+
+def test_pause_holds_on_the_board_without_the_stream(tmp_path):
+    from hotloop.loadboard import LoadBoard, LoadReader
+
+    board = LoadBoard(tmp_path)
+    users = UsersFirst("pause", rollout="unused:0", max_pause_s=5.0)
+    users._board = LoadReader.open(str(board.path), board.nonce)
+    try:
+        users.hold()
+        assert users.pauses == 0  # nobody waits
+        board.write(1, 1)
+        threading.Timer(0.2, board.write, args=(1, 0)).start()  # the first token came
+        t0 = time.monotonic()
+        users.hold()
+        assert 0.15 < time.monotonic() - t0 < 1.0 and users.pauses == 1
+    finally:
+        asyncio.run(users.close())
+        board.close()

@@ -126,9 +126,13 @@ class WatchLoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class RolloutLoad(_message.Message):
-    __slots__ = ("foreground_requests", "waiting_requests")
+    __slots__ = ("foreground_requests", "waiting_requests", "board_path", "board_nonce")
     FOREGROUND_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     WAITING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    BOARD_PATH_FIELD_NUMBER: _ClassVar[int]
+    BOARD_NONCE_FIELD_NUMBER: _ClassVar[int]
     foreground_requests: int
     waiting_requests: int
-    def __init__(self, foreground_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ...) -> None: ...
+    board_path: str
+    board_nonce: int
+    def __init__(self, foreground_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., board_path: _Optional[str] = ..., board_nonce: _Optional[int] = ...) -> None: ...
