@@ -251,7 +251,7 @@ class CpuSampler(threading.Thread):
     def __init__(self, every: float = CPU_SAMPLE_S) -> None:
         super().__init__(daemon=True, name="cpu-sampler")
         self.every, self.samples = every, []
-        self._stop = threading.Event()
+        self._halt = threading.Event()  # not `_stop`: threading.Thread has a method of that name
 
     def sample(self) -> CpuSample:
         import psutil
@@ -270,13 +270,15 @@ class CpuSampler(threading.Thread):
         return CpuSample(time.time(), own, busy)
 
     def run(self) -> None:
-        while not self._stop.is_set():
+        while not self._halt.is_set():
             self.samples.append(self.sample())
-            self._stop.wait(self.every)
+            self._halt.wait(self.every)
 
     def stop(self) -> None:
-        self._stop.set()
-        self.join(5)
+        self._halt.set()
+        if self.is_alive():
+            self.join(5)
+        self.samples.append(self.sample())
 
 
 # ---- the run --------------------------------------------------------------------------------------

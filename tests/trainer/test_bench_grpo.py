@@ -61,3 +61,18 @@ def test_compare_states_each_aim():
               "comparison": c, "notes": ["a note"]}
     md = markdown(json.loads(json.dumps(result)))
     assert "| async |" in md and "vs peer" in md and "- a note" in md
+
+
+def test_cpu_sampler_stops_cleanly_started_or_not():
+    import time
+
+    from services.trainer.bench_grpo import CpuSampler
+
+    never = CpuSampler(0.05)
+    never.stop()  # the run failed before sampling began
+    s = CpuSampler(0.05)
+    s.start()
+    time.sleep(0.2)
+    s.stop()
+    assert not s.is_alive() and len(s.samples) >= 3
+    assert all(b.at >= a.at and b.own_s >= a.own_s for a, b in zip(s.samples, s.samples[1:]))
