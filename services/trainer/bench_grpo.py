@@ -171,7 +171,7 @@ def compare(sync: dict, asyn: dict, peer: dict | None) -> dict:
     ratio = asyn["samples_per_s"] / sync["samples_per_s"] if sync.get("samples_per_s") else None
     out = {
         "async_vs_sync": ratio,
-        "async_vs_sync_all": (asyn["samples_per_s_all"] / sync["samples_per_s_all"]
+        "async_vs_sync_all": (asyn.get("samples_per_s_all", 0.0) / sync["samples_per_s_all"]
                               if sync.get("samples_per_s_all") else None),
         "aims": {
             "async_idle_share_below": IDLE_AIM,
@@ -189,9 +189,9 @@ def compare(sync: dict, asyn: dict, peer: dict | None) -> dict:
         out["reward_diff_se"] = se
         out["aims"]["learning_within_noise"] = abs(diff) <= 2 * se
     if peer and peer.get("samples_per_s"):
-        best = max(sync["samples_per_s"], asyn["samples_per_s"])
-        out["vs_peer"] = {"sync": sync["samples_per_s"] / peer["samples_per_s"],
-                          "async": asyn["samples_per_s"] / peer["samples_per_s"]}
+        best = max(sync.get("samples_per_s", 0.0), asyn.get("samples_per_s", 0.0))
+        out["vs_peer"] = {"sync": sync.get("samples_per_s", 0.0) / peer["samples_per_s"],
+                          "async": asyn.get("samples_per_s", 0.0) / peer["samples_per_s"]}
         out["aims"]["vs_peer_at_least"] = PEER_AIM
         out["aims"]["vs_peer_met"] = best / peer["samples_per_s"] >= PEER_AIM
     return out
