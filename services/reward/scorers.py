@@ -237,7 +237,14 @@ def comparisons_for(task: TaskSpec) -> list[tuple[Comparison, ...] | None]:
 
 def _first_difference(value: object, expected: object) -> str:
     def short(v: object) -> str:
-        text = repr(v)
+        if isinstance(v, int) and not isinstance(v, bool) and v.bit_length() > 256:
+            # repr of an int past 4300 digits raises (sys.get_int_max_str_digits), and a
+            # generated function may well return one: describe it instead
+            return f"an int of about {int(v.bit_length() * 0.30103) + 1} digits"
+        try:
+            text = repr(v)
+        except Exception as e:  # plain data, but deeper or larger than repr allows
+            return f"a {type(v).__name__} that cannot be shown ({type(e).__name__})"
         return text if len(text) <= 80 else text[:77] + "..."
 
     return f"returned {short(value)}, expected {short(expected)}"
@@ -304,11 +311,25 @@ class CodeTestsScorer(Scorer):
         results = iter(await self._pool.run(jobs))
         out: list[ScoreOutput] = []
         for item, p in zip(items, prepared):
-            out.append(p if isinstance(p, ScoreOutput) else self._to_output(item, next(results), p[1]))
+            out.append(p if isinstance(p, ScoreOutput) else self._judged(item, next(results), p[1]))
         trusted = sum(o.cases_compared_trusted for o in out)
         log.debug("code_tests: %d samples, %d cases compared here, %d judged in the sandbox",
                   len(out), trusted, sum(o.cases_in_sandbox for o in out))
         return out
+
+    @classmethod
+    def _judged(cls, item: ScoreInput, r: SandboxResult,
+                comparisons: tuple[tuple[Comparison, ...] | None, ...]) -> ScoreOutput:
+        """`_to_output`, where judging one sample's values can never fail the whole request:
+        what it raises (a value too deep to compare, say) is that sample's scorer error."""
+        try:
+            return cls._to_output(item, r, comparisons)
+        except Exception as e:
+            log.warning("judging %s failed: %r", item.id, e)
+            return ScoreOutput(id=item.id, reward=0.0, passed=0, failed=len(comparisons),
+                               timed_out=r.timed_out, status="scorer_error",
+                               error=f"judging the returned values failed: {type(e).__name__}: {e}"[:300],
+                               seconds=r.seconds)
 
     @staticmethod
     def _to_output(

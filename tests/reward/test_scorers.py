@@ -395,3 +395,19 @@ def test_build_scorers_imports_before_making_the_pool():
     assert list(scorers) == ["format"] and pool is None
     scorers, pool = build_scorers(RewardConfig(), NoPool)
     assert sorted(scorers) == ["code_tests", "format"] and isinstance(pool, NoPool)
+
+
+async def test_a_huge_or_deep_returned_value_fails_its_sample_not_the_request(pool):
+    """An int past Python's 4300-digit repr limit once failed the whole Score call (the error
+    message repr'd it), ending a demo run; now it is described, and whatever else judging one
+    sample raises is that sample's scorer_error, with the other samples of the batch scored."""
+    task = TaskSpec("f", entry_point="f", test_cases=("assert f() == 3",))
+    huge = "def f():\n    return 10 ** 5000\n"
+    fine = "def f():\n    return 3\n"
+    big, ok = await CodeTestsScorer(pool).score([
+        ScoreInput("big", "p", f"```python\n{huge}```", task),
+        ScoreInput("ok", "p", f"```python\n{fine}```", task),
+    ])
+    assert (big.reward, big.status) == (0.0, "ok"), big
+    assert big.error == "test case 0: f() returned an int of about 5001 digits, expected 3"
+    assert (ok.reward, ok.status) == (1.0, "ok")
