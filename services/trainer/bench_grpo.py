@@ -48,9 +48,11 @@ CPU_SAMPLE_S = 0.5
 STAGES = ("generate", "score", "reference", "train", "publish", "wait")
 IDLE_AIM, ASYNC_AIM, PEER_AIM = 0.10, 1.3, 3.0  # the issue's aims
 PEER_STOP_GRACE_S = 10.0
-SAMPLES_PER_S_METHOD = ("samples per step / the median wall time of the steps after the first (a step's "
-                        "wall time: from the previous step's end to its own; the first step's from its "
-                        "start); samples_per_s_all: every step's samples / first start -> last end")
+SAMPLES_PER_S_METHOD = ("samples per step / the median wall time of the steps between the first (start-up, "
+                        "the pipeline's fill) and the last (the drain: nothing is produced beside it) when "
+                        "there are 3 or more (a step's wall time: from the previous step's end to its own; "
+                        "the first step's from its start); samples_per_s_all: every step's samples / first "
+                        "start -> last end")
 IDLE_METHOD = ("CPU accounting (psutil, every 0.5 s): 1 - CPU seconds of this process and all its "
                "descendants (trainer, mesh services, engine, sandboxes) / (wall seconds x cores), over the "
                "same steps as samples_per_s; per stage over the stage's spans; spin-waiting threads count "
@@ -128,10 +130,12 @@ def phase_figures(steps: list[StepSeen], samples: list[CpuSample], spans: list[t
     spans: (name, start, end) in unix seconds."""
     if not steps:
         return {"samples_per_s": 0.0, "idle_share": None, "stage_seconds": {}, "steps": 0}
-    steady = steps[1:] or steps
+    # the steady state: not the first step (start-up; asynchronous, the pipeline's fill) nor,
+    # from 3 steps on, the last (asynchronous, nothing is produced beside it: the drain)
+    steady = steps[1:-1] if len(steps) >= 3 else steps[1:] or steps
     per_step = steps[0].samples
     start, end = steps[0].end - steps[0].wall_s, steps[-1].end
-    window = [(steady[0].end - steady[0].wall_s, end)]
+    window = [(steady[0].end - steady[0].wall_s, steady[-1].end)]  # the steps samples_per_s rests on
     total = idle(samples, [(start, end)], cpus)
     inside = [(n, a, b) for n, a, b in spans if a >= start - 1.0 and b <= end + 1.0]
     stage_idle = {}

@@ -40,9 +40,10 @@ def test_samples_per_s_is_the_median_step_after_the_first_and_idle_covers_the_sa
     seen = steps([30.0, 10.0, 20.0, 10.0], [0.1, 0.2, 0.3, 0.4])
     spans = [("generate", 1030.0, 1035.0), ("train", 1035.0, 1040.0), ("generate", 1200.0, 1300.0)]
     f = phase_figures(seen, cpu(1.0, 1.0, 1000, 1070), spans, cpus=2)
-    assert f["samples_per_s"] == pytest.approx(64 / 10.0)
+    assert f["samples_per_s"] == pytest.approx(64 / 15.0)  # steps 2 and 3: not the fill, not the drain
     assert f["samples_per_s_all"] == pytest.approx(4 * 64 / 70.0)
     assert f["idle_share"] == pytest.approx(0.5) and f["stage_idle_share"]["train"] == pytest.approx(0.5)
+    assert phase_figures(seen[:2], cpu(1.0, 1.0), [], 2)["samples_per_s"] == pytest.approx(6.4)
     assert f["stage_seconds"] == {"generate": 7.5, "train": 7.5}  # medians
     assert [p["samples"] for p in f["reward_curve"]] == [64, 128, 192, 256]
 
