@@ -54,6 +54,7 @@ kl_beta = 0.04
             monkeypatch.setenv(k, v)
         mesh_cfg, job, trainer_cfg = load_job_configs(str(cfg_path), [])
         assert job.max_staleness == 1
+        spans = trainer_spans(mesh_cfg)
         summary, report = asyncio.run(run_job(mesh_cfg, job, trainer_cfg, progress=False))
 
         async def serving():
@@ -76,7 +77,21 @@ kl_beta = 0.04
     data = json.loads((tmp_path / "runs/e2e-async/report.json").read_text())
     assert data["config"]["grpo"]["max_staleness"] == 1
     assert data["heldout"]["tasks"] == 2 and report.exists()
-    from hotloop.tracebudget import read_spans
-
-    names = {s["name"] for s in read_spans([str(p) for p in (tmp_path / "run/traces").glob("*.jsonl")])}
+    names = {s.name for s in spans.get_finished_spans()}
     assert {"grpo.produce", "grpo.step", "generate", "wait", "train"} <= names
+
+
+def trainer_spans(mesh_cfg):
+    """The spans this process's trainer ends from now on. The tracer provider is global and
+    set once per process (`telemetry.setup` is idempotent): when another test's job ran here
+    first, its jsonl file, not this test's, receives them. So collect them in memory."""
+    from opentelemetry import trace
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from hotloop import telemetry
+
+    telemetry.setup("trainer", mesh_cfg.telemetry, mesh_cfg.run_dir)  # as run_job does
+    exporter = InMemorySpanExporter()
+    trace.get_tracer_provider().add_span_processor(SimpleSpanProcessor(exporter))
+    return exporter
