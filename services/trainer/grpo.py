@@ -261,7 +261,7 @@ async def run(job: GrpoJobConfig, trainer_cfg, model_dir: Path, mesh: Mesh, run_
     from .algorithms import make_algorithm
     from .batching import Sample
     from .checkpoint import latest_checkpoint
-    from .policy import Interrupted, LoraPolicy
+    from .policy import LoraPolicy
 
     tracer = trace.get_tracer("hotloop.trainer")
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -308,14 +308,6 @@ async def run(job: GrpoJobConfig, trainer_cfg, model_dir: Path, mesh: Mesh, run_
     train_t0 = time.monotonic()
     done_step = start_step
     stop = threading.Event()  # set on cancellation: the train thread stops within a micro-batch
-    train_job: asyncio.Future | None = None
-
-    async def _join_train_thread() -> None:
-        """A cancelled await leaves the worker thread running; wait for it (it sees `stop`
-        before its next micro-batch) so the checkpoint never races an optimizer step."""
-        if train_job is not None and not train_job.done():
-            with contextlib.suppress(Interrupted):
-                await train_job
     resume_at = ({**stream.position(), "version": version}, policy.step)
     try:
         for step in bar:
@@ -359,25 +351,8 @@ async def run(job: GrpoJobConfig, trainer_cfg, model_dir: Path, mesh: Mesh, run_
                            ref_logprobs=None if ref is None else ref[j])
                     for j, i in enumerate(keep)
                 ]
-                t = time.perf_counter()
-                if samples:
-                    with tracer.start_as_current_span("train"):
-                        train_job = asyncio.ensure_future(
-                            asyncio.to_thread(policy.train_step, samples, stop.is_set))
-                        m = await asyncio.shield(train_job)
-                    skipped, why = m.skipped, m.skip_reason or ""
-                else:
-                    m, skipped, why = None, True, "every group got uniform rewards: no signal"
-                secs["train"] = time.perf_counter() - t
-
-                t = time.perf_counter()
-                if skipped:
-                    log.warning("step %d: no update (%s); nothing published", step, why)
-                else:
-                    version += 1
-                    adapter = policy.save_adapter(run_dir / "adapters" / f"v{version}")
-                    await mesh.publisher.publish(version, adapter)  # opens the "publish" span
-                secs["publish"] = time.perf_counter() - t
+                m, skipped, why, version = await train_and_publish(
+                    policy, samples, stop, mesh, run_dir, version, step, secs)
 
             statuses: dict[str, int] = {}
             for s in scores:
@@ -415,8 +390,7 @@ async def run(job: GrpoJobConfig, trainer_cfg, model_dir: Path, mesh: Mesh, run_
     except asyncio.CancelledError:
         # Ctrl-C / SIGTERM: stop the train thread, then checkpoint the last completed state
         # (cheap: adapter + optimizer) so `run_id` resumes exactly where this run stopped.
-        stop.set()
-        await _join_train_thread()
+        stop.set()  # the train stage itself waits for its thread (`train_and_publish`)
         position, trained = resume_at
         if policy.step > trained:  # the interrupted step still applied its update
             position = {**stream.position(), "version": version}
@@ -437,6 +411,46 @@ async def run(job: GrpoJobConfig, trainer_cfg, model_dir: Path, mesh: Mesh, run_
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
 
+
+
+async def train_and_publish(policy, samples: list, stop, mesh: Mesh, run_dir: Path, version: int,
+                            step: int, secs: dict[str, float]):
+    """A step's update and its publication, shared by the synchronous and asynchronous
+    recipes: train `samples` (none: the step is skipped), then publish the next version unless
+    the update was skipped. Adds "train" and "publish" to `secs`; returns (metrics or None,
+    skipped, why, the version now served)."""
+    from opentelemetry import trace
+
+    tracer = trace.get_tracer("hotloop.trainer")
+    t = time.perf_counter()
+    if samples:
+        with tracer.start_as_current_span("train"):
+            train_job = asyncio.ensure_future(asyncio.to_thread(policy.train_step, samples, stop.is_set))
+            try:
+                m = await asyncio.shield(train_job)
+            except asyncio.CancelledError:
+                # The thread runs on: stop it before its next micro-batch and wait for it, so
+                # the caller's checkpoint never races an optimizer step.
+                from .policy import Interrupted
+
+                stop.set()
+                with contextlib.suppress(Interrupted):
+                    await train_job
+                raise
+        skipped, why = m.skipped, m.skip_reason or ""
+    else:
+        m, skipped, why = None, True, "every group got uniform rewards: no signal"
+    secs["train"] = time.perf_counter() - t
+
+    t = time.perf_counter()
+    if skipped:
+        log.warning("step %d: no update (%s); nothing published", step, why)
+    else:
+        version += 1
+        adapter = policy.save_adapter(run_dir / "adapters" / f"v{version}")
+        await mesh.publisher.publish(version, adapter)  # opens the "publish" span
+    secs["publish"] = time.perf_counter() - t
+    return m, skipped, why, version
 
 def paired(first: EvalRecord, last: EvalRecord, job: GrpoJobConfig) -> dict:
     """Before/after on the same tasks: per-task differences with a bootstrap CI (stats.py).

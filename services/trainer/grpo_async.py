@@ -41,7 +41,7 @@ from hotloop.clients import Completion, Score
 from hotloop.tasks import CodeTask, load_tasks
 
 from .grpo import (EvalRecord, GrpoJobConfig, Mesh, StepRecord, TaskStream, chat, evaluate_both,
-                   score_item, serve_policy, summarize)
+                   score_item, serve_policy, summarize, train_and_publish)
 
 log = logging.getLogger(__name__)
 
@@ -241,7 +241,7 @@ async def run(job: AsyncGrpoJobConfig, trainer_cfg, model_dir: Path, mesh: Mesh,
     from .algorithms import make_offpolicy_algorithm
     from .batching import Sample
     from .checkpoint import latest_checkpoint
-    from .policy import Interrupted, LoraPolicy
+    from .policy import LoraPolicy
 
     tracer = trace.get_tracer("hotloop.trainer")
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -298,7 +298,6 @@ async def run(job: AsyncGrpoJobConfig, trainer_cfg, model_dir: Path, mesh: Mesh,
     train_t0 = last_end = time.monotonic()
     done_step = start_step
     stop = threading.Event()
-    train_job: asyncio.Future | None = None
     trained_position = stream.position()  # where the last trained batch left the task stream
     resume_at = ({**trained_position, "version": version}, policy.step)
     prod = asyncio.create_task(producer())
@@ -326,25 +325,8 @@ async def run(job: AsyncGrpoJobConfig, trainer_cfg, model_dir: Path, mesh: Mesh,
                            ref_logprobs=batch.ref.get(i) if batch.ref else None)
                     for i in keep
                 ]
-                t = time.perf_counter()
-                if samples:
-                    with tracer.start_as_current_span("train"):
-                        train_job = asyncio.ensure_future(
-                            asyncio.to_thread(policy.train_step, samples, stop.is_set))
-                        m = await asyncio.shield(train_job)
-                    skipped, why = m.skipped, m.skip_reason or ""
-                else:
-                    m, skipped, why = None, True, "every group got uniform rewards: no signal"
-                secs["train"] = time.perf_counter() - t
-
-                t = time.perf_counter()
-                if skipped:
-                    log.warning("step %d: no update (%s); nothing published", step, why)
-                else:
-                    version += 1
-                    adapter = policy.save_adapter(run_dir / "adapters" / f"v{version}")
-                    await mesh.publisher.publish(version, adapter)  # opens the "publish" span
-                secs["publish"] = time.perf_counter() - t
+                m, skipped, why, version = await train_and_publish(
+                    policy, samples, stop, mesh, run_dir, version, step, secs)
             trained_position = batch.position
             await gate.advance()
 
@@ -387,9 +369,6 @@ async def run(job: AsyncGrpoJobConfig, trainer_cfg, model_dir: Path, mesh: Mesh,
     except asyncio.CancelledError:
         # As grpo.run: stop the train thread, then checkpoint the last completed state.
         stop.set()
-        if train_job is not None and not train_job.done():
-            with contextlib.suppress(Interrupted):
-                await train_job
         position, trained = resume_at
         if policy.step > trained:  # the interrupted step still applied its update
             position = {**batch.position, "version": version}
