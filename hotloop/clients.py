@@ -108,6 +108,20 @@ def _chat_prompts(chats: Sequence[Sequence[dict[str, str]]]) -> list[common_pb2.
     ]
 
 
+def _whole_request(chats, n, max_tokens, temperature, top_p, seed, pin_version,
+                   return_prompt_ids, priority) -> rollout_pb2.GenerateRequest:
+    """The Generate request of `generate` and `generate_each` (whole completions)."""
+    return rollout_pb2.GenerateRequest(
+        prompts=_chat_prompts(chats),
+        sampling=common_pb2.SamplingParams(
+            n=n, max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
+        ),
+        pin_version=pin_version,
+        return_prompt_ids=return_prompt_ids,
+        priority=priority,
+    )
+
+
 class Load(NamedTuple):
     """A rollout replica's users' load (`RolloutClient.watch_load`)."""
 
@@ -138,15 +152,8 @@ class RolloutClient:
         """Sample `n` completions per chat; returned sorted by (prompt, sample). `priority`:
         lower is admitted first where the engine schedules by priority (users come at 0;
         training that must yield to them asks for `TRAINING_PRIORITY`)."""
-        req = rollout_pb2.GenerateRequest(
-            prompts=_chat_prompts(chats),
-            sampling=common_pb2.SamplingParams(
-                n=n, max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
-            ),
-            pin_version=pin_version,
-            return_prompt_ids=return_prompt_ids,
-            priority=priority,
-        )
+        req = _whole_request(chats, n, max_tokens, temperature, top_p, seed, pin_version,
+                             return_prompt_ids, priority)
 
         async def run():
             return [c async for c in self.stub.Generate(req)]
@@ -212,15 +219,8 @@ class RolloutClient:
 
         Not retried: results already handed out cannot be replayed (a failure surfaces as
         `Unavailable` or grpc.aio.AioRpcError). Leaving the loop early cancels the call."""
-        req = rollout_pb2.GenerateRequest(
-            prompts=_chat_prompts(chats),
-            sampling=common_pb2.SamplingParams(
-                n=n, max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
-            ),
-            pin_version=pin_version,
-            return_prompt_ids=return_prompt_ids,
-            priority=priority,
-        )
+        req = _whole_request(chats, n, max_tokens, temperature, top_p, seed, pin_version,
+                             return_prompt_ids, priority)
         call = self.stub.Generate(req)
         try:
             async for c in _unavailable_named("rollout", self.address, call):
