@@ -196,7 +196,7 @@ def build_parser() -> argparse.ArgumentParser:
     _config_args(bj)
     bj.add_argument("--users", type=int, default=2, help="concurrent simulated users (openai client)")
     bj.add_argument("--phase-s", type=float, default=90.0, help="seconds of each phase (idle, each policy)")
-    bj.add_argument("--policies", default="none,nice",
+    bj.add_argument("--policies", default="none,pause",
                     help="users-first policies to measure beside training ([ppo] users_first)")
     bj.add_argument("--max-tokens", type=int, default=64, help="users' answer length")
     bj.add_argument("--out-dir", default="runs", help="the run's files go under OUT_DIR/bench-joint-<time>")

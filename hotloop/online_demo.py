@@ -44,6 +44,7 @@ from hotloop.simulate import (
     percentile,
     summarize,
 )
+from hotloop.tracebudget import read_trace_spans
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "online.toml"
 TRAINER_RUN = "trainer"  # the trainer's metrics and checkpoints: runs/<id>/trainer/
@@ -547,35 +548,6 @@ def main(args) -> int:
 # ---- the bench --------------------------------------------------------------------------------
 
 LOOP_STAGES = ("ingest", "consume", "join", "reference", "train", "pack", "push", "load", "first_token")
-
-
-def read_trace_spans(paths: list[Path]) -> list[dict]:
-    """Spans of OTLP JSON-lines files with trace ids and attributes (tracebudget keeps
-    neither)."""
-    spans = []
-    for f in paths:
-        if not f.exists():
-            continue
-        for line in f.read_text().splitlines():
-            if not line.strip():
-                continue
-            doc = json.loads(line)
-            for rs in doc.get("resourceSpans", doc.get("resource_spans", [])):
-                for ss in rs.get("scopeSpans", rs.get("scope_spans", [])):
-                    for s in ss.get("spans", []):
-                        attrs = {}
-                        for a in s.get("attributes", []):
-                            val = a.get("value", {})
-                            attrs[a["key"]] = next(iter(val.values()), None) if val else None
-                        spans.append({
-                            "name": s["name"], "trace": s.get("traceId", s.get("trace_id")),
-                            "span_id": s.get("spanId", s.get("span_id")),
-                            "parent": s.get("parentSpanId", s.get("parent_span_id")) or "",
-                            "start": int(s.get("startTimeUnixNano", s.get("start_time_unix_nano"))) / 1e9,
-                            "end": int(s.get("endTimeUnixNano", s.get("end_time_unix_nano"))) / 1e9,
-                            "attrs": attrs,
-                        })
-    return spans
 
 
 def loop_stages(spans: list[dict], loops: list[dict]) -> dict[str, list[float]]:

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from hotloop.online_demo import LoopTracker, loop_stages, read_trace_spans, target_share
+from hotloop.online_demo import LoopTracker, loop_stages, target_share
+from hotloop.tracebudget import read_trace_spans, ttft_hops
 from hotloop.simulate import Record, VersionClock
 
 REPO = Path(__file__).resolve().parent.parent
@@ -82,6 +83,27 @@ def test_stage_budget_of_one_loop_from_otlp_json_lines(tmp_path):
     # a loop whose version has no publish span in the traces contributes nothing
     assert loop_stages(spans, [{**loop, "version": 5}]) == {}
 
+
+
+def test_ttft_hops_split_a_users_first_token_along_its_trace(tmp_path):
+    gen = "/hotloop.v1.Rollout/Generate"
+    gw = _span("gateway.generate", "t1", "g", "", 10.02, 10.5)
+    gw["attributes"] = [{"key": "hotloop.response_id", "value": {"stringValue": "chatcmpl-1"}}]
+    server = _span(gen, "t1", "rs", "gc", 10.03, 10.4)
+    server["events"] = [{"name": "first_token", "timeUnixNano": str(int(10.13 * 1e9))}]
+    other = _span(gen, "t2", "rs2", "", 10.0, 10.1)  # a trace no user request belongs to
+    doc = {"resourceSpans": [{"scopeSpans": [{"spans": [gw, server, other]}]}]}
+    (tmp_path / "t.jsonl").write_text(json.dumps(doc) + "\n")
+    spans = read_trace_spans([tmp_path / "t.jsonl"])
+    sent = {"response_id": "chatcmpl-1", "ts": 10.0, "ttft_ms": 150.0}
+    hops = ttft_hops(spans, [sent, {"response_id": "chatcmpl-2", "ts": 11.0, "ttft_ms": 90.0}])
+    assert list(hops) == ["chatcmpl-1"]  # no trace for the second: left out, not guessed
+    got = {k: round(v) for k, v in hops["chatcmpl-1"].items()}
+    assert got == {"to_gateway": 20, "to_replica": 10, "replica": 100, "to_client": 20}
+    assert sum(hops["chatcmpl-1"].values()) == pytest.approx(150.0)  # the hops add up to the TTFT
+    server["events"] = []  # a replica that recorded no first token: nothing to split
+    (tmp_path / "t.jsonl").write_text(json.dumps({"resourceSpans": [{"scopeSpans": [{"spans": [gw, server]}]}]}))
+    assert ttft_hops(read_trace_spans([tmp_path / "t.jsonl"]), [sent]) == {}
 
 def test_a_run_stopped_before_any_answer_still_writes_its_report(tmp_path):
     from hotloop.online_demo import DemoState, write_demo_report
@@ -153,6 +175,12 @@ def test_demo_online_writes_its_report_and_leaves_nothing_running(tiny_model, tm
     assert sum(r["phase"] == "warmup" for r in records) >= 2  # each user's first answer
     assert all(r["feedback"] == "" for r in records if r["phase"] != "training")
     assert any(r["feedback"] == "accepted" for r in records if r["phase"] == "training")
+    # every user request's trace runs gateway -> replica, and the replica marks its first token
+    spans = read_trace_spans(sorted((out / "t" / "mesh" / "traces").glob("*.jsonl")))
+    hops = ttft_hops(spans, records)
+    assert len(hops) >= len(records) // 2, (len(hops), len(records))
+    for h in hops.values():
+        assert h["to_replica"] >= 0 and h["replica"] > 0 and h["to_client"] >= 0
     assert _left_behind(str(out)) == []
 
 

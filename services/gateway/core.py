@@ -41,6 +41,8 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
 
+from opentelemetry import trace
+
 from hotloop import telemetry
 from hotloop.errors import (
     DeadlineExceeded,
@@ -261,8 +263,11 @@ class GatewayCore:
                 replace(up, request_id=rid, timeout_s=max(0.001, deadline - loop.time())))
             self.router.acquire(state)
             try:
-                async with asyncio.timeout_at(deadline):
-                    first = await anext(stream)
+                # the upstream call starts at the first anext: under this span, so the
+                # replica's spans join the request's trace
+                with trace.use_span(span, end_on_exit=False):
+                    async with asyncio.timeout_at(deadline):
+                        first = await anext(stream)
             except StopAsyncIteration:
                 err: HotloopError = Unavailable(f"rollout replica {state.replica.address} sent nothing")
             except TimeoutError:

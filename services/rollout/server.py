@@ -6,6 +6,7 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 
 import grpc
+from opentelemetry import trace
 
 from hotloop.adapters import Version, version_from_proto, version_to_proto
 from hotloop.errors import InvalidArgument
@@ -69,8 +70,13 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
     async def Generate(self, request, context) -> AsyncIterator[rollout_pb2.Completion]:
         # aclosing: a cancelled client closes the core's generator now (aborting its engine
         # requests), not whenever the garbage collector gets to it.
+        span = trace.get_current_span()
+        first = True
         async with aclosing(self.core.generate(generate_input(request))) as completions:
             async for c in completions:
+                if first:  # time to first token, inside the replica (a trace shows the hops)
+                    span.add_event("first_token")
+                    first = False
                 yield completion_to_proto(c)
 
     @map_errors

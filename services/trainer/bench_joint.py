@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hotloop.simulate import Brevity, Record, SimConfig, Simulation, percentile, summarize
+from hotloop.tracebudget import TTFT_HOPS, read_trace_spans, ttft_hops
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_CONFIG = REPO / "configs" / "ppo.toml"
@@ -51,6 +52,7 @@ FIRST_STEP_MAX_S = 420.0  # the longest wait for a trainer's first step (one too
                           # users on 2 cores) before measuring anyway
 DRAIN_MAX_S = 60.0  # the longest wait for a phase's requests to finish after it ends
 STOP_GRACE_S = 30.0  # SIGTERM -> SIGKILL for the trainer
+SLOWEST = 3  # requests whose hops are shown per phase: a p99 of ~100 rests on the slowest two
 PROGRESS_S = 15.0
 MARK_S = 5.0  # CPU accounting marks, to take other work's share from a start found afterwards
 ENDLESS_STEPS = 1_000_000  # the trainer runs until SIGTERM
@@ -142,6 +144,20 @@ def policy_figures(records: list[Record], policy: str, idle: dict, steps: list[S
             "itl_p99_ratio": ratio(lat["itl_ms"]["p99"], idle["itl_ms"]["p99"])}
 
 
+def hop_figures(hops: dict[str, dict[str, float]], records: list[Record]) -> dict | None:
+    """Where the phase's time to first token went (`hotloop.tracebudget.ttft_hops`): each hop's
+    median, and the hops of its slowest requests (what its p99 is made of). None when the
+    traces cover none of the phase's requests."""
+    mine = sorted(((r.ttft_ms, hops[r.response_id]) for r in records
+                   if r.response_id in hops and r.ttft_ms is not None), key=lambda x: x[0])
+    if not mine:
+        return None
+    return {"requests": len(mine),
+            "p50_ms": {h: percentile([x[1][h] for x in mine], 50) for h in TTFT_HOPS},
+            "slowest": [{"ttft_ms": round(t, 1), **{h: round(v[h], 1) for h in TTFT_HOPS}}
+                        for t, v in mine[-SLOWEST:][::-1]]}
+
+
 def meets_aim(fig: dict, aim: float = TTFT_P99_AIM) -> bool:
     r = fig.get("ttft_p99_ratio")
     return r is not None and r <= aim and fig.get("ppo_samples_per_s", 0) > 0
@@ -229,6 +245,20 @@ def markdown(result: dict) -> str:
              f"{verdict}. Chosen by measurement: `{result['chosen']}`; configured default: "
              f"`{result['default_policy']}`.", "",
              f"PPO samples/s: {result['ppo_samples_per_s_method']}.", ""]
+    hop_rows = []
+    for phase, h in (result.get("ttft_hops") or {}).items():
+        if h is None:
+            continue
+        med = h["p50_ms"]
+        hop_rows.append(f"| {phase} | median | {' | '.join(f(med[k]) for k in TTFT_HOPS)} |")
+        for x in h["slowest"]:
+            hop_rows.append(f"| {phase} | TTFT {f(x['ttft_ms'])} | {' | '.join(f(x[k]) for k in TTFT_HOPS)} |")
+    if hop_rows:
+        lines += ["Where time to first token went, ms, from the traces (to the gateway: client, "
+                  "HTTP and auth; to the replica: routing and the gRPC hop; replica: queueing and "
+                  "prefill up to its first token; to the client: the stream back):", "",
+                  "| phase | request | " + " | ".join(TTFT_HOPS) + " |",
+                  "|---|---|" + "---|" * len(TTFT_HOPS), *hop_rows, ""]
     for note in result.get("notes", []):
         lines.append(f"- {note}")
     return "\n".join(lines) + "\n"
@@ -666,6 +696,12 @@ def main(args) -> int:
     })
     for p in result["policies"].values():
         p.pop("steps", None)
+    # the mesh is stopped: every process flushed its spans
+    hops = ttft_hops(read_trace_spans(sorted((out / "mesh" / "traces").glob("*.jsonl"))),
+                     [{"response_id": r.response_id, "ts": r.ts, "ttft_ms": r.ttft_ms} for r in records])
+    result["ttft_hops"] = {"idle": hop_figures(hops, [r for r in records if r.phase == "idle"]),
+                           **{run.policy: hop_figures(hops, training_records(records, run.policy, run.window))
+                              for run in bench.runs}}
     result["notes"] = notes(bench, result)
     text = json.dumps(result, indent=2, default=str)
     (out / "bench-joint.json").write_text(text)

@@ -13,6 +13,7 @@ from services.trainer.bench_joint import (
     bench_summary,
     choose,
     foreign_cpu,
+    hop_figures,
     markdown,
     parse_policies,
     parse_steps,
@@ -114,6 +115,23 @@ def test_no_progress_means_no_choice_and_the_aim_is_not_met_whatever_the_latency
     assert res["chosen"] is None and not res["aim"]["met"]
     assert "no progress" in res["aim"]["why_not"]
     assert choose({}) is None
+
+
+def test_hop_figures_show_the_median_hops_and_the_slowest_requests():
+    recs = [rec("idle", 100.0 + i) for i in range(10)]
+    for i, r in enumerate(recs):
+        r.response_id = f"r{i}"
+    recs.append(rec("idle", 5000.0))  # no trace: left out
+    hops = {f"r{i}": {"to_gateway": 10.0, "to_replica": 1.0, "replica": 80.0 + i, "to_client": 9.0}
+            for i in range(10)}
+    got = hop_figures(hops, recs)
+    assert got["requests"] == 10 and got["p50_ms"]["replica"] == pytest.approx(84.5)
+    assert [x["ttft_ms"] for x in got["slowest"]] == [109.0, 108.0, 107.0]
+    assert got["slowest"][0]["replica"] == 89.0
+    assert hop_figures(hops, [rec("idle", 100.0)]) is None  # no request of the phase traced
+    res = bench_summary(recs, [], default_policy="none")
+    md = markdown({**res, "notes": [], "ttft_hops": {"idle": got, "pause": None}})
+    assert "| idle | median | 10 | 1 | 84 | 9 |" in md and "| idle | TTFT 109 |" in md
 
 
 def test_nothing_measured_still_summarizes():
