@@ -8,7 +8,7 @@ Owns the three policies, chosen by measurement (`hotloop bench joint`; docs/arch
   alone kept both cores busy and a nice-19 trainer still takes the caches and memory bandwidth;
 - `pause`: the trainer stops computing while any user waits for a first token. The rollout
   streams its users' load (`Rollout.WatchLoad`), and hooks on every matmul of the decoder
-  layers (forward, and backward through a hook on the matmul's output) hold on it: on the
+  layers and on the output head (forward, and backward through a hook on the matmul's output) hold on it: on the
   same host they read the rollout's counts straight from shared memory (hotloop/loadboard.py),
   elsewhere a watcher thread turns the stream into an event. So the trainer yields within one matmul (~20 ms on 2 cores),
   not one micro-batch (seconds), and only for the prefill of users' requests: time to first
@@ -163,6 +163,7 @@ class UsersFirst:
         import torch
 
         layers = decoder_layers(model)
+        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
 
         def grad_hold(grad):
             self.hold()
@@ -173,7 +174,7 @@ class UsersFirst:
             if isinstance(t, torch.Tensor) and t.requires_grad:
                 t.register_hook(grad_hold)  # runs before the backward of this layer
 
-        points = hold_points(layers)
+        points = hold_points(layers, head)
         for module in points:
             self._hooks.append(module.register_forward_pre_hook(lambda module, args: self.hold()))
             self._hooks.append(module.register_forward_hook(after))
@@ -196,16 +197,22 @@ class UsersFirst:
             self._board = None
 
 
-def hold_points(layers: list) -> list:
+def hold_points(layers: list, head=None) -> list:
     """Where the compute may hold: every base-weight matmul of the layers (a Llama layer has
-    seven), not the layers themselves. One layer's backward of a 2048-token micro-batch takes
-    ~150 ms on 2 cores, as long as a user's whole prefill: holding per layer missed most of
-    them (2.5 s held in a 171 s step beside two streaming users); one matmul is ~20 ms. LoRA's
-    own small matmuls (`lora_A`/`lora_B`) run right beside their base one and are skipped."""
+    seven), not the layers themselves, and the output head. One layer's backward of a
+    2048-token micro-batch takes ~150 ms on 2 cores, as long as a user's whole prefill: holding
+    per layer missed most of them (2.5 s held in a 171 s step beside two streaming users); one
+    matmul is ~20 ms. The head is the largest matmul of all (49k outputs for SmolLM2: ~75 ms
+    per 512-token chunk on 2 cores, forward or backward), and the trainer calls it once per
+    chunk (`hotloop.logprobs`), so it holds per chunk. LoRA's own small matmuls
+    (`lora_A`/`lora_B`) run right beside their base one and are skipped."""
     import torch
 
-    return [m for layer in layers for name, m in layer.named_modules()
-            if isinstance(m, torch.nn.Linear) and "lora_" not in name]
+    points = [m for layer in layers for name, m in layer.named_modules()
+              if isinstance(m, torch.nn.Linear) and "lora_" not in name]
+    if isinstance(head, torch.nn.Linear):
+        points.append(head)
+    return points
 
 
 def decoder_layers(model) -> list:

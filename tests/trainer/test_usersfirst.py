@@ -50,7 +50,7 @@ def test_hooks_hold_at_every_matmul_forward_and_backward(lora):
     users = UsersFirst("pause", rollout="unused:0")
     calls = counting(users)
     users.attach(model)
-    n = 3 * 7  # q, k, v, o, gate, up, down per layer; LoRA's own matmuls are not hold points
+    n = 3 * 7 + 1  # q, k, v, o, gate, up, down per layer, the head; not LoRA's own matmuls
     x = torch.randint(0, 64, (2, 8))
     model(input_ids=x, labels=x).loss.backward()
     # Under LoRA the first layer's q/k/v base matmuls read the frozen embeddings with frozen
@@ -63,6 +63,20 @@ def test_hooks_hold_at_every_matmul_forward_and_backward(lora):
     asyncio.run(users.close())
     model(input_ids=x)
     assert len(calls) == 2 * n + grads  # closed: hooks removed
+
+
+def test_the_trainers_chunked_head_holds_once_per_chunk_forward_and_backward():
+    from hotloop.logprobs import collate, completion_logprobs
+
+    model = tiny_llama(1)
+    users = UsersFirst("pause", rollout="unused:0")
+    calls = counting(users)
+    users.attach(model)
+    batch = collate([([1, 2, 3, 4], [5, 6, 7, 8, 9]), ([3, 4], [10, 11, 12, 13, 14])])
+    lp = completion_logprobs(model, batch, chunk_tokens=3)  # 10 completion tokens: 4 chunks
+    lp.logprobs.sum().backward()
+    assert calls.count("fwd") == 7 + 4 and calls.count("grad") == 7 + 4, calls
+    asyncio.run(users.close())
 
 
 def test_hold_waits_while_users_wait_and_resumes_when_they_are_served():
