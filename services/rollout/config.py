@@ -55,7 +55,9 @@ class RolloutConfig(Section):
     kv_cache_gib: int = Field(2, ge=1)
     """CPU KV cache size (VLLM_CPU_KVCACHE_SPACE)."""
     cpu_omp_threads_bind: str = "auto"
-    """VLLM_CPU_OMP_THREADS_BIND: `auto`, `nobind`, or a core list like `0-1`."""
+    """VLLM_CPU_OMP_THREADS_BIND: `auto`, `nobind`, or a core list like `0-1`. With a core
+    list the engine core process starts pinned there too (it busy-waits for the worker, and
+    on a core of its own it would take most of that core from other work)."""
     omp_wait_policy: Literal["default", "passive", "active"] = "default"
     """OMP_WAIT_POLICY for the engine's OpenMP threads. `default` leaves OpenMP's own (spin a
     while, then sleep): measured 2-9% faster generation than `passive`, with no slowdown of a

@@ -16,8 +16,9 @@ Owns:
   wholly without) training;
 - the figures: TTFT and ITL p50/p99 per phase, PPO samples/s per policy, the TTFT p99 ratio
   to idle, the choice of policy and whether the issue's aim (p99 TTFT at most 1.5x idle with
-  samples/s > 0) was met; and how much CPU other work took meanwhile, since the machine is
-  shared and a busy neighbour inflates both figures;
+  samples/s > 0) was met; where each phase's TTFT went, hop by hop, from the traces
+  (`hotloop.tracebudget.ttft_hops`); and how much CPU other work took meanwhile, since the
+  machine is shared and a busy neighbour inflates both figures;
 - stopping: the mesh and any trainer are stopped on every exit path, Ctrl-C and SIGTERM
   included (the trainer also dies with this process: PR_SET_PDEATHSIG).
 

@@ -91,3 +91,30 @@ def test_killed_benchmark_leaves_no_engine(tiny_model, tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_an_engine_bound_to_a_core_starts_all_its_processes_there(tiny_model, tmp_path):
+    """`cpu_omp_threads_bind` = a core: the worker and the engine core process (which spins
+    waiting for the worker) run there, and the service itself keeps every core it had."""
+    cpus = sorted(os.sched_getaffinity(0))
+    core = cpus[-1]
+    port_file = tmp_path / "port.json"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "services.rollout", "--port-file", str(port_file),
+         "--set", f"model.name={tiny_model}", "--set", "model.max_model_len=512",
+         "--set", "rollout.kv_cache_gib=1", "--set", f'rollout.cpu_omp_threads_bind="{core}"',
+         "--set", f"run_dir={tmp_path / 'run'}"],
+        cwd=REPO, env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    try:
+        engines = wait_for_engines(proc, 2, 300, ready=port_file.exists)
+        for p in engines:
+            assert p.cpu_affinity() == [core], (p.name(), p.cpu_affinity())
+        service = psutil.Process(proc.pid)
+        assert sorted(service.cpu_affinity()) == cpus
+        assert all(sorted(t_aff) == cpus for t_aff in
+                   (os.sched_getaffinity(t.id) for t in service.threads()))
+        kill_and_check(proc, engines)
+    finally:
+        if proc.poll() is None:
+            proc.kill()

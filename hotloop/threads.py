@@ -1,0 +1,81 @@
+"""Which cores a process computes on.
+
+Owns: parsing a Linux CPU list ("1", "2-7", "0,2-3") and pinning every thread of this process
+to it (`pin_threads`). Threads started afterwards inherit the mask from the thread that starts
+them, so pinning before the first heavy op covers torch's OpenMP pool too; pinning every
+existing thread covers a pool torch already started.
+Does not own: the vLLM engine's own binding (`[rollout] cpu_omp_threads_bind`, read by vLLM at
+engine start) or thread counts (`torch_threads` in each service's config).
+
+Why: on a host shared by a serving engine and a trainer, the engine's OpenMP threads are bound
+one per core and meet at a barrier after every op. A trainer thread on one of those cores
+stretches every engine step to the slowest thread's share of its core. Giving each its own
+cores removes that contention (measured by `hotloop bench joint`, docs/architecture.md).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+
+def parse_cpus(text: str) -> set[int]:
+    """A CPU list as in `taskset -c` and cgroups: comma-separated numbers and ranges."""
+    cpus: set[int] = set()
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        lo, sep, hi = part.partition("-")
+        try:
+            a, b = int(lo), int(hi) if sep else int(lo)
+        except ValueError:
+            raise ValueError(f"bad CPU list {text!r}: {part!r} is not a number or a range a-b") from None
+        if a < 0 or b < a:
+            raise ValueError(f"bad CPU list {text!r}: range {part!r} is empty or negative")
+        cpus.update(range(a, b + 1))
+    if not cpus:
+        raise ValueError(f"bad CPU list {text!r}: no CPUs in it")
+    return cpus
+
+
+def pin_threads(text: str) -> set[int]:
+    """Pin every thread of this process to the CPUs of `text` (those this process may use at
+    all). Returns the CPUs pinned to. A list naming none of the allowed CPUs is an error, not
+    a silent no-op."""
+    wanted = parse_cpus(text)
+    allowed = os.sched_getaffinity(0)
+    cpus = wanted & allowed
+    if not cpus:
+        raise ValueError(f"CPU list {text!r} names none of the CPUs this process may use "
+                         f"({','.join(map(str, sorted(allowed)))})")
+    for tid in _tids():
+        with contextlib.suppress(ProcessLookupError):  # a thread that just ended
+            os.sched_setaffinity(tid, cpus)
+    return cpus
+
+
+def _tids() -> list[int]:
+    try:
+        return [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:  # not Linux: the calling thread only
+        return [0]
+
+
+@contextlib.contextmanager
+def pinned(text: str):
+    """Run the block with every thread of this process pinned to `text`'s CPUs, then give each
+    thread its mask back (a thread started inside gets the caller's). Processes started inside
+    inherit the pinned mask and keep it."""
+    own = os.sched_getaffinity(0)
+    before = {}
+    for tid in _tids():
+        with contextlib.suppress(ProcessLookupError):
+            before[tid] = os.sched_getaffinity(tid)
+    pin_threads(text)
+    try:
+        yield
+    finally:
+        for tid in _tids():
+            with contextlib.suppress(ProcessLookupError):
+                os.sched_setaffinity(tid, before.get(tid, own))
