@@ -49,13 +49,14 @@ def pin_threads(text: str) -> set[int]:
     if not cpus:
         raise ValueError(f"CPU list {text!r} names none of the CPUs this process may use "
                          f"({','.join(map(str, sorted(allowed)))})")
-    for tid in _tids():
+    for tid in thread_ids():
         with contextlib.suppress(ProcessLookupError):  # a thread that just ended
             os.sched_setaffinity(tid, cpus)
     return cpus
 
 
-def _tids() -> list[int]:
+def thread_ids() -> list[int]:
+    """This process's threads (Linux task ids)."""
     try:
         return [int(t) for t in os.listdir("/proc/self/task")]
     except OSError:  # not Linux: the calling thread only
@@ -69,13 +70,13 @@ def pinned(text: str):
     inherit the pinned mask and keep it."""
     own = os.sched_getaffinity(0)
     before = {}
-    for tid in _tids():
+    for tid in thread_ids():
         with contextlib.suppress(ProcessLookupError):
             before[tid] = os.sched_getaffinity(tid)
     pin_threads(text)
     try:
         yield
     finally:
-        for tid in _tids():
+        for tid in thread_ids():
             with contextlib.suppress(ProcessLookupError):
                 os.sched_setaffinity(tid, before.get(tid, own))

@@ -16,26 +16,11 @@ from pathlib import Path
 
 
 def read_spans(paths: list[str]) -> list[dict]:
+    """The spans of trace files, or of every `*.jsonl` under a directory."""
     files: list[Path] = []
     for p in map(Path, paths):
         files += sorted(p.rglob("*.jsonl")) if p.is_dir() else [p]
-    spans = []
-    for f in files:
-        for line in f.read_text().splitlines():
-            if not line.strip():
-                continue
-            doc = json.loads(line)
-            for rs in doc.get("resourceSpans", doc.get("resource_spans", [])):
-                for ss in rs.get("scopeSpans", rs.get("scope_spans", [])):
-                    for s in ss.get("spans", []):
-                        spans.append({
-                            "name": s["name"],
-                            "span_id": s.get("spanId", s.get("span_id")),
-                            "parent": s.get("parentSpanId", s.get("parent_span_id")) or "",
-                            "start": int(s.get("startTimeUnixNano", s.get("start_time_unix_nano"))),
-                            "end": int(s.get("endTimeUnixNano", s.get("end_time_unix_nano"))),
-                        })
-    return spans
+    return read_trace_spans(files)
 
 
 def budget(spans: list[dict], root: str = "grpo.step") -> dict:
@@ -46,8 +31,8 @@ def budget(spans: list[dict], root: str = "grpo.step") -> dict:
     per_stage: dict[str, list[float]] = defaultdict(list)
     for s in spans:
         if s["parent"] in ids:
-            per_stage[s["name"]].append((s["end"] - s["start"]) / 1e9)
-    loop = [(s["end"] - s["start"]) / 1e9 for s in roots]
+            per_stage[s["name"]].append(s["end"] - s["start"])
+    loop = [s["end"] - s["start"] for s in roots]
     total = sum(loop)
     stages = {
         name: {"median_s": statistics.median(v), "total_s": sum(v), "share": sum(v) / total}
@@ -69,8 +54,8 @@ def main(args) -> int:
 
 
 def read_trace_spans(paths: list[Path]) -> list[dict]:
-    """Spans of OTLP JSON-lines files with trace ids, attributes and events (name -> unix
-    seconds of its first occurrence); `read_spans` keeps none of them."""
+    """Spans of OTLP JSON-lines files: name, trace, span_id, parent, start and end (unix
+    seconds), attributes and events (name -> unix seconds of its first occurrence)."""
     spans = []
     for f in paths:
         if not f.exists():

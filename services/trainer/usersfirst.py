@@ -30,6 +30,7 @@ import threading
 import time
 
 from hotloop.loadboard import LoadReader
+from hotloop.threads import thread_ids
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +64,7 @@ class UsersFirst:
         """`nice`: call before the policy is loaded, so that every thread torch starts inherits
         the priority (Linux niceness is per thread and inherited at creation)."""
         if self.policy == "nice":
-            for tid in _threads():
+            for tid in thread_ids():
                 with contextlib.suppress(OSError):  # a thread that just ended
                     os.setpriority(os.PRIO_PROCESS, tid, 19)
 
@@ -228,10 +229,3 @@ def decoder_layers(model) -> list:
     if not best:
         raise ValueError(f"users_first = 'pause': no decoder layers found in {type(model).__name__}")
     return best
-
-
-def _threads() -> list[int]:
-    try:
-        return [int(t) for t in os.listdir("/proc/self/task")]
-    except OSError:  # not Linux: the calling thread only
-        return [0]
