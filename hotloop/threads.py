@@ -55,6 +55,13 @@ def pin_threads(text: str) -> set[int]:
     return cpus
 
 
+def pin_configured(cpus: str, who: str) -> None:
+    """A service's `cpus` setting, applied at its start (empty: nothing to do). Call it
+    before torch is imported, so that every thread it starts, and every import, runs there."""
+    if cpus:
+        print(f"{who}: pinned to CPUs {sorted(pin_threads(cpus))}", flush=True)
+
+
 def thread_ids() -> list[int]:
     """This process's threads (Linux task ids)."""
     try:

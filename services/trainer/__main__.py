@@ -37,6 +37,7 @@ async def build(mesh: MeshConfig, cfg: TrainerServerConfig) -> service.Running:
     # torch and peft load inside the loop, after every section has parsed
     from hotloop import models
     from hotloop.errors import FatalError
+    from hotloop.threads import pin_configured
 
     from . import online
     from .config import OnlineConfig, TrainerConfig
@@ -47,6 +48,7 @@ async def build(mesh: MeshConfig, cfg: TrainerServerConfig) -> service.Running:
     tree = hconfig.raw_config(args.config, args.set)
     job = hconfig.load_section(tree, "online", OnlineConfig)
     trainer_cfg = hconfig.load_section(tree, "trainer", TrainerConfig)
+    pin_configured(trainer_cfg.cpus, "trainer")
     edge, omesh, run_dir = await open_online(mesh, job, trainer_cfg, f"{cfg.host}:{cfg.port}")
     loop = asyncio.create_task(online.run(job, trainer_cfg, models.resolve(mesh.model.name), omesh,
                                           run_dir, on_step=online_status(edge.state)))

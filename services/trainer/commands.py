@@ -50,18 +50,9 @@ def load_online_configs(config_path: str | None, overrides: list[str]):
             config.load_section(tree, "trainer", TrainerConfig))
 
 
-def _pin(trainer_cfg) -> None:
-    """`[trainer] cpus`: before torch is imported, so that every thread it starts, and every
-    import, runs on the trainer's cores (on a core where vLLM's worker spins, a process was
-    measured getting under 1% of it)."""
-    if trainer_cfg.cpus:
-        from hotloop.threads import pin_threads
-
-        print(f"trainer: pinned to CPUs {sorted(pin_threads(trainer_cfg.cpus))}", flush=True)
-
-
 def train(args) -> int:
     from hotloop.launcher import MeshInfo
+    from hotloop.threads import pin_configured
 
     logging.basicConfig(level=os.environ.get("HOTLOOP_LOG_LEVEL", "WARNING"))
     mesh_cfg, _, _ = load_job_configs(args.config, args.set)
@@ -77,7 +68,7 @@ def train(args) -> int:
         from services.trainer.job import run_online_job
 
         mesh_cfg, online_job, trainer_cfg = load_online_configs(args.config, args.set)
-        _pin(trainer_cfg)
+        pin_configured(trainer_cfg.cpus, "trainer")  # on a core where vLLM spins, <1% of it
         summary, interrupted = run_interruptible(run_online_job(mesh_cfg, online_job, trainer_cfg))
         if interrupted:  # nothing to save: un-acked feedback is redelivered to the next run
             print(f"online: stopped; resume with --set online.run_id={online_job.run_id}")
@@ -90,7 +81,7 @@ def train(args) -> int:
 
     load = load_ppo_configs if args.algorithm == "ppo" else load_job_configs
     mesh_cfg, job, trainer_cfg = load(args.config, args.set)
-    _pin(trainer_cfg)
+    pin_configured(trainer_cfg.cpus, "trainer")
     if not job.run_id:  # named here, so that the resume line below can say it
         prefix = "ppo-" if args.algorithm == "ppo" else ""
         job = job.model_copy(update={"run_id": prefix + time.strftime("%Y%m%d-%H%M%S")})
