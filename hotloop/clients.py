@@ -242,6 +242,25 @@ class RolloutClient:
         await self.channel.close()
 
 
+class LoadWatch:
+    """`Rollout.WatchLoad` as a blocking stream, for a thread with no event loop (the trainer's
+    users-first watcher). A second asyncio loop in a process that uses grpc.aio on its main
+    loop leaves grpc's poller calling into it after it closed ("Event loop is closed").
+    Iterate it; `cancel()` from any thread ends the iteration with a cancelled RpcError."""
+
+    def __init__(self, address: str) -> None:
+        self._channel = grpc.insecure_channel(address)  # tiny messages: default limits
+        self._call = rollout_pb2_grpc.RolloutStub(self._channel).WatchLoad(rollout_pb2.WatchLoadRequest())
+
+    def __iter__(self):
+        for msg in self._call:
+            yield Load(msg.foreground_requests, msg.waiting_requests, msg.board_path, msg.board_nonce)
+
+    def cancel(self) -> None:
+        self._call.cancel()
+        self._channel.close()
+
+
 # ---- reward -------------------------------------------------------------------------------
 @dataclass
 class ScoreItem:

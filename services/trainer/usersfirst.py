@@ -54,8 +54,7 @@ class UsersFirst:
         self._spell_left = max_pause_s  # what the current busy spell may still take
         self._closed = threading.Event()
         self._thread: threading.Thread | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._task: asyncio.Task | None = None
+        self._stream = None  # the watcher's current LoadWatch, for `close` to cancel
         self._hooks: list = []
         self.connected = threading.Event()  # the watcher has the replica's first load report
 
@@ -70,47 +69,42 @@ class UsersFirst:
 
     # ---- pause: the watcher --------------------------------------------------------------
     def watch(self) -> None:
-        """`pause`: start watching the replica's users (a daemon thread with its own event
-        loop, so a busy trainer loop never delays the news). Stop with `close`."""
+        """`pause`: start watching the replica's users (a daemon thread reading a blocking
+        stream, so a busy trainer loop never delays the news). Stop with `close`."""
         if self.policy != "pause" or self._thread is not None:
             return
-        self._thread = threading.Thread(target=self._run, name="users-first", daemon=True)
+        self._thread = threading.Thread(target=self._watch, name="users-first", daemon=True)
         self._thread.start()
 
-    def _run(self) -> None:
-        self._loop = asyncio.new_event_loop()
-        try:
-            self._task = self._loop.create_task(self._watch())
-            with contextlib.suppress(asyncio.CancelledError):
-                self._loop.run_until_complete(self._task)
-        finally:
-            self._loop.close()
+    def _watch(self) -> None:
+        import grpc
 
-    async def _watch(self) -> None:
-        from hotloop.clients import RolloutClient
+        from hotloop.clients import LoadWatch
 
-        client = RolloutClient(self.rollout)
         warned = False
-        try:
-            while not self._closed.is_set():
-                try:
-                    async for load in client.watch_load():
-                        if not self.connected.is_set() and self._board is None:
-                            self._board = LoadReader.open(load.board_path, load.board_nonce)
-                            log.info("users-first pause: reading the rollout's load from %s",
-                                     self._board.path if self._board else "its gRPC stream "
-                                     "(its shared-memory board is not visible from here)")
-                        self.connected.set()
-                        self.users_waiting(load.waiting > 0)
-                except Exception as e:  # the replica restarting: train on, do not fail the run
-                    if not warned:
-                        log.warning("users-first: lost the rollout's load stream (%s); "
-                                    "training on, watching again", e)
-                        warned = True
-                self.users_waiting(False)
-                await asyncio.sleep(RECONNECT_S)
-        finally:
-            await client.close()
+        while not self._closed.is_set():
+            stream = LoadWatch(self.rollout)
+            self._stream = stream
+            if self._closed.is_set():  # closed while connecting: `close` saw no stream yet
+                stream.cancel()
+            try:
+                for load in stream:
+                    if not self.connected.is_set() and self._board is None:
+                        self._board = LoadReader.open(load.board_path, load.board_nonce)
+                        log.info("users-first pause: reading the rollout's load from %s",
+                                 self._board.path if self._board else "its gRPC stream "
+                                 "(its shared-memory board is not visible from here)")
+                    self.connected.set()
+                    self.users_waiting(load.waiting > 0)
+            except grpc.RpcError as e:  # the replica restarting: train on, do not fail the run
+                if not warned and not self._closed.is_set():
+                    log.warning("users-first: lost the rollout's load stream (%s); "
+                                "training on, watching again", e.code())
+                    warned = True
+            finally:
+                stream.cancel()
+            self.users_waiting(False)
+            self._closed.wait(RECONNECT_S)
 
     def users_waiting(self, busy: bool) -> None:
         """The watcher's news from the stream (also the unit tests' way in)."""
@@ -188,9 +182,8 @@ class UsersFirst:
             h.remove()
         self._hooks.clear()
         if self._thread is not None:
-            if self._loop is not None and self._task is not None:
-                with contextlib.suppress(RuntimeError):  # its loop already closed
-                    self._loop.call_soon_threadsafe(self._task.cancel)
+            if self._stream is not None:
+                self._stream.cancel()  # ends the watcher's blocking read
             await asyncio.to_thread(self._thread.join, 5.0)
             self._thread = None
         if self._board is not None:

@@ -121,6 +121,22 @@ def test_close_releases_a_waiting_compute_thread():
     assert not t.is_alive()
 
 
+def test_a_watcher_of_an_unreachable_replica_retries_quietly_and_stops_on_close():
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    users = UsersFirst("pause", rollout=f"127.0.0.1:{port}")
+    users.watch()
+    time.sleep(1.2)  # at least one failed stream and one reconnect wait
+    assert users._thread.is_alive() and not users.connected.is_set()
+    assert not users._busy()  # nobody is known to wait: training goes on
+    t0 = time.monotonic()
+    asyncio.run(users.close())
+    assert users._thread is None and time.monotonic() - t0 < 2.0
+
+
 def test_other_policies_hook_nothing_and_pause_needs_a_replica():
     model = tiny_llama(2)
     UsersFirst("none").attach(model)
