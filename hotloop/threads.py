@@ -7,10 +7,12 @@ existing thread covers a pool torch already started.
 Does not own: the vLLM engine's own binding (`[rollout] cpu_omp_threads_bind`, read by vLLM at
 engine start) or thread counts (`torch_threads` in each service's config).
 
-Why: on a host shared by a serving engine and a trainer, the engine's OpenMP threads are bound
-one per core and meet at a barrier after every op. A trainer thread on one of those cores
-stretches every engine step to the slowest thread's share of its core. Giving each its own
-cores removes that contention (measured by `hotloop bench joint`, docs/architecture.md).
+Why: on a host shared by a serving engine and a trainer, vLLM-CPU's worker and engine core
+processes wait for each other in a `sched_yield` loop, and another process on their cores gets
+almost nothing (a 0.17 s loop took 97 s there); the engine's OpenMP threads, bound one per
+core, also wait at a barrier for whichever shares a core with a trainer thread. Giving each
+its own cores removes both (measured by `hotloop bench joint`, docs/architecture.md, "Users
+first").
 """
 
 from __future__ import annotations
