@@ -108,17 +108,20 @@ def _chat_prompts(chats: Sequence[Sequence[dict[str, str]]]) -> list[common_pb2.
     ]
 
 
-def _whole_request(chats, n, max_tokens, temperature, top_p, seed, pin_version,
-                   return_prompt_ids, priority) -> rollout_pb2.GenerateRequest:
-    """The Generate request of `generate` and `generate_each` (whole completions)."""
+def _request(chats, n, max_tokens, temperature, top_p, seed, pin_version, return_prompt_ids,
+             priority, top_logprobs: int = 0, **extra) -> rollout_pb2.GenerateRequest:
+    """The Generate request of `generate`, `generate_each` (whole completions) and `stream`
+    (`extra`: request_id, stream)."""
     return rollout_pb2.GenerateRequest(
         prompts=_chat_prompts(chats),
         sampling=common_pb2.SamplingParams(
             n=n, max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
+            top_logprobs=top_logprobs,
         ),
         pin_version=pin_version,
         return_prompt_ids=return_prompt_ids,
         priority=priority,
+        **extra,
     )
 
 
@@ -152,7 +155,7 @@ class RolloutClient:
         """Sample `n` completions per chat; returned sorted by (prompt, sample). `priority`:
         lower is admitted first where the engine schedules by priority (users come at 0;
         training that must yield to them asks for `TRAINING_PRIORITY`)."""
-        req = _whole_request(chats, n, max_tokens, temperature, top_p, seed, pin_version,
+        req = _request(chats, n, max_tokens, temperature, top_p, seed, pin_version,
                              return_prompt_ids, priority)
 
         async def run():
@@ -182,18 +185,8 @@ class RolloutClient:
         failure surfaces as grpc.aio.AioRpcError). Leaving the loop early (break, or
         cancelling the consuming task) cancels the call, which aborts its engine requests.
         """
-        req = rollout_pb2.GenerateRequest(
-            prompts=_chat_prompts(chats),
-            sampling=common_pb2.SamplingParams(
-                n=n, max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
-                top_logprobs=top_logprobs,
-            ),
-            pin_version=pin_version,
-            return_prompt_ids=return_prompt_ids,
-            request_id=request_id,
-            stream=True,
-            priority=priority,
-        )
+        req = _request(chats, n, max_tokens, temperature, top_p, seed, pin_version,
+                       return_prompt_ids, priority, top_logprobs, request_id=request_id, stream=True)
         call = self.stub.Generate(req)
         try:
             async for c in call:
@@ -219,7 +212,7 @@ class RolloutClient:
 
         Not retried: results already handed out cannot be replayed (a failure surfaces as
         `Unavailable` or grpc.aio.AioRpcError). Leaving the loop early cancels the call."""
-        req = _whole_request(chats, n, max_tokens, temperature, top_p, seed, pin_version,
+        req = _request(chats, n, max_tokens, temperature, top_p, seed, pin_version,
                              return_prompt_ids, priority)
         call = self.stub.Generate(req)
         try:

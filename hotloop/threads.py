@@ -41,6 +41,14 @@ def parse_cpus(text: str) -> set[int]:
     return cpus
 
 
+def bound_cores(bind: str) -> set[int] | None:
+    """The cores of a `VLLM_CPU_OMP_THREADS_BIND` value (`[rollout] cpu_omp_threads_bind`):
+    None for `auto` / `nobind` (vLLM chooses, or nothing is bound); `|` separates ranks."""
+    if bind in ("auto", "nobind"):
+        return None
+    return parse_cpus(bind.replace("|", ","))
+
+
 def pin_threads(text: str) -> set[int]:
     """Pin every thread of this process to the CPUs of `text` (those this process may use at
     all). Returns the CPUs pinned to. A list naming none of the allowed CPUs is an error, not

@@ -466,12 +466,12 @@ class RolloutCore:
         trainer got ~5 s of CPU in 4 minutes. This process itself keeps its own cores."""
         import torch
 
-        bind = self.cfg.cpu_omp_threads_bind
-        if bind in ("auto", "nobind", "all") or torch.cuda.is_available():
-            return nullcontext()
-        from hotloop.threads import pinned
+        from hotloop.threads import bound_cores, pinned
 
-        return pinned(bind.replace("|", ","))
+        cores = bound_cores(self.cfg.cpu_omp_threads_bind)
+        if cores is None or torch.cuda.is_available():
+            return nullcontext()
+        return pinned(",".join(map(str, sorted(cores))))
 
     def _set_cpu_env(self) -> None:
         # Read by vLLM's CPU worker at engine start. On a 2-core host vLLM's default of one

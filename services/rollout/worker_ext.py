@@ -381,13 +381,12 @@ def _off_engine_cores() -> None:
     The other cores are the trainer's there, and a trainer is the one that can wait."""
     import os
 
-    from hotloop.threads import parse_cpus
+    from hotloop.threads import bound_cores
 
-    bind = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto")
-    if bind in ("auto", "nobind", "all"):
-        return
     try:
-        engine = parse_cpus(bind.replace("|", ","))
+        engine = bound_cores(os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto"))
+        if engine is None:
+            return
         others = set(range(os.cpu_count() or 1)) - engine
         if others:
             os.sched_setaffinity(0, others)

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from hotloop.threads import parse_cpus
+from hotloop.threads import bound_cores, parse_cpus
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -19,6 +19,8 @@ def test_cpu_lists_parse_like_taskset():
     assert parse_cpus("1") == {1}
     assert parse_cpus("0,2-4") == {0, 2, 3, 4}
     assert parse_cpus(" 3 , 1 ") == {1, 3}
+    assert bound_cores("auto") is None and bound_cores("nobind") is None
+    assert bound_cores("0-1|4") == {0, 1, 4}  # vLLM's per-rank lists
     for bad in ("", "a", "3-1", "-1", "1-x", ","):
         with pytest.raises(ValueError, match="bad CPU list"):
             parse_cpus(bad)
