@@ -180,9 +180,13 @@ async def test_status_counts_foreground_requests(rollout, priority, expected):
     """Users come at priority 0: Status counts those in flight (what a trainer that yields to
     users watches), not training requests at a larger priority, and forgets a cancelled one."""
     _, stub, _ = rollout
-    call = stub.Generate(stream_request([text_prompt("count:")], priority=priority, max_tokens=400))
+    # Greedy: the tiny model then runs all 400 tokens (seconds). Sampled, it may draw its end of
+    # turn within a few tokens (58 in one run) and finish before Status looks: CI saw that once.
+    call = stub.Generate(stream_request([text_prompt("count:")], priority=priority,
+                                        max_tokens=400, temperature=0))
     got = 0
-    async for _ in call:
+    async for msg in call:
+        assert not msg.final
         got += 1
         if got == 3:
             break
@@ -224,10 +228,13 @@ async def test_watch_load_follows_users_to_their_first_token(rollout):
 
         board = LoadReader.open(first.board_path, first.board_nonce)  # this host: readable
         assert board is not None and board.counts() == (0, 0)
-        train = stub.Generate(stream_request([text_prompt("train:")], priority=1, max_tokens=400))
+        # greedy, so neither ends by itself before it is cancelled (see the test above)
+        train = stub.Generate(stream_request([text_prompt("train:")], priority=1, max_tokens=400,
+                                             temperature=0))
         async for _ in train:
             break
-        user = stub.Generate(stream_request([text_prompt("user:")], priority=0, max_tokens=400))
+        user = stub.Generate(stream_request([text_prompt("user:")], priority=0, max_tokens=400,
+                                            temperature=0))
         async for _ in user:
             break  # the user has a first token: nobody waits, one user in flight
         seen = await _next_load(watch, (1, 0))
