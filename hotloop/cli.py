@@ -208,6 +208,9 @@ def build_parser() -> argparse.ArgumentParser:
     bts.add_argument("--samples", type=int, default=16, help="sequences per step")
     bts.add_argument("--prompt-tokens", type=int, default=64)
     bts.add_argument("--completion-tokens", type=int, default=128)
+    bts.add_argument("--group-size", type=int, default=1,
+                     help="samples per prompt (GRPO's G); above 1 also times the step with "
+                          "share_prompts off, in the same run")
     bts.add_argument("--steps", type=int, default=3, help="timed steps (median)")
     bts.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     bts.add_argument("--json", help="write results here")

@@ -1,14 +1,23 @@
 """Per-token logprobs of completions, computed only where they are needed.
 
 Owns: packing (prompt_ids, completion_ids) pairs into a right-padded batch, planning
-micro-batches by a padded-token budget, and `completion_logprobs`, the one function that both
-the trainer (policy logprobs, with gradients) and the reference service (frozen base logprobs)
-use, so that the two agree by construction.
+micro-batches by a padded-token budget, running a prompt that several completions share once
+(`plan_batches`, `prompt_states`), and `completion_logprobs`, the one function that both the
+trainer (policy logprobs, with gradients) and the reference service (frozen base logprobs) use,
+so that the two agree by construction.
 
 Why not `model(...).logits`: SmolLM2's vocabulary is 49,152 wide, so full logits over every
 position (prompt included) dominate time and memory on a CPU (NOTES.md). Here the transformer
 body runs once, the hidden states at the positions that predict completion tokens are gathered,
 and the output head plus a float32 log-softmax run over those rows only, in chunks.
+
+Why shared prompts: GRPO and PPO sample G completions of each prompt, so a step's batch holds
+each prompt G times. The body runs each distinct prompt once (`prompt_states`, keeping its
+keys and values per layer), and the completions of every micro-batch attend to those states
+as a KV cache. Exact: a completion token sees the same keys and values either way, and the
+gradient reaches the prompt's adapter weights through them (`PromptStates.leaves`, then one
+`backward_into`). On the demo's batch (8 prompts of ~81 tokens x 8 completions of <= 128)
+the body runs on ~45% fewer tokens.
 
 Does not own: loading models, optimizers, losses, or any service's request types. This module
 imports torch at the top; it is never imported by `hotloop/__init__.py` or the CLI.
@@ -30,9 +39,9 @@ class CompletionBatch:
 
     Right padding with causal attention means no real token ever attends to a pad, so
     position ids are plain `arange(T)` for every row and the pads' outputs are never read.
-    Packing several sequences per row would save padding, but HF's SDPA attention does not
-    isolate packed sequences (only flash-attention varlen does), so we sort by length instead
-    (see `plan_micro_batches`).
+    Packing several sequences per row would save the padding; sorting by length keeps it small
+    instead (see `plan_micro_batches`), and shared prompts (`plan_batches`) remove the larger
+    waste, a group's prompt run once per sample.
     """
 
     input_ids: Tensor  # [B, T] long
@@ -41,6 +50,9 @@ class CompletionBatch:
     prompt_lens: Tensor  # [B] long, >= 1
     completion_ids: Tensor  # [B, Tc] long, 0 on padding
     completion_mask: Tensor  # [B, Tc] bool
+    # Row b's prompt in the plan's `PromptSet` ([B] long), when the plan shares prompts;
+    # the full rows above stay valid, so a caller without the prompts' states can still run.
+    prompt_index: Tensor | None = None
 
     @property
     def num_completion_tokens(self) -> int:
@@ -60,7 +72,8 @@ class CompletionLogprobs:
 
 
 def collate(
-    pairs: Sequence[tuple[Sequence[int], Sequence[int]]], pad_id: int = 0
+    pairs: Sequence[tuple[Sequence[int], Sequence[int]]], pad_id: int = 0,
+    prompt_index: Sequence[int] | None = None,
 ) -> CompletionBatch:
     """Build a right-padded batch from (prompt_ids, completion_ids) pairs.
 
@@ -90,6 +103,8 @@ def collate(
         prompt_lens=torch.tensor([len(p) for p, _ in pairs], dtype=torch.long),
         completion_ids=completion_ids,
         completion_mask=completion_mask,
+        prompt_index=None if prompt_index is None else torch.tensor(list(prompt_index),
+                                                                    dtype=torch.long),
     )
 
 
@@ -112,6 +127,62 @@ def plan_micro_batches(lengths: Sequence[int], token_budget: int) -> list[list[i
         else:
             groups.append([i])
     return groups
+
+
+@dataclass(frozen=True)
+class PromptSet:
+    """The distinct prompts of a batch, right-padded: G rows, Lp = the longest."""
+
+    input_ids: Tensor  # [G, Lp] long
+    attention_mask: Tensor  # [G, Lp] long, 1 on real tokens
+    lens: Tensor  # [G] long
+
+    @property
+    def tokens(self) -> int:
+        """Padded tokens the body runs on (and keeps, with gradients, for a whole step)."""
+        return int(self.input_ids.numel())
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """Micro-batches over a list of pairs: `batches` holds (indices into the pairs, their
+    batch); `prompts` is set when the plan shares prompts (run them with `prompt_states`)."""
+
+    batches: list[tuple[list[int], CompletionBatch]]
+    prompts: PromptSet | None = None
+
+
+def plan_batches(
+    pairs: Sequence[tuple[Sequence[int], Sequence[int]]], token_budget: int, pad_id: int = 0,
+    share_prompts: bool = True,
+) -> BatchPlan:
+    """Micro-batches of at most `token_budget` padded tokens, with each distinct prompt run
+    once when some prompt repeats (`share_prompts`).
+
+    Sharing: the prompts' states stay alive (with their graph, when training) while every
+    micro-batch runs, so they count against the budget of each one: completions are planned
+    by their own lengths within what the prompts leave. Prompts over half the budget (long,
+    mostly distinct prompts, where sharing saves little) take the plain plan.
+    """
+    if not pairs:
+        raise ValueError("plan_batches needs at least one (prompt_ids, completion_ids) pair")
+    distinct: dict[tuple[int, ...], int] = {}
+    index = [distinct.setdefault(tuple(p), len(distinct)) for p, _ in pairs]
+    longest = max(len(p) for p in distinct)
+    if (not share_prompts or len(distinct) == len(pairs)
+            or len(distinct) * longest > token_budget // 2):
+        lengths = [len(p) + len(c) for p, c in pairs]
+        return BatchPlan([(idx, collate([pairs[i] for i in idx], pad_id=pad_id))
+                          for idx in plan_micro_batches(lengths, token_budget)])
+    prompts = collate([(p, ()) for p in distinct], pad_id=pad_id)
+    prompt_set = PromptSet(input_ids=prompts.input_ids, attention_mask=prompts.attention_mask,
+                           lens=prompts.prompt_lens)
+    budget = token_budget - prompt_set.tokens
+    batches = []
+    for idx in plan_micro_batches([max(len(pairs[i][1]), 1) for i in range(len(pairs))], budget):
+        batches.append((idx, collate([pairs[i] for i in idx], pad_id=pad_id,
+                                     prompt_index=[index[i] for i in idx])))
+    return BatchPlan(batches, prompt_set)
 
 
 def split_model(model: nn.Module) -> tuple[nn.Module, nn.Module]:
@@ -149,22 +220,114 @@ class CompletionHidden:
         return out.index_put((self.rows, self.cols), values.float())
 
 
-def completion_hidden(model: nn.Module, batch: CompletionBatch) -> CompletionHidden:
-    """Run the transformer body once and gather the hidden states at the positions that
-    predict completion tokens (see `CompletionHidden`). Differentiable under the caller's
-    grad / autocast context."""
+@dataclass(frozen=True)
+class PromptStates:
+    """What the body computed for a `PromptSet`: the keys and values of every layer (what a
+    completion attends to) and the final hidden state at each prompt's last token (what
+    predicts its first completion token)."""
+
+    keys: list[Tensor]  # per layer [G, kv_heads, Lp, head_dim]
+    values: list[Tensor]  # per layer [G, kv_heads, Lp, head_dim]
+    last: Tensor  # [G, H]
+    prompts: PromptSet
+
+    def tensors(self) -> list[Tensor]:
+        return [*self.keys, *self.values, self.last]
+
+    def leaves(self) -> PromptStates:
+        """Detached copies that collect gradients: the micro-batches' backwards stop here,
+        so the prompts' graph is walked once (`backward_into`), not once per micro-batch."""
+        def leaf(t: Tensor) -> Tensor:
+            return t.detach().requires_grad_(t.requires_grad)
+        n = len(self.keys)
+        ts = [leaf(t) for t in self.tensors()]
+        return PromptStates(keys=ts[:n], values=ts[n:2 * n], last=ts[-1], prompts=self.prompts)
+
+    def backward_into(self, leaves: PromptStates) -> None:
+        """Carry the gradients the leaves collected back through the prompts' graph (into the
+        adapter weights that produced these states)."""
+        pairs = [(t, g.grad) for t, g in zip(self.tensors(), leaves.tensors())
+                 if t.requires_grad and g.grad is not None]
+        if pairs:
+            torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
+
+
+def prompt_states(model: nn.Module, prompts: PromptSet) -> PromptStates:
+    """Run the body once over the distinct prompts (grad / autocast: the caller's)."""
+    from transformers import DynamicCache
+
     body, head = split_model(model)
     device = next(head.parameters()).device
+    G, Lp = prompts.input_ids.shape
+    cache = DynamicCache()
     hidden = body(
-        input_ids=batch.input_ids.to(device),
-        attention_mask=batch.attention_mask.to(device),
-        position_ids=batch.position_ids.to(device),
-        use_cache=False,
-    ).last_hidden_state  # [B, T, H]
+        input_ids=prompts.input_ids.to(device),
+        attention_mask=prompts.attention_mask.to(device),
+        position_ids=torch.arange(Lp, device=device).expand(G, Lp),
+        past_key_values=cache,
+        use_cache=True,
+    ).last_hidden_state  # [G, Lp, H]
+    last = hidden[torch.arange(G, device=device), prompts.lens.to(device) - 1]  # [G, H]
+    return PromptStates(keys=[layer.keys for layer in cache.layers],
+                        values=[layer.values for layer in cache.layers], last=last,
+                        prompts=prompts)
+
+
+def completion_hidden(model: nn.Module, batch: CompletionBatch,
+                      prompts: PromptStates | None = None) -> CompletionHidden:
+    """Run the transformer body and gather the hidden states at the positions that predict
+    completion tokens (see `CompletionHidden`). Differentiable under the caller's grad /
+    autocast context. With `prompts` (the batch's plan shared them), the body runs on the
+    completions only, attending to the prompts' states; otherwise on the full rows."""
+    if prompts is not None and batch.prompt_index is None:
+        raise ValueError("prompt states given for a batch planned without shared prompts")
+    body, head = split_model(model)
+    device = next(head.parameters()).device
     mask = batch.completion_mask.to(device)  # [B, Tc]
     rows, cols = mask.nonzero(as_tuple=True)  # [N], [N]: N completion tokens, row-major
-    src = batch.prompt_lens.to(device)[rows] - 1 + cols  # [N]
-    return CompletionHidden(hidden=hidden[rows, src], rows=rows, cols=cols, mask=mask)
+    if prompts is None:
+        hidden = body(
+            input_ids=batch.input_ids.to(device),
+            attention_mask=batch.attention_mask.to(device),
+            position_ids=batch.position_ids.to(device),
+            use_cache=False,
+        ).last_hidden_state  # [B, T, H]
+        src = batch.prompt_lens.to(device)[rows] - 1 + cols  # [N]
+        return CompletionHidden(hidden=hidden[rows, src], rows=rows, cols=cols, mask=mask)
+    states = _completion_states(body, batch, prompts, device)  # [B, Tc, H]
+    return CompletionHidden(hidden=states[rows, cols], rows=rows, cols=cols, mask=mask)
+
+
+def _completion_states(body: nn.Module, batch: CompletionBatch, prompts: PromptStates,
+                       device: torch.device) -> Tensor:
+    """[B, Tc, H]: at column t, the state that predicts completion token t. Column 0 is the
+    prompt's last state; column t >= 1 is the body's output at completion token t - 1, which
+    attends to its prompt's cached keys and values, then causally to the completion."""
+    from transformers import DynamicCache
+
+    which = batch.prompt_index.to(device)  # [B]
+    first = prompts.last.index_select(0, which)[:, None]  # [B, 1, H]
+    B, Tc = batch.completion_ids.shape
+    if Tc == 1:
+        return first
+    # Every row's cache is its prompt's, right-padded to Lp: the padding is masked out, and
+    # positions continue from each prompt's own length.
+    cache = DynamicCache(ddp_cache_data=[
+        (k.index_select(0, which), v.index_select(0, which))
+        for k, v in zip(prompts.keys, prompts.values)])
+    prompt_mask = prompts.prompts.attention_mask.to(device).index_select(0, which)  # [B, Lp]
+    attention_mask = torch.cat(
+        [prompt_mask, torch.ones((B, Tc - 1), dtype=prompt_mask.dtype, device=device)], dim=1)
+    position_ids = (prompts.prompts.lens.to(device).index_select(0, which)[:, None]
+                    + torch.arange(Tc - 1, device=device))  # [B, Tc-1]
+    out = body(
+        input_ids=batch.completion_ids[:, : Tc - 1].to(device),
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        past_key_values=cache,
+        use_cache=True,
+    ).last_hidden_state  # [B, Tc-1, H]
+    return torch.cat([first.to(out.dtype), out], dim=1)
 
 
 def completion_logprobs(
@@ -175,6 +338,7 @@ def completion_logprobs(
     temperature: float = 1.0,
     with_entropy: bool = False,
     hidden: CompletionHidden | None = None,
+    prompts: PromptStates | None = None,
 ) -> CompletionLogprobs:
     """log p(c_t | prompt, c_<t) for every completion token, [B, Tc], differentiable.
 
@@ -184,12 +348,13 @@ def completion_logprobs(
     result describes the distribution the sampler drew from, when it sampled with one.
     Entropy is computed without gradients (it is a metric here, not a loss term).
     `hidden`: the body's gathered states when the caller already ran it (PPO's shared-trunk
-    critic reads the same states), so the body runs once.
+    critic reads the same states), so the body runs once. `prompts`: the states of the
+    batch's shared prompts (see `plan_batches`).
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     _, head = split_model(model)
-    ch = hidden if hidden is not None else completion_hidden(model, batch)
+    ch = hidden if hidden is not None else completion_hidden(model, batch, prompts)
     h = ch.hidden  # [N, H]
     targets = batch.completion_ids.to(h.device)[ch.rows, ch.cols]  # [N]
 

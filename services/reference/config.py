@@ -32,6 +32,9 @@ class ReferenceConfig(BaseModel):
     token_budget: int = Field(4096, ge=16)
     """Padded tokens (rows x longest prompt+completion) per forward pass; also the most tokens
     the streaming path groups into one batch."""
+    share_prompts: bool = True
+    """Run each distinct prompt of a batch once (a GRPO group repeats its prompt G times);
+    the completions attend to its cached states. Exact; the trainer's `share_prompts` too."""
     chunk_tokens: int = Field(512, ge=1)
     """Completion positions per output-head chunk (a [chunk, vocab] fp32 block each)."""
     temperature: float = Field(1.0, gt=0)

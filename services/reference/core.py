@@ -27,7 +27,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from hotloop.errors import InvalidArgument
-from hotloop.logprobs import collate, completion_logprobs, plan_micro_batches
+from hotloop.logprobs import completion_logprobs, plan_batches, prompt_states
 from hotloop.models import resolve
 from services.reference.config import ReferenceConfig
 
@@ -118,15 +118,17 @@ class TorchBackend(ReferenceBackend):
     def score(self, pairs: Sequence[Pair]) -> list[list[float]]:
         self._check(pairs)
         out: list[list[float]] = [[] for _ in pairs]
-        lengths = [len(p) + len(c) for p, c in pairs]
-        for idx in plan_micro_batches(lengths, self.cfg.token_budget):
-            batch = collate([pairs[i] for i in idx], pad_id=self.pad_id)
+        plan = plan_batches(pairs, self.cfg.token_budget, self.pad_id, self.cfg.share_prompts)
+        with self._autocast():
+            prompts = None if plan.prompts is None else prompt_states(self.model, plan.prompts)
+        for idx, batch in plan.batches:
             with self._autocast():
                 lp = completion_logprobs(
                     self.model,
                     batch,
                     chunk_tokens=self.cfg.chunk_tokens,
                     temperature=self.cfg.temperature,
+                    prompts=prompts,
                 )
             for i, row in zip(idx, lp.rows()):
                 out[i] = row

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from hotloop.logprobs import CompletionBatch, collate, plan_micro_batches
+from hotloop.logprobs import CompletionBatch, PromptSet, plan_batches
 
 
 @dataclass(frozen=True)
@@ -85,10 +85,11 @@ def _pad(rows: Sequence[Sequence[float]], width: int) -> Tensor:
 
 
 def make_micro_batches(
-    samples: Sequence[Sample], token_budget: int, pad_id: int = 0
-) -> list[MicroBatch]:
+    samples: Sequence[Sample], token_budget: int, pad_id: int = 0, share_prompts: bool = True,
+) -> tuple[list[MicroBatch], PromptSet | None]:
     """Split samples into padded micro-batches of at most `token_budget` padded tokens
-    (a single sample over the budget gets one of its own)."""
+    (a single sample over the budget gets one of its own), and the prompts they share, which
+    the caller runs once (`hotloop.logprobs.plan_batches`; None: each row runs its prompt)."""
     with_ref = [s.ref_logprobs is not None for s in samples]
     if any(with_ref) and not all(with_ref):
         raise ValueError("either every sample carries ref_logprobs or none does")
@@ -96,9 +97,10 @@ def make_micro_batches(
     if any(with_values) and not all(with_values):
         raise ValueError("either every sample carries returns and old_values or none does")
     out = []
-    for idx in plan_micro_batches([s.num_tokens for s in samples], token_budget):
+    plan = plan_batches([(s.prompt_ids, s.completion_ids) for s in samples], token_budget,
+                        pad_id, share_prompts)
+    for idx, batch in plan.batches:
         group = [samples[i] for i in idx]
-        batch = collate([(s.prompt_ids, s.completion_ids) for s in group], pad_id=pad_id)
         width = batch.completion_ids.shape[1]
         advantages = [
             [float(s.advantage)] * len(s.completion_ids)
@@ -125,4 +127,4 @@ def make_micro_batches(
                 ),
             )
         )
-    return out
+    return out, plan.prompts

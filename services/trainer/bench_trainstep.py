@@ -269,19 +269,21 @@ def _cpu_model() -> str:
 
 
 def synthetic_samples(policy: Any, n: int, prompt_tokens: int, completion_tokens: int,
-                      seed: int = 0) -> list[Any]:
-    """`n` samples of the given shape: random ids in the vocabulary, old (and reference)
-    logprobs scored by the policy itself, so the importance ratio starts at 1, and random
-    sequence advantages."""
+                      seed: int = 0, group_size: int = 1) -> list[Any]:
+    """`n` samples of the given shape: random ids in the vocabulary, each prompt repeated for
+    `group_size` samples (GRPO's group), old (and reference) logprobs scored by the policy
+    itself, so the importance ratio starts at 1, and random sequence advantages."""
     import torch
 
     from services.trainer.batching import Sample
 
     g = torch.Generator().manual_seed(seed)
     vocab = policy.model.get_base_model().config.vocab_size
-    pairs = [(torch.randint(0, vocab, (prompt_tokens,), generator=g).tolist(),
+    prompts = [torch.randint(0, vocab, (prompt_tokens,), generator=g).tolist()
+               for _ in range(-(-n // group_size))]
+    pairs = [(prompts[i // group_size],
               torch.randint(0, vocab, (completion_tokens,), generator=g).tolist())
-             for _ in range(n)]
+             for i in range(n)]
     old = policy.logprobs(pairs)
     adv = torch.randn(n, generator=g).tolist()
     return [Sample(prompt_ids=p, completion_ids=c, old_logprobs=o, advantage=a, ref_logprobs=o)
@@ -290,10 +292,14 @@ def synthetic_samples(policy: Any, n: int, prompt_tokens: int, completion_tokens
 
 def run(model: str, dtype: str = "auto", samples: int = 16, prompt_tokens: int = 64,
         completion_tokens: int = 128, steps: int = 3, threads: int = 0, profile: bool = True,
-        say: Callable[[str], None] = print) -> dict[str, Any]:
+        group_size: int = 1, say: Callable[[str], None] = print) -> dict[str, Any]:
     """Build the policy, time `steps` train steps after one warm-up (median), benchmark the
     roofline, profile one more step; returns the JSON's fields. CPU only: the roofline is a
-    CPU matmul benchmark, so the policy is pinned to the CPU even where CUDA is present."""
+    CPU matmul benchmark, so the policy is pinned to the CPU even where CUDA is present.
+
+    `group_size` > 1 repeats each prompt as GRPO does and times the same batch again with
+    `share_prompts` off (A/B in one run). The FLOP model counts every row's whole prompt, so
+    the roofline ratio is then taken from the unshared steps, and tokens/s from the shared."""
     import torch
 
     from hotloop.hardware import cpu_capability
@@ -312,7 +318,8 @@ def run(model: str, dtype: str = "auto", samples: int = 16, prompt_tokens: int =
     shape = ModelShape.from_hf_config(policy.model.get_base_model().config)
     say(f"[train-step] {model}: {shape.layers} layers x {shape.hidden}, {dtype}, {nthreads} "
         f"threads; {samples} samples x ({prompt_tokens} prompt + {completion_tokens} completion)")
-    batch = synthetic_samples(policy, samples, prompt_tokens, completion_tokens)
+    batch = synthetic_samples(policy, samples, prompt_tokens, completion_tokens,
+                              group_size=group_size)
     lengths = [(len(s.prompt_ids), len(s.completion_ids)) for s in batch]
     flops = step_flops(shape, cfg.lora.r, lengths)
     tokens = sum(p + c for p, c in lengths)
@@ -320,18 +327,35 @@ def run(model: str, dtype: str = "auto", samples: int = 16, prompt_tokens: int =
     groups = plan_micro_batches([p + c for p, c in lengths], cfg.micro_batch_tokens)
     rows = max(len(grp) * max(sum(lengths[i]) for i in grp) for grp in groups)
 
-    say("[train-step] warm-up step...")
-    warm = policy.train_step(batch)
-    say(f"[train-step]   {warm.seconds:.2f} s ({warm.micro_batches} micro-batches)")
-    secs = []
-    mark0, ru0 = _cpu_busy(), resource.getrusage(resource.RUSAGE_SELF)
-    for k in range(steps):
-        t0 = time.perf_counter()
-        policy.train_step(batch)
-        secs.append(time.perf_counter() - t0)
-        say(f"[train-step] step {k + 1}/{steps}: {secs[-1]:.2f} s")
-    step_s = statistics.median(secs)
-    mark1, ru1 = _cpu_busy(), resource.getrusage(resource.RUSAGE_SELF)
+    def timed(label: str) -> tuple[Any, list[float], Any, Any]:
+        say(f"[train-step] warm-up step{label}...")
+        warm = policy.train_step(batch)
+        say(f"[train-step]   {warm.seconds:.2f} s ({warm.micro_batches} micro-batches)")
+        secs = []
+        mark, ru = _cpu_busy(), resource.getrusage(resource.RUSAGE_SELF)
+        for k in range(steps):
+            t0 = time.perf_counter()
+            policy.train_step(batch)
+            secs.append(time.perf_counter() - t0)
+            say(f"[train-step] step {k + 1}/{steps}{label}: {secs[-1]:.2f} s")
+        return warm, secs, mark, ru
+
+    shared_ab = None
+    if group_size > 1:
+        warm, secs, mark0, ru0 = timed(f" (shared prompts, groups of {group_size})")
+        mark1, ru1 = _cpu_busy(), resource.getrusage(resource.RUSAGE_SELF)
+        shared_s = statistics.median(secs)
+        policy.cfg = policy.cfg.model_copy(update={"share_prompts": False})
+        _, plain, _, _ = timed(" (every row runs its prompt)")
+        policy.cfg = policy.cfg.model_copy(update={"share_prompts": True})
+        shared_ab = {"step_s": shared_s, "step_s_unshared": statistics.median(plain),
+                     "speedup": statistics.median(plain) / shared_s,
+                     "step_s_all": secs, "step_s_unshared_all": plain}
+        step_s = statistics.median(plain)  # the FLOP model's step: every row runs its prompt
+    else:
+        warm, secs, mark0, ru0 = timed("")
+        mark1, ru1 = _cpu_busy(), resource.getrusage(resource.RUSAGE_SELF)
+        step_s = statistics.median(secs)
 
     say(f"[train-step] matmul roofline ({dtype}, M={rows}, head chunk "
         f"{min(cfg.logprob_chunk_tokens, completion)})...")
@@ -349,13 +373,16 @@ def run(model: str, dtype: str = "auto", samples: int = 16, prompt_tokens: int =
     if busy:
         say(f"[train-step] WARNING: other processes used {others:.2f} cores meanwhile; "
             "the numbers are low")
+    fastest = shared_ab["step_s"] if shared_ab else step_s
     return {
-        "tokens_per_s": tokens / step_s,
+        "tokens_per_s": tokens / fastest,
         "tokens_counted": "prompt + completion (real tokens, no padding)",
-        "completion_tokens_per_s": completion / step_s,
+        "completion_tokens_per_s": completion / fastest,
         "roofline_ratio": step_gflops / roof["gflops"],
-        "step_s": step_s,
+        "step_s": fastest,
         "step_s_all": secs,
+        "group_size": group_size,
+        "shared_prompts": shared_ab,
         "step_gflop": flops["total"] / 1e9,
         "step_gflop_by_part": {k: v / 1e9 for k, v in flops.items() if k != "total"},
         "step_gflops": step_gflops,
@@ -390,6 +417,10 @@ def table(r: dict[str, Any]) -> str:
     rows = [
         ("tokens/s (prompt+completion)", f"{r['tokens_per_s']:.0f}"),
         ("step", f"{r['step_s']:.2f} s ({r['micro_batches']} micro-batches)"),
+        *([("shared prompts", f"{r['shared_prompts']['speedup']:.2f}x faster than every row "
+            f"running its prompt ({r['shared_prompts']['step_s_unshared']:.2f} s; groups of "
+            f"{r['group_size']}; roofline below from those steps)")] if r.get("shared_prompts")
+          else []),
         ("step FLOPs", f"{r['step_gflop']:.0f} GFLOP ("
          + ", ".join(f"{k} {v:.0f}" for k, v in r["step_gflop_by_part"].items()) + ")"),
         ("achieved", f"{r['step_gflops']:.1f} GFLOP/s"),
@@ -412,7 +443,7 @@ def main(args: Any) -> int:
 
     result = run(str(models.resolve(args.model)), dtype=args.dtype, samples=args.samples,
                  prompt_tokens=args.prompt_tokens, completion_tokens=args.completion_tokens,
-                 steps=args.steps, threads=args.threads)
+                 steps=args.steps, threads=args.threads, group_size=args.group_size)
     result["model"] = args.model
     print(table(result))
     if args.json:

@@ -157,7 +157,12 @@ class TrainerConfig(_Strict):
     """Adapter settings."""
     micro_batch_tokens: int = Field(2048, ge=16)
     """Padded tokens (rows x longest prompt+completion) per forward/backward; gradients are
-    accumulated across micro-batches, so this bounds memory without changing the update."""
+    accumulated across micro-batches, so this bounds memory without changing the update. With
+    shared prompts: the prompts' tokens plus rows x longest completion."""
+    share_prompts: bool = True
+    """Run each distinct prompt of a batch once, its completions attending to its cached
+    states (`hotloop.logprobs.plan_batches`): a group of G samples repeats its prompt G
+    times. Exact, gradients included; off: every row runs its whole prompt."""
     logprob_chunk_tokens: int = Field(512, ge=1)
     """Completion positions per output-head chunk (each chunk holds a [chunk, vocab] fp32
     block)."""

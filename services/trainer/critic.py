@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor, nn
 
-from hotloop.logprobs import CompletionHidden, collate, completion_hidden, plan_micro_batches
+from hotloop.logprobs import CompletionHidden, completion_hidden, plan_batches, prompt_states
 from services.trainer.algorithms import value_loss
 from services.trainer.config import CriticSettings
 
@@ -124,11 +124,13 @@ class Critic:
         model = self.policy.model
         model.eval()
         out: list[list[float]] = [[] for _ in pairs]
-        lengths = [len(p) + len(c) for p, c in pairs]
-        for idx in plan_micro_batches(lengths, self.policy.cfg.micro_batch_tokens):
-            batch = collate([pairs[i] for i in idx], pad_id=self.policy.pad_id)
+        cfg = self.policy.cfg
+        plan = plan_batches(pairs, cfg.micro_batch_tokens, self.policy.pad_id, cfg.share_prompts)
+        with self.trunk(), self.policy.autocast():
+            prompts = None if plan.prompts is None else prompt_states(model, plan.prompts)
+        for idx, batch in plan.batches:
             with self.trunk(), self.policy.autocast():
-                hidden = completion_hidden(model, batch)
+                hidden = completion_hidden(model, batch, prompts)
             v = self.head_values(hidden).cpu()
             for i, row, m in zip(idx, v, hidden.mask.cpu()):
                 out[i] = row[m].tolist()

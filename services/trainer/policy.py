@@ -29,7 +29,7 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM
 
-from hotloop.logprobs import collate, completion_hidden, completion_logprobs, plan_micro_batches
+from hotloop.logprobs import completion_hidden, completion_logprobs, plan_batches, prompt_states
 from hotloop.models import resolve
 from services.trainer.algorithms import loss_normalizer, make_algorithm
 from services.trainer.batching import Sample, make_micro_batches
@@ -159,7 +159,8 @@ class LoraPolicy:
         cfg = self.cfg
         if cfg.loss.kl_beta > 0 and any(s.ref_logprobs is None for s in samples):
             raise ValueError("kl_beta > 0: every sample needs ref_logprobs")
-        micro = make_micro_batches(samples, cfg.micro_batch_tokens, self.pad_id)
+        micro, shared = make_micro_batches(samples, cfg.micro_batch_tokens, self.pad_id,
+                                           cfg.share_prompts)
         normalizer = loss_normalizer(
             [len(s.completion_ids) for s in samples], cfg.loss.aggregation
         )
@@ -187,10 +188,18 @@ class LoraPolicy:
         total = 0.0
         sums: dict[str, float] = {}
         value_sums: dict[str, float] = {}
+        prompts = leaves = None
+        if shared is not None:
+            # Each distinct prompt runs once; every micro-batch's backward stops at the leaves,
+            # and one backward after the last carries their gradients through the prompts.
+            self._check_stop(should_stop, critic)
+            with self.autocast():
+                prompts = prompt_states(self.model, shared)
+            leaves = prompts.leaves()
         for mb in micro:
             self._check_stop(should_stop, critic)
             with self.autocast():
-                hidden = completion_hidden(self.model, mb.batch)
+                hidden = completion_hidden(self.model, mb.batch, leaves)
                 out = completion_logprobs(
                     self.model,
                     mb.batch,
@@ -228,6 +237,9 @@ class LoraPolicy:
             n = m.pop("tokens")
             for k, v in m.items():
                 sums[k] = sums.get(k, 0.0) + v * n
+        if prompts is not None:
+            prompts.backward_into(leaves)
+            prompts = leaves = None  # the prompts' graph is freed before the optimizer runs
         extra = {k: v / max(tokens, 1) for k, v in {**sums, **value_sums}.items()}
         if critic is not None and not extra["value_loss"] <= critic.cfg.max_value_loss:
             self._zero_grad(critic)
@@ -270,15 +282,18 @@ class LoraPolicy:
     def _score(self, pairs: Sequence[tuple[Sequence[int], Sequence[int]]]) -> list[list[float]]:
         self.model.eval()
         out: list[list[float]] = [[] for _ in pairs]
-        lengths = [len(p) + len(c) for p, c in pairs]
-        for idx in plan_micro_batches(lengths, self.cfg.micro_batch_tokens):
-            batch = collate([pairs[i] for i in idx], pad_id=self.pad_id)
+        plan = plan_batches(pairs, self.cfg.micro_batch_tokens, self.pad_id,
+                            self.cfg.share_prompts)
+        with self.autocast():
+            prompts = None if plan.prompts is None else prompt_states(self.model, plan.prompts)
+        for idx, batch in plan.batches:
             with self.autocast():
                 lp = completion_logprobs(
                     self.model,
                     batch,
                     chunk_tokens=self.cfg.logprob_chunk_tokens,
                     temperature=self.cfg.temperature,
+                    prompts=prompts,
                 )
             for i, row in zip(idx, lp.rows()):
                 out[i] = row

@@ -82,6 +82,25 @@ def test_agrees_with_the_trainer_base_logprobs(cores, tiny_model, dtype, budget,
     assert _gap([r.logprobs for r in got], expected) <= tolerance
 
 
+def test_shared_prompts_score_as_whole_rows(cores, tiny_model) -> None:
+    """A stream batch holds GRPO groups (each prompt G times): running each prompt once gives
+    the same logprobs as whole rows, and the trainer's colocated reference still agrees
+    exactly in bf16 (the same plan, the same ops)."""
+    from tests.trainer.conftest import _grouped_pairs
+
+    pairs = _grouped_pairs(3, 4, seed=3)
+    reqs = [LogprobsRequest(f"g{i}", p, c) for i, (p, c) in enumerate(pairs)]
+    plain = ReferenceCore(ReferenceConfig(model=str(tiny_model), dtype="float32",
+                                          token_budget=48, share_prompts=False))
+    got = cores["float32", 48].logprobs(reqs)
+    assert _gap([r.logprobs for r in got], [r.logprobs for r in plain.logprobs(reqs)]) <= 1e-5
+    assert [len(r.logprobs) for r in got] == [len(c) for _, c in pairs]
+    policy = LoraPolicy(TrainerConfig(model=str(tiny_model), dtype="bfloat16",
+                                      micro_batch_tokens=4096))
+    bf16 = cores["bfloat16", 4096].logprobs(reqs)
+    assert _gap([r.logprobs for r in bf16], policy.base_logprobs(pairs)) == 0.0
+
+
 def test_bf16_differs_from_fp32_by_a_bounded_gap(cores) -> None:
     reqs = _requests(10, seed=2)
     fp32, bf16 = cores["float32", 4096].logprobs(reqs), cores["bfloat16", 4096].logprobs(reqs)

@@ -43,6 +43,26 @@ def _random_pairs(n: int, seed: int = 0, vocab: int = 400) -> list[tuple[list[in
     return pairs
 
 
+def _grouped_pairs(groups: int, size: int, seed: int = 0,
+                   vocab: int = 400) -> list[tuple[list[int], list[int]]]:
+    """`groups` prompts with `size` completions each (GRPO's batch shape), interleaved so a
+    group's rows are not adjacent; plus a one-token prompt with a one-token and an empty
+    completion (a batch whose completions are all length 1 has no completion forward)."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(3, vocab, (int(torch.randint(2, 12, (1,), generator=g)),),
+                             generator=g).tolist() for _ in range(groups)]
+    pairs = [(prompts[k], torch.randint(3, vocab, (int(torch.randint(1, 20, (1,), generator=g)),),
+                                        generator=g).tolist())
+             for _ in range(size) for k in range(groups)]
+    return pairs + [([5], [9]), ([5], [])]
+
+
+@pytest.fixture
+def grouped_pairs():
+    """grouped_pairs(groups, size, seed=0): prompts repeated as in a GRPO batch."""
+    return _grouped_pairs
+
+
 @pytest.fixture
 def random_pairs():
     """random_pairs(n, seed=0): n (prompt, completion) pairs of uneven lengths, ids in [3, 400)."""

@@ -67,7 +67,7 @@ def test_matmul_flops_match_what_a_train_step_runs(make_cfg) -> None:
 def test_main_writes_the_json_on_the_tiny_model(tiny_model: Path, tmp_path: Path) -> None:
     out = tmp_path / "bench" / "train-step.json"
     args = Namespace(model=str(tiny_model), dtype="float32", samples=3, prompt_tokens=4,
-                     completion_tokens=6, steps=1, threads=1, json=str(out))
+                     completion_tokens=6, steps=1, threads=1, json=str(out), group_size=1)
     assert main(args) == 0
     r = json.loads(out.read_text())
     for key in ("tokens_per_s", "roofline_ratio", "step_s", "step_gflop", "matmul_gflops"):
@@ -77,3 +77,18 @@ def test_main_writes_the_json_on_the_tiny_model(tiny_model: Path, tmp_path: Path
     shares = r["profile"]["shares"]
     assert sum(shares.values()) == pytest.approx(1.0, abs=1e-3)
     assert shares["matmul_base_head"] > 0 and shares["matmul_lora"] > 0
+    assert r["shared_prompts"] is None and r["group_size"] == 1
+
+
+def test_group_size_times_shared_and_unshared_prompts(tiny_model: Path, tmp_path: Path) -> None:
+    """GRPO's batch shape: the step with shared prompts, then the same batch with every row
+    running its prompt, both reported; tokens/s is the shared step's."""
+    out = tmp_path / "train-step.json"
+    args = Namespace(model=str(tiny_model), dtype="float32", samples=8, prompt_tokens=12,
+                     completion_tokens=6, steps=1, threads=1, json=str(out), group_size=4)
+    assert main(args) == 0
+    r = json.loads(out.read_text())
+    ab = r["shared_prompts"]
+    assert r["group_size"] == 4 and ab["step_s"] > 0 and ab["step_s_unshared"] > 0
+    assert ab["speedup"] == pytest.approx(ab["step_s_unshared"] / ab["step_s"])
+    assert r["tokens_per_s"] == pytest.approx(8 * 18 / ab["step_s"])

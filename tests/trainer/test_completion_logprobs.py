@@ -9,7 +9,14 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
-from hotloop.logprobs import collate, completion_logprobs, plan_micro_batches
+from hotloop.logprobs import (
+    collate,
+    completion_hidden,
+    completion_logprobs,
+    plan_batches,
+    plan_micro_batches,
+    prompt_states,
+)
 
 
 @pytest.fixture(scope="module")
@@ -78,3 +85,84 @@ def test_plan_micro_batches_covers_every_index_within_budget() -> None:
         if g != [5]:
             assert len(g) * max(lengths[i] for i in g) <= 40
     assert plan_micro_batches(lengths, 10_000) == [[5, 1, 2, 3, 4, 0, 6]]  # longest first
+
+
+def _adapted(tiny_model: Path):
+    base = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    torch.manual_seed(0)
+    for n, p in model.named_parameters():
+        if "lora_B" in n:
+            p.data.normal_(std=0.05)
+    return model
+
+
+def _run_plan(model, pairs, budget: int, share: bool):
+    """Logprobs and adapter gradients of sum(logprobs) over a plan, as the trainer runs one."""
+    model.zero_grad()
+    plan = plan_batches(pairs, budget, share_prompts=share)
+    states = None if plan.prompts is None else prompt_states(model, plan.prompts)
+    leaves = None if states is None else states.leaves()
+    rows: list[list[float]] = [[] for _ in pairs]
+    for idx, batch in plan.batches:
+        out = completion_logprobs(model, batch, chunk_tokens=5, prompts=leaves)
+        if out.logprobs.requires_grad:  # not a batch of empty completions only
+            out.logprobs.sum().backward()
+        for i, r in zip(idx, out.rows()):
+            rows[i] = r
+    if states is not None:
+        states.backward_into(leaves)
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return plan, rows, grads
+
+
+def test_shared_prompts_give_the_same_logprobs_and_gradients(tiny_model, grouped_pairs) -> None:
+    """Each distinct prompt run once, its completions attending to its cached states, over
+    several micro-batches: the same logprobs and the same adapter gradients (the prompts'
+    share included) as every row running its whole prompt."""
+    model = _adapted(tiny_model)
+    pairs = grouped_pairs(3, 4, seed=2)
+    plain, a, ga = _run_plan(model, pairs, 80, share=False)
+    shared, b, gb = _run_plan(model, pairs, 80, share=True)
+    assert plain.prompts is None and shared.prompts is not None
+    assert shared.prompts.input_ids.shape[0] == 4 and len(shared.batches) > 1
+    assert [len(r) for r in a] == [len(c) for _, c in pairs] == [len(r) for r in b]
+    assert max(abs(x - y) for r, s in zip(a, b) for x, y in zip(r, s)) < 1e-5
+    lora_a = [n for n in ga if "lora_A" in n]
+    assert sorted(ga) == sorted(gb) and lora_a  # every adapter weight got a gradient both ways
+    for n in ga:
+        torch.testing.assert_close(gb[n], ga[n], atol=1e-5, rtol=1e-4, msg=n)
+    # and with the shared states but without their backward, the prompts' share is missing
+    model.zero_grad()
+    states = prompt_states(model, shared.prompts)
+    for _, batch in shared.batches:
+        completion_logprobs(model, batch, prompts=states.leaves()).logprobs.sum().backward()
+    assert any(not torch.allclose(p.grad, ga[n], atol=1e-5)
+               for n, p in model.named_parameters() if p.grad is not None)
+    with pytest.raises(ValueError, match="without shared prompts"):
+        completion_hidden(model, collate(pairs[:2]), prompts=states)
+
+
+def test_a_batch_of_one_token_completions_needs_no_completion_forward(tiny_model) -> None:
+    model = _adapted(tiny_model)
+    pairs = [([7, 8, 9], [4]), ([7, 8, 9], [11]), ([5], [9]), ([5], [])]
+    _, a, _ = _run_plan(model, pairs, 4096, share=False)
+    _, b, _ = _run_plan(model, pairs, 4096, share=True)
+    assert [len(r) for r in b] == [1, 1, 1, 0]
+    assert max(abs(x - y) for r, s in zip(a, b) for x, y in zip(r, s)) < 1e-5
+
+
+def test_plan_batches_shares_repeated_prompts_within_the_budget(grouped_pairs, random_pairs) -> None:
+    pairs = grouped_pairs(4, 8, seed=1)
+    plan = plan_batches(pairs, 200)
+    assert plan.prompts is not None and plan.prompts.input_ids.shape[0] == 5
+    assert sorted(i for idx, _ in plan.batches for i in idx) == list(range(len(pairs)))
+    for idx, batch in plan.batches:
+        assert plan.prompts.tokens + len(idx) * max(len(pairs[i][1]) for i in idx) <= 200
+        for i, row in zip(idx, batch.prompt_index.tolist()):  # each row points at its prompt
+            lp = int(plan.prompts.lens[row])
+            assert plan.prompts.input_ids[row, :lp].tolist() == pairs[i][0]
+    # nothing repeats, sharing is off, or the prompts would take over half the budget: plain
+    assert plan_batches(random_pairs(6), 200).prompts is None
+    assert plan_batches(pairs, 200, share_prompts=False).prompts is None
+    assert plan_batches(pairs, 2 * plan.prompts.tokens - 1).prompts is None

@@ -35,6 +35,28 @@ def _params(policy: LoraPolicy) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in policy.trainable_parameters()}
 
 
+def test_shared_prompts_give_the_same_update(make_cfg, grouped_pairs) -> None:
+    """GRPO's batch (each prompt G times) over several micro-batches: running each prompt once
+    gives the same loss, gradients and update as running it in every row."""
+    kw = {"loss": {"kl_beta": 0.1}, "optimizer": {"max_grad_norm": 1e9}, "micro_batch_tokens": 80}
+    shared, plain = LoraPolicy(make_cfg(**kw)), LoraPolicy(make_cfg(share_prompts=False, **kw))
+    for pol in (shared, plain):
+        _perturb_adapter(pol)
+    pairs = [(p, c) for p, c in grouped_pairs(3, 4, seed=4) if c]
+    adv = [(-1.0) ** i * (1 + i % 3) for i in range(len(pairs))]
+    samples = [replace(s, old_logprobs=[x - 0.05 * (i % 2) for x in s.old_logprobs])
+               for i, s in enumerate(_samples(plain, pairs, adv))]
+    assert _samples(shared, pairs, adv)[0].ref_logprobs == pytest.approx(
+        samples[0].ref_logprobs, abs=1e-5)  # scoring shares prompts too
+    a, b = plain.train_step(samples), shared.train_step(samples)
+    assert b.micro_batches > 1 and b.micro_batches <= a.micro_batches
+    assert b.loss == pytest.approx(a.loss, abs=1e-6)
+    assert b.grad_norm == pytest.approx(a.grad_norm, rel=1e-4)
+    for (n, pa), (_, pb) in zip(plain.trainable_parameters(), shared.trainable_parameters()):
+        torch.testing.assert_close(pb.grad, pa.grad, atol=1e-5, rtol=1e-4, msg=n)
+        torch.testing.assert_close(pb, pa, atol=1e-6, rtol=1e-5, msg=n)
+
+
 @pytest.mark.parametrize("aggregation", ["token", "sequence"])
 def test_micro_batches_give_the_full_batch_gradient(make_cfg, random_pairs, aggregation) -> None:
     kw = {
