@@ -108,13 +108,17 @@ def collate(
     )
 
 
-def plan_micro_batches(lengths: Sequence[int], token_budget: int) -> list[list[int]]:
+def plan_micro_batches(lengths: Sequence[int], token_budget: int,
+                       min_fill: float = 0.0) -> list[list[int]]:
     """Group sequence indices so each group's padded size (rows x longest) fits the budget.
 
     Sorting by length (longest first) keeps padding small; each group lists indices into
     `lengths`, so callers scatter results back to the original order. A sequence longer than
     the budget gets a group of its own rather than an error: the budget bounds memory for
     normal batches, it is not a validation rule (max lengths are enforced upstream).
+    `min_fill` > 0 also closes a group, once it holds a quarter of the budget, before a
+    sequence shorter than `min_fill` x its longest: each row then wastes less than
+    1 - min_fill of its width to padding, at the price of more, smaller groups.
     """
     if token_budget < 1:
         raise ValueError(f"token_budget must be >= 1, got {token_budget}")
@@ -122,11 +126,20 @@ def plan_micro_batches(lengths: Sequence[int], token_budget: int) -> list[list[i
     groups: list[list[int]] = []
     for i in order:
         # Sorted descending: a group's first member is its longest, so padded = rows * first.
-        if groups and (len(groups[-1]) + 1) * lengths[groups[-1][0]] <= token_budget:
-            groups[-1].append(i)
-        else:
-            groups.append([i])
+        if groups:
+            rows, first = len(groups[-1]), lengths[groups[-1][0]]
+            fits = (rows + 1) * first <= token_budget
+            ragged = lengths[i] < min_fill * first and rows * first >= token_budget // 4
+            if fits and not ragged:
+                groups[-1].append(i)
+                continue
+        groups.append([i])
     return groups
+
+
+COMPLETION_MIN_FILL = 0.8
+"""Shared-prompt plans close a micro-batch before a completion shorter than this share of its
+longest (once it holds a quarter of the budget): see `plan_micro_batches`."""
 
 
 @dataclass(frozen=True)
@@ -179,7 +192,10 @@ def plan_batches(
                            lens=prompts.prompt_lens)
     budget = token_budget - prompt_set.tokens
     batches = []
-    for idx in plan_micro_batches([max(len(pairs[i][1]), 1) for i in range(len(pairs))], budget):
+    # Completions alone vary more in length than whole rows do (a group's answers end
+    # anywhere up to max_tokens), so padding would eat much of the saving: bound it.
+    lengths = [max(len(c), 1) for _, c in pairs]
+    for idx in plan_micro_batches(lengths, budget, min_fill=COMPLETION_MIN_FILL):
         batches.append((idx, collate([pairs[i] for i in idx], pad_id=pad_id,
                                      prompt_index=[index[i] for i in idx])))
     return BatchPlan(batches, prompt_set)

@@ -87,6 +87,16 @@ def test_plan_micro_batches_covers_every_index_within_budget() -> None:
     assert plan_micro_batches(lengths, 10_000) == [[5, 1, 2, 3, 4, 0, 6]]  # longest first
 
 
+def test_min_fill_bounds_the_padding_of_each_row() -> None:
+    """A group closes before a row shorter than min_fill x its longest, once it holds a
+    quarter of the budget; a smaller group keeps taking rows."""
+    lengths = [100, 95, 90, 85, 79, 70, 60, 10]
+    # 79 < 0.8 x 100 with 4 x 100 >= 250 held: a new group, which stays under 250 to the end
+    assert plan_micro_batches(lengths, 1000, min_fill=0.8) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert plan_micro_batches(lengths, 10_000, min_fill=0.8) == [list(range(8))]  # < a quarter
+    assert plan_micro_batches(lengths, 1000) == [list(range(8))]  # 8 x 100 fits: one group
+
+
 def _adapted(tiny_model: Path):
     base = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
     model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
