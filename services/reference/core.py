@@ -27,7 +27,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from hotloop.errors import InvalidArgument
-from hotloop.logprobs import completion_logprobs, plan_batches, prompt_states
+from hotloop.logprobs import can_share_prompts, completion_logprobs, plan_batches, prompt_states
 from hotloop.models import resolve
 from services.reference.config import ReferenceConfig
 
@@ -96,6 +96,10 @@ class TorchBackend(ReferenceBackend):
         pad = mc.pad_token_id if mc.pad_token_id is not None else mc.eos_token_id
         self.pad_id = int(pad if isinstance(pad, int) else 0)
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
+        if cfg.share_prompts and not can_share_prompts(model):
+            log.info("share_prompts: %s has sliding-window or hybrid attention; every row "
+                     "runs its whole prompt", mc.model_type)
+            self.cfg = cfg.model_copy(update={"share_prompts": False})
 
     def _autocast(self) -> contextlib.AbstractContextManager[Any]:
         # The trainer runs its bf16 base under autocast; doing the same here keeps the ops

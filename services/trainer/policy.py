@@ -29,7 +29,13 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM
 
-from hotloop.logprobs import completion_hidden, completion_logprobs, plan_batches, prompt_states
+from hotloop.logprobs import (
+    can_share_prompts,
+    completion_hidden,
+    completion_logprobs,
+    plan_batches,
+    prompt_states,
+)
 from hotloop.models import resolve
 from services.trainer.algorithms import loss_normalizer, make_algorithm
 from services.trainer.batching import Sample, make_micro_batches
@@ -116,6 +122,10 @@ class LoraPolicy:
         mc = base.config
         pad = mc.pad_token_id if mc.pad_token_id is not None else mc.eos_token_id
         self.pad_id = int(pad if isinstance(pad, int) else 0)
+        if cfg.share_prompts and not can_share_prompts(self.model):
+            log.info("share_prompts: %s has sliding-window or hybrid attention; every row "
+                     "runs its whole prompt", mc.model_type)
+            self.cfg = cfg = cfg.model_copy(update={"share_prompts": False})
         self.base_model_path = path
         # What a saved critic is checked against: the base's shape, not its path (the same
         # model can live in another directory on another host).

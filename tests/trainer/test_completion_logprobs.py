@@ -176,3 +176,18 @@ def test_plan_batches_shares_repeated_prompts_within_the_budget(grouped_pairs, r
     assert plan_batches(random_pairs(6), 200).prompts is None
     assert plan_batches(pairs, 200, share_prompts=False).prompts is None
     assert plan_batches(pairs, 2 * plan.prompts.tokens - 1).prompts is None
+
+
+def test_only_full_attention_models_share_prompts(tiny_lm) -> None:
+    """A sliding-window layer's keys are not what a plain cache holds: whole rows there."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from hotloop.logprobs import can_share_prompts
+
+    assert can_share_prompts(tiny_lm)
+    small = dict(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                 num_attention_heads=2, num_key_value_heads=1)
+    full = Qwen2ForCausalLM(Qwen2Config(**small))
+    sliding = Qwen2ForCausalLM(Qwen2Config(**small, use_sliding_window=True, sliding_window=8,
+                                           max_window_layers=0))
+    assert can_share_prompts(full) and not can_share_prompts(sliding)
