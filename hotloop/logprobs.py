@@ -338,8 +338,8 @@ def _completion_states(body: nn.Module, batch: CompletionBatch, prompts: PromptS
     which = batch.prompt_index.to(device)  # [B]
     first = prompts.last.index_select(0, which)[:, None]  # [B, 1, H]
     B, Tc = batch.completion_ids.shape
-    if Tc == 1:
-        return first
+    if Tc <= 1:  # one token each (column 0 only), or only empty completions (no column)
+        return first[:, :Tc]
     # Every row's cache is its prompt's, right-padded to Lp: the padding is masked out, and
     # positions continue from each prompt's own length.
     cache = DynamicCache(ddp_cache_data=[

@@ -208,6 +208,8 @@ class LoraPolicy:
             leaves = prompts.leaves()
         for mb in micro:
             self._check_stop(should_stop, critic)
+            if mb.batch.num_completion_tokens == 0:
+                continue  # only empty completions: no loss term, and no graph to backpropagate
             with self.autocast():
                 hidden = completion_hidden(self.model, mb.batch, leaves)
                 out = completion_logprobs(

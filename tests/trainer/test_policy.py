@@ -57,6 +57,19 @@ def test_shared_prompts_give_the_same_update(make_cfg, grouped_pairs) -> None:
         torch.testing.assert_close(pb, pa, atol=1e-6, rtol=1e-5, msg=n)
 
 
+def test_a_micro_batch_of_empty_completions_is_skipped(make_cfg) -> None:
+    """Shared-prompt plans sort empty completions last, where they can make a micro-batch of
+    their own: it adds nothing to the loss and must not fail the step."""
+    policy = LoraPolicy(make_cfg(micro_batch_tokens=60))
+    _perturb_adapter(policy)
+    prompt = [5, 6, 7, 8]
+    pairs = [(prompt, list(range(10, 10 + n))) for n in (20, 18, 17, 16)] + [(prompt, [])] * 2
+    samples = _samples(policy, pairs, [1.0, -1.0, 0.5, -0.5, 1.0, -1.0])
+    m = policy.train_step(samples)
+    assert not m.skipped and m.micro_batches >= 2 and math.isfinite(m.loss)
+    assert m.tokens == 71
+
+
 @pytest.mark.parametrize("aggregation", ["token", "sequence"])
 def test_micro_batches_give_the_full_batch_gradient(make_cfg, random_pairs, aggregation) -> None:
     kw = {
