@@ -183,10 +183,15 @@ class Intake:
                  trained: set[int], counters: Counters, fetch_max: int) -> None:
         self.consumer, self.queue, self.held = consumer, queue, held
         self.trained, self.counters, self.fetch_max = trained, counters, fetch_max
+        # Set before the task is cancelled. Python 3.11's wait_for (under nats-py's fetch) can
+        # turn a cancellation that lands as its timeout fires into a TimeoutError, which
+        # `fetch` reads as "nothing yet": without the flag the task fetched on and a stopping
+        # trainer waited out its 10 s bound (CI saw it once).
+        self.stopping = False
 
     async def run(self) -> None:
         full = False
-        while True:
+        while not self.stopping:
             free = self.queue.maxsize - self.queue.qsize()
             if free <= 0:
                 if not full:
@@ -299,8 +304,8 @@ async def run(job: OnlineConfig, trainer_cfg: TrainerConfig, model_dir: Path, me
         ack_wait_s=job.ack_wait_s, max_ack_pending=job.max_queue + in_flight)
     queue: asyncio.Queue[Pending] = asyncio.Queue(maxsize=job.max_queue)
     held: dict[int, Pending] = {}
-    intake = asyncio.create_task(
-        Intake(consumer, queue, held, trained, counters, job.batch_size).run(), name="intake")
+    intaker = Intake(consumer, queue, held, trained, counters, job.batch_size)
+    intake = asyncio.create_task(intaker.run(), name="intake")
     metrics_file = open(run_dir / "metrics.jsonl", "a")
 
     def write(kind: str, rec: dict) -> None:
@@ -464,6 +469,7 @@ async def run(job: OnlineConfig, trainer_cfg: TrainerConfig, model_dir: Path, me
         raise
     finally:
         await users.close()
+        intaker.stopping = True
         intake.cancel()
         try:
             await intake

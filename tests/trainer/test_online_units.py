@@ -126,3 +126,40 @@ def test_online_config_documents_every_field_and_enforces_bounds() -> None:
                 {"durable": "has.dot"}, {"unknown": 1}, {"max_staleness_s": 0}):
         with pytest.raises(ValidationError):
             OnlineConfig.model_validate(bad)
+
+
+def test_a_stopping_intake_ends_even_when_its_fetch_swallows_the_cancel() -> None:
+    """Python 3.11's wait_for (under nats-py's fetch) can turn a cancellation that lands as its
+    timeout fires into a timeout, which the consumer reads as "nothing yet". The intake must
+    still end once the loop stops it, not fetch on until the process gives up on it."""
+    import asyncio
+
+    from services.trainer.online import Counters, Intake
+
+    class SwallowingConsumer:  # what the bus's PullConsumer does after a swallowed cancel
+        fetches, swallowed = 0, False
+
+        async def fetch(self, batch, timeout_s):
+            self.fetches += 1
+            try:
+                await asyncio.sleep(timeout_s)
+            except asyncio.CancelledError:
+                if self.swallowed:  # only the first: a failing test must not hang
+                    raise
+                self.swallowed = True
+            return []
+
+    async def main() -> tuple[bool, int]:
+        consumer = SwallowingConsumer()
+        intake = Intake(consumer, asyncio.Queue(maxsize=4), {}, set(), Counters(), 2)
+        task = asyncio.create_task(intake.run())
+        await asyncio.sleep(0.05)
+        intake.stopping = True
+        task.cancel()
+        done, _ = await asyncio.wait({task}, timeout=2.0)
+        if not done:
+            task.cancel()
+        return bool(done), consumer.fetches
+
+    ended, fetches = asyncio.run(main())
+    assert ended and fetches == 1
