@@ -211,6 +211,8 @@ def build_parser() -> argparse.ArgumentParser:
     bts.add_argument("--group-size", type=int, default=1,
                      help="samples per prompt (GRPO's G); above 1 also times the step with "
                           "share_prompts off, in the same run")
+    bts.add_argument("--micro-batch-tokens", type=int, default=2048,
+                     help="the trainer's micro_batch_tokens (the demo's: 2048)")
     bts.add_argument("--steps", type=int, default=3, help="timed steps (median)")
     bts.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     bts.add_argument("--json", help="write results here")

@@ -292,7 +292,8 @@ def synthetic_samples(policy: Any, n: int, prompt_tokens: int, completion_tokens
 
 def run(model: str, dtype: str = "auto", samples: int = 16, prompt_tokens: int = 64,
         completion_tokens: int = 128, steps: int = 3, threads: int = 0, profile: bool = True,
-        group_size: int = 1, say: Callable[[str], None] = print) -> dict[str, Any]:
+        group_size: int = 1, micro_batch_tokens: int = 2048,
+        say: Callable[[str], None] = print) -> dict[str, Any]:
     """Build the policy, time `steps` train steps after one warm-up (median), benchmark the
     roofline, profile one more step; returns the JSON's fields. CPU only: the roofline is a
     CPU matmul benchmark, so the policy is pinned to the CPU even where CUDA is present.
@@ -308,9 +309,9 @@ def run(model: str, dtype: str = "auto", samples: int = 16, prompt_tokens: int =
     from services.trainer.policy import LoraPolicy
 
     # The demo's trainer (configs/demo.toml): LoRA r=16 on all linears, lr 1e-4, KL 0.04,
-    # micro-batches of 2048 padded tokens.
+    # micro-batches of 2048 padded tokens (the default of --micro-batch-tokens).
     cfg = TrainerConfig(model=model, dtype=dtype, device="cpu", torch_threads=threads or None,
-                        micro_batch_tokens=2048, lora={"r": 16, "alpha": 32},
+                        micro_batch_tokens=micro_batch_tokens, lora={"r": 16, "alpha": 32},
                         optimizer={"lr": 1e-4}, loss={"kl_beta": 0.04})
     load0 = os.getloadavg()[0]
     policy = LoraPolicy(cfg)  # resolves dtype "auto" and sets the threads before anything runs
@@ -406,6 +407,8 @@ def run(model: str, dtype: str = "auto", samples: int = 16, prompt_tokens: int =
         "sys_s_per_step": (ru1.ru_stime - ru0.ru_stime) / steps,
         "warmup_s": warm.seconds,
         "micro_batch_tokens": cfg.micro_batch_tokens,
+        # the process's peak so far (ru_maxrss is in KiB on Linux): what the budget costs
+        "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
         "lora_r": cfg.lora.r,
         "profile": prof,
         "other_cores": others,
@@ -417,7 +420,8 @@ def run(model: str, dtype: str = "auto", samples: int = 16, prompt_tokens: int =
 def table(r: dict[str, Any]) -> str:
     rows = [
         ("tokens/s (prompt+completion)", f"{r['tokens_per_s']:.0f}"),
-        ("step", f"{r['step_s']:.2f} s ({r['micro_batches']} micro-batches)"),
+        ("step", f"{r['step_s']:.2f} s ({r['micro_batches']} micro-batches of at most "
+         f"{r['micro_batch_tokens']} tokens; peak RSS {r['peak_rss_gib']:.1f} GiB)"),
         *([("shared prompts", f"{r['shared_prompts']['speedup']:.2f}x faster than every row "
             f"running its prompt ({r['shared_prompts']['step_s_unshared']:.2f} s; groups of "
             f"{r['group_size']}; roofline below from those steps)")] if r.get("shared_prompts")
@@ -444,7 +448,8 @@ def main(args: Any) -> int:
 
     result = run(str(models.resolve(args.model)), dtype=args.dtype, samples=args.samples,
                  prompt_tokens=args.prompt_tokens, completion_tokens=args.completion_tokens,
-                 steps=args.steps, threads=args.threads, group_size=args.group_size)
+                 steps=args.steps, threads=args.threads, group_size=args.group_size,
+                 micro_batch_tokens=args.micro_batch_tokens)
     result["model"] = args.model
     print(table(result))
     if args.json:

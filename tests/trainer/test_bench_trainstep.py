@@ -67,7 +67,8 @@ def test_matmul_flops_match_what_a_train_step_runs(make_cfg) -> None:
 def test_main_writes_the_json_on_the_tiny_model(tiny_model: Path, tmp_path: Path) -> None:
     out = tmp_path / "bench" / "train-step.json"
     args = Namespace(model=str(tiny_model), dtype="float32", samples=3, prompt_tokens=4,
-                     completion_tokens=6, steps=1, threads=1, json=str(out), group_size=1)
+                     completion_tokens=6, steps=1, threads=1, json=str(out), group_size=1,
+                     micro_batch_tokens=2048)
     assert main(args) == 0
     r = json.loads(out.read_text())
     for key in ("tokens_per_s", "roofline_ratio", "step_s", "step_gflop", "matmul_gflops"):
@@ -85,10 +86,12 @@ def test_group_size_times_shared_and_unshared_prompts(tiny_model: Path, tmp_path
     running its prompt, both reported; tokens/s is the shared step's."""
     out = tmp_path / "train-step.json"
     args = Namespace(model=str(tiny_model), dtype="float32", samples=8, prompt_tokens=12,
-                     completion_tokens=6, steps=1, threads=1, json=str(out), group_size=4)
+                     completion_tokens=6, steps=1, threads=1, json=str(out), group_size=4,
+                     micro_batch_tokens=64)
     assert main(args) == 0
     r = json.loads(out.read_text())
     ab = r["shared_prompts"]
     assert r["group_size"] == 4 and ab["step_s"] > 0 and ab["step_s_unshared"] > 0
     assert ab["speedup"] == pytest.approx(ab["step_s_unshared"] / ab["step_s"])
     assert r["tokens_per_s"] == pytest.approx(8 * 18 / ab["step_s"])
+    assert r["micro_batch_tokens"] == 64 and r["micro_batches"] > 1
