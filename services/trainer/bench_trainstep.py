@@ -359,6 +359,9 @@ def run(model: str, dtype: str = "auto", samples: int = 16, prompt_tokens: int =
         mark1, ru1 = _cpu_busy(), resource.getrusage(resource.RUSAGE_SELF)
         step_s = statistics.median(secs)
 
+    # The process's peak through the timed steps (ru_maxrss is in KiB on Linux), before the
+    # roofline's large matrices and the profiler: what the step's budget costs in memory.
+    peak_rss_gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     say(f"[train-step] matmul roofline ({dtype}, M={rows}, head chunk "
         f"{min(cfg.logprob_chunk_tokens, completion)})...")
     roof = matmul_roofline(shape, rows, tokens, min(cfg.logprob_chunk_tokens, completion),
@@ -407,8 +410,7 @@ def run(model: str, dtype: str = "auto", samples: int = 16, prompt_tokens: int =
         "sys_s_per_step": (ru1.ru_stime - ru0.ru_stime) / steps,
         "warmup_s": warm.seconds,
         "micro_batch_tokens": cfg.micro_batch_tokens,
-        # the process's peak so far (ru_maxrss is in KiB on Linux): what the budget costs
-        "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+        "peak_rss_gib": peak_rss_gib,
         "lora_r": cfg.lora.r,
         "profile": prof,
         "other_cores": others,
