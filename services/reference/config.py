@@ -30,8 +30,9 @@ class ReferenceConfig(BaseModel):
     """Where the model computes: `auto` is the first CUDA device when torch sees one, else the
     CPU (`dtype = "auto"` follows it, as in the trainer)."""
     token_budget: int = Field(4096, ge=16)
-    """Padded tokens (rows x longest prompt+completion) per forward pass; also the most tokens
-    the streaming path groups into one batch."""
+    """Padded tokens (rows x longest prompt+completion) per forward pass, or with shared prompts
+    the prompts' tokens plus rows x longest completion; also the most tokens (prompt +
+    completion, counted per request) the streaming path groups into one batch."""
     share_prompts: bool = True
     """Run each distinct prompt of a batch once (a GRPO group repeats its prompt G times);
     the completions attend to its cached states. Exact; the trainer's `share_prompts` too."""
