@@ -26,8 +26,10 @@ imports torch at the top; it is never imported by `hotloop/__init__.py` or the C
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -180,26 +182,66 @@ def plan_batches(
     """
     if not pairs:
         raise ValueError("plan_batches needs at least one (prompt_ids, completion_ids) pair")
+    for i, (p, _) in enumerate(pairs):
+        if len(p) == 0:
+            raise ValueError(f"pair {i} has an empty prompt; at least one token is required")
+    # An empty completion has no logprob to compute and nothing to train: it is in no batch
+    # (callers' rows start empty), so no micro-batch is ever all padding, without a graph.
+    keep = [i for i, (_, c) in enumerate(pairs) if len(c) > 0]
+    if not keep:
+        return BatchPlan([])
     distinct: dict[tuple[int, ...], int] = {}
-    index = [distinct.setdefault(tuple(p), len(distinct)) for p, _ in pairs]
+    index = {i: distinct.setdefault(tuple(pairs[i][0]), len(distinct)) for i in keep}
     longest = max(len(p) for p in distinct)
-    if (not share_prompts or len(distinct) == len(pairs)
+
+    def batches(lengths: list[int], budget: int, **kw) -> list[list[int]]:
+        """plan_micro_batches over the kept pairs, as indices into `pairs`."""
+        return [[keep[j] for j in idx] for idx in plan_micro_batches(lengths, budget, **kw)]
+
+    if (not share_prompts or len(distinct) == len(keep)
             or len(distinct) * longest > token_budget // 2):
-        lengths = [len(p) + len(c) for p, c in pairs]
+        lengths = [len(pairs[i][0]) + len(pairs[i][1]) for i in keep]
         return BatchPlan([(idx, collate([pairs[i] for i in idx], pad_id=pad_id))
-                          for idx in plan_micro_batches(lengths, token_budget)])
+                          for idx in batches(lengths, token_budget)])
     prompts = collate([(p, ()) for p in distinct], pad_id=pad_id)
     prompt_set = PromptSet(input_ids=prompts.input_ids, attention_mask=prompts.attention_mask,
                            lens=prompts.prompt_lens)
     budget = token_budget - prompt_set.tokens
-    batches = []
     # Completions alone vary more in length than whole rows do (a group's answers end
     # anywhere up to max_tokens), so padding would eat much of the saving: bound it.
-    lengths = [max(len(c), 1) for _, c in pairs]
-    for idx in plan_micro_batches(lengths, budget, min_fill=COMPLETION_MIN_FILL):
-        batches.append((idx, collate([pairs[i] for i in idx], pad_id=pad_id,
-                                     prompt_index=[index[i] for i in idx])))
-    return BatchPlan(batches, prompt_set)
+    lengths = [len(pairs[i][1]) for i in keep]
+    planned = [(idx, collate([pairs[i] for i in idx], pad_id=pad_id,
+                             prompt_index=[index[i] for i in idx]))
+               for idx in batches(lengths, budget, min_fill=COMPLETION_MIN_FILL)]
+    return BatchPlan(planned, prompt_set)
+
+
+def score_pairs(
+    model: nn.Module,
+    pairs: Sequence[tuple[Sequence[int], Sequence[int]]],
+    *,
+    token_budget: int,
+    pad_id: int = 0,
+    share_prompts: bool = True,
+    chunk_tokens: int = 512,
+    temperature: float = 1.0,
+    autocast: Callable[[], AbstractContextManager[Any]] = nullcontext,
+) -> list[list[float]]:
+    """Per-token logprobs of each pair's completion, in the order of `pairs`, planned by
+    `plan_batches`: the one scoring loop of the trainer's policy (and its colocated reference)
+    and of the reference service. Gradients: the caller's context (these two run it under
+    inference mode); `autocast`: the compute-dtype context of every forward."""
+    out: list[list[float]] = [[] for _ in pairs]
+    plan = plan_batches(pairs, token_budget, pad_id, share_prompts)
+    with autocast():
+        prompts = None if plan.prompts is None else prompt_states(model, plan.prompts)
+    for idx, batch in plan.batches:
+        with autocast():
+            lp = completion_logprobs(model, batch, chunk_tokens=chunk_tokens,
+                                     temperature=temperature, prompts=prompts)
+        for i, row in zip(idx, lp.rows()):
+            out[i] = row
+    return out
 
 
 def split_model(model: nn.Module) -> tuple[nn.Module, nn.Module]:

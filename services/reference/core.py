@@ -27,7 +27,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from hotloop.errors import InvalidArgument
-from hotloop.logprobs import can_share_prompts, completion_logprobs, plan_batches, prompt_states
+from hotloop.logprobs import can_share_prompts, score_pairs
 from hotloop.models import resolve
 from services.reference.config import ReferenceConfig
 
@@ -121,22 +121,10 @@ class TorchBackend(ReferenceBackend):
     @torch.inference_mode()
     def score(self, pairs: Sequence[Pair]) -> list[list[float]]:
         self._check(pairs)
-        out: list[list[float]] = [[] for _ in pairs]
-        plan = plan_batches(pairs, self.cfg.token_budget, self.pad_id, self.cfg.share_prompts)
-        with self._autocast():
-            prompts = None if plan.prompts is None else prompt_states(self.model, plan.prompts)
-        for idx, batch in plan.batches:
-            with self._autocast():
-                lp = completion_logprobs(
-                    self.model,
-                    batch,
-                    chunk_tokens=self.cfg.chunk_tokens,
-                    temperature=self.cfg.temperature,
-                    prompts=prompts,
-                )
-            for i, row in zip(idx, lp.rows()):
-                out[i] = row
-        return out
+        return score_pairs(self.model, pairs, token_budget=self.cfg.token_budget,
+                           pad_id=self.pad_id, share_prompts=self.cfg.share_prompts,
+                           chunk_tokens=self.cfg.chunk_tokens, temperature=self.cfg.temperature,
+                           autocast=self._autocast)
 
 
 def make_backend(cfg: ReferenceConfig, model_dir: Path | None = None) -> ReferenceBackend:

@@ -33,8 +33,8 @@ from hotloop.logprobs import (
     can_share_prompts,
     completion_hidden,
     completion_logprobs,
-    plan_batches,
     prompt_states,
+    score_pairs,
 )
 from hotloop.models import resolve
 from services.trainer.algorithms import loss_normalizer, make_algorithm
@@ -208,8 +208,6 @@ class LoraPolicy:
             leaves = prompts.leaves()
         for mb in micro:
             self._check_stop(should_stop, critic)
-            if mb.batch.num_completion_tokens == 0:
-                continue  # only empty completions: no loss term, and no graph to backpropagate
             with self.autocast():
                 hidden = completion_hidden(self.model, mb.batch, leaves)
                 out = completion_logprobs(
@@ -293,23 +291,10 @@ class LoraPolicy:
     @torch.inference_mode()
     def _score(self, pairs: Sequence[tuple[Sequence[int], Sequence[int]]]) -> list[list[float]]:
         self.model.eval()
-        out: list[list[float]] = [[] for _ in pairs]
-        plan = plan_batches(pairs, self.cfg.micro_batch_tokens, self.pad_id,
-                            self.cfg.share_prompts)
-        with self.autocast():
-            prompts = None if plan.prompts is None else prompt_states(self.model, plan.prompts)
-        for idx, batch in plan.batches:
-            with self.autocast():
-                lp = completion_logprobs(
-                    self.model,
-                    batch,
-                    chunk_tokens=self.cfg.logprob_chunk_tokens,
-                    temperature=self.cfg.temperature,
-                    prompts=prompts,
-                )
-            for i, row in zip(idx, lp.rows()):
-                out[i] = row
-        return out
+        return score_pairs(self.model, pairs, token_budget=self.cfg.micro_batch_tokens,
+                           pad_id=self.pad_id, share_prompts=self.cfg.share_prompts,
+                           chunk_tokens=self.cfg.logprob_chunk_tokens,
+                           temperature=self.cfg.temperature, autocast=self.autocast)
 
     def logprobs(self, pairs: Sequence[tuple[Sequence[int], Sequence[int]]]) -> list[list[float]]:
         """Per-token logprobs of each (prompt_ids, completion_ids) under the current policy."""

@@ -116,8 +116,7 @@ def _run_plan(model, pairs, budget: int, share: bool):
     rows: list[list[float]] = [[] for _ in pairs]
     for idx, batch in plan.batches:
         out = completion_logprobs(model, batch, chunk_tokens=5, prompts=leaves)
-        if out.logprobs.requires_grad:  # not a batch of empty completions only
-            out.logprobs.sum().backward()
+        out.logprobs.sum().backward()
         for i, r in zip(idx, out.rows()):
             rows[i] = r
     if states is not None:
@@ -166,7 +165,9 @@ def test_plan_batches_shares_repeated_prompts_within_the_budget(grouped_pairs, r
     pairs = grouped_pairs(4, 8, seed=1)
     plan = plan_batches(pairs, 200)
     assert plan.prompts is not None and plan.prompts.input_ids.shape[0] == 5
-    assert sorted(i for idx, _ in plan.batches for i in idx) == list(range(len(pairs)))
+    planned = sorted(i for idx, _ in plan.batches for i in idx)
+    assert planned == [i for i, (_, c) in enumerate(pairs) if c]  # empty completions: none
+    assert len(planned) == len(pairs) - 1
     for idx, batch in plan.batches:
         assert plan.prompts.tokens + len(idx) * max(len(pairs[i][1]) for i in idx) <= 200
         for i, row in zip(idx, batch.prompt_index.tolist()):  # each row points at its prompt
@@ -176,6 +177,9 @@ def test_plan_batches_shares_repeated_prompts_within_the_budget(grouped_pairs, r
     assert plan_batches(random_pairs(6), 200).prompts is None
     assert plan_batches(pairs, 200, share_prompts=False).prompts is None
     assert plan_batches(pairs, 2 * plan.prompts.tokens - 1).prompts is None
+    assert plan_batches([([5], []), ([5], [])], 200).batches == []
+    with pytest.raises(ValueError, match="empty prompt"):
+        plan_batches([([], [1])], 200)
 
 
 def test_only_full_attention_models_share_prompts(tiny_lm) -> None:
