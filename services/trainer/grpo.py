@@ -26,6 +26,7 @@ from typing import Literal
 
 from pydantic import ConfigDict, Field
 
+from hotloop.aio import raise_if_cancelled
 from hotloop.clients import Completion, ReferenceClient, RewardClient, RolloutClient, ScoreItem
 from hotloop.config import Section
 from hotloop.tasks import CodeTask, load_tasks
@@ -311,6 +312,7 @@ async def run(job: GrpoJobConfig, trainer_cfg, model_dir: Path, mesh: Mesh, run_
     resume_at = ({**stream.position(), "version": version}, policy.step)
     try:
         for step in bar:
+            raise_if_cancelled()  # a Ctrl-C that a library swallowed mid-step (hotloop.aio)
             secs: dict[str, float] = {}
             resume_at = ({**stream.position(), "version": version}, policy.step)
             with tracer.start_as_current_span("grpo.step", attributes={"step": step}):

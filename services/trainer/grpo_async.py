@@ -37,6 +37,7 @@ from pathlib import Path
 
 from pydantic import Field
 
+from hotloop.aio import raise_if_cancelled
 from hotloop.clients import Completion, Score
 from hotloop.tasks import CodeTask, load_tasks
 
@@ -303,6 +304,7 @@ async def run(job: AsyncGrpoJobConfig, trainer_cfg, model_dir: Path, mesh: Mesh,
     prod = asyncio.create_task(producer())
     try:
         for step in bar:
+            raise_if_cancelled()  # a Ctrl-C that a library swallowed mid-step (hotloop.aio)
             secs: dict[str, float] = {}
             resume_at = ({**trained_position, "version": version}, policy.step)
             with tracer.start_as_current_span("grpo.step", attributes={"step": step}):

@@ -61,6 +61,7 @@ from typing import Any
 from opentelemetry import trace
 
 from hotloop import telemetry
+from hotloop.aio import raise_if_cancelled
 from hotloop.bus import FEEDBACK, Bus, BusError, PullConsumer, Received
 from hotloop.clients import ReferenceClient, RolloutClient
 from hotloop.proto.v1 import bus_pb2, common_pb2
@@ -183,15 +184,13 @@ class Intake:
                  trained: set[int], counters: Counters, fetch_max: int) -> None:
         self.consumer, self.queue, self.held = consumer, queue, held
         self.trained, self.counters, self.fetch_max = trained, counters, fetch_max
-        # Set before the task is cancelled. Python 3.11's wait_for (under nats-py's fetch) can
-        # turn a cancellation that lands as its timeout fires into a TimeoutError, which
-        # `fetch` reads as "nothing yet": without the flag the task fetched on and a stopping
-        # trainer waited out its 10 s bound (CI saw it once).
-        self.stopping = False
 
     async def run(self) -> None:
         full = False
-        while not self.stopping:
+        while True:
+            # nats-py's fetch can swallow the loop's cancel (hotloop.aio): without this check
+            # the task fetched on and a stopping trainer waited out its 10 s bound
+            raise_if_cancelled()
             free = self.queue.maxsize - self.queue.qsize()
             if free <= 0:
                 if not full:
@@ -349,6 +348,9 @@ async def run(job: OnlineConfig, trainer_cfg: TrainerConfig, model_dir: Path, me
     try:
         users.watch()
         while job.max_steps == 0 or updates < job.max_steps:
+            # A stop that a library swallowed mid-step (hotloop.aio) ends the loop here rather
+            # than leaving it idle in `_take` until the process gives up on it.
+            raise_if_cancelled()
             first = await _take(queue, intake, None)  # idle until feedback arrives: not a stage
             secs: dict[str, float] = {}
             parent = telemetry.extract_context(first.msg.headers)
@@ -469,7 +471,6 @@ async def run(job: OnlineConfig, trainer_cfg: TrainerConfig, model_dir: Path, me
         raise
     finally:
         await users.close()
-        intaker.stopping = True
         intake.cancel()
         try:
             await intake

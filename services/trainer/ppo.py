@@ -37,6 +37,7 @@ from typing import Literal
 
 from pydantic import Field
 
+from hotloop.aio import raise_if_cancelled
 from hotloop.clients import TRAINING_PRIORITY, Completion, ScoreItem
 from hotloop.tasks import CodeTask, load_tasks
 
@@ -249,6 +250,7 @@ async def run(job: PpoJobConfig, trainer_cfg, model_dir: Path, mesh: Mesh, run_d
                    dynamic_ncols=True)
         train_t0 = time.monotonic()
         for step in bar:
+            raise_if_cancelled()  # a Ctrl-C that a library swallowed mid-step (hotloop.aio)
             secs: dict[str, float] = {}
             paused0 = users.paused_s
             with tracer.start_as_current_span("ppo.step", attributes={"step": step}):

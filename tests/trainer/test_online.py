@@ -350,6 +350,40 @@ async def test_killed_trainer_resumes_with_nothing_lost_and_nothing_trained_twic
     assert (await gateway.client.status()).latest_version == summary["version"]
 
 
+async def test_a_stop_that_a_library_swallows_mid_step_still_ends_the_loop(
+        gateway, nats_server, rollout, tmp_path, make_cfg, tiny_model):
+    """Python 3.11's wait_for (under nats-py's requests) returns its reply when the reply and a
+    cancellation land together, and the loop never sees the CancelledError. The loop must end
+    after the step in flight, not idle for feedback until its process gives up on it (CI saw a
+    SIGTERM'd trainer do that for 10 s). What it trained but did not checkpoint is redelivered."""
+    await gateway.serve("s1")
+    await gateway.feedback("s1", 1.0)
+    mesh = await make_mesh(nats_server.url, rollout, tmp_path)
+    real_traffic = mesh.bus.traffic
+
+    async def traffic_swallowing_the_stop(rid, choice):
+        tr = await real_traffic(rid, choice)
+        asyncio.current_task().cancel()  # the stop lands as the reply does ...
+        try:
+            await asyncio.sleep(0)
+        except asyncio.CancelledError:  # ... and wait_for returns the reply instead
+            pass
+        return tr
+
+    mesh.bus.traffic = traffic_swallowing_the_stop
+    loop = asyncio.create_task(online.run(job(tmp_path, max_steps=0, checkpoint_interval=10),
+                                          make_cfg(), tiny_model, mesh, tmp_path / "run"))
+    try:
+        done, _ = await asyncio.wait({loop}, timeout=60)
+    finally:
+        loop.cancel()
+        await asyncio.wait({loop})
+        await close_mesh(mesh)
+    assert done and loop.cancelled(), "the loop idled on after its stop"
+    assert [r["feedback"] for r in records(tmp_path)] == [1]  # the step in flight finished
+    assert (await gateway.consumer()).num_ack_pending == 1  # not checkpointed: redelivered later
+
+
 async def test_a_flood_meets_the_bounded_queue_and_nothing_is_lost(
         gateway, nats_server, rollout, tmp_path, make_cfg, tiny_model):
     await gateway.serve("f")

@@ -1,0 +1,75 @@
+"""`hotloop.aio`: a cancellation that Python 3.11's `wait_for` swallows still stops a loop that
+checks for it."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from hotloop.aio import cancel_requested, raise_if_cancelled
+
+
+def test_a_cancel_swallowed_by_wait_for_is_still_seen_and_raised() -> None:
+    async def main() -> tuple[str, bool, bool]:
+        fut = asyncio.get_running_loop().create_future()
+
+        async def worker() -> tuple[str, bool, bool]:
+            before = cancel_requested()
+            got = await asyncio.wait_for(fut, 5)  # returns the result, swallowing the cancel
+            seen = cancel_requested()
+            try:
+                raise_if_cancelled()
+            except asyncio.CancelledError:
+                return got, before, seen
+            return got, before, False
+
+        task = asyncio.create_task(worker())
+        await asyncio.sleep(0.01)
+        fut.set_result("reply")  # the reply and the cancellation land on the same iteration
+        task.cancel()
+        return await task
+
+    got, before, seen = asyncio.run(main())
+    assert got == "reply" and not before and seen
+
+
+def test_a_loop_that_checks_ends_after_a_swallowed_cancel_and_an_unasked_one_does_not() -> None:
+    async def main() -> int:
+        steps = 0
+
+        async def step() -> None:
+            nonlocal steps
+            steps += 1
+            if steps == 2:  # a library swallows the cancel that lands in this step
+                asyncio.current_task().cancel()
+                try:
+                    await asyncio.sleep(0)
+                except asyncio.CancelledError:
+                    pass
+
+        async def loop() -> None:
+            while True:
+                raise_if_cancelled()
+                await step()
+                await asyncio.sleep(0)
+
+        task = asyncio.create_task(loop())
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(task, 2)
+        return steps
+
+    assert asyncio.run(main()) == 2  # the step in flight finished; no third started
+
+
+def test_timeouts_that_asyncio_undoes_are_not_taken_for_a_stop() -> None:
+    async def main() -> bool:
+        try:
+            async with asyncio.timeout(0.01):  # cancels, then uncancels on its way out
+                await asyncio.sleep(1)
+        except TimeoutError:
+            pass
+        raise_if_cancelled()
+        return cancel_requested()
+
+    assert asyncio.run(main()) is False
