@@ -109,14 +109,15 @@ def _chat_prompts(chats: Sequence[Sequence[dict[str, str]]]) -> list[common_pb2.
 
 
 def _request(chats, n, max_tokens, temperature, top_p, seed, pin_version, return_prompt_ids,
-             priority, top_logprobs: int = 0, **extra) -> rollout_pb2.GenerateRequest:
+             priority, top_logprobs: int = 0, stop: Sequence[str] = (),
+             **extra) -> rollout_pb2.GenerateRequest:
     """The Generate request of `generate`, `generate_each` (whole completions) and `stream`
     (`extra`: request_id, stream)."""
     return rollout_pb2.GenerateRequest(
         prompts=_chat_prompts(chats),
         sampling=common_pb2.SamplingParams(
             n=n, max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
-            top_logprobs=top_logprobs,
+            top_logprobs=top_logprobs, stop=list(stop),
         ),
         pin_version=pin_version,
         return_prompt_ids=return_prompt_ids,
@@ -151,12 +152,15 @@ class RolloutClient:
         pin_version: int = 0,
         return_prompt_ids: bool = True,
         priority: int = 0,
+        stop: Sequence[str] = (),
     ) -> list[Completion]:
         """Sample `n` completions per chat; returned sorted by (prompt, sample). `priority`:
         lower is admitted first where the engine schedules by priority (users come at 0;
-        training that must yield to them asks for `TRAINING_PRIORITY`)."""
+        training that must yield to them asks for `TRAINING_PRIORITY`). `stop`: strings that
+        end a completion (left out of its text; its token ids and logprobs keep every
+        sampled token)."""
         req = _request(chats, n, max_tokens, temperature, top_p, seed, pin_version,
-                             return_prompt_ids, priority)
+                       return_prompt_ids, priority, stop=stop)
 
         async def run():
             return [c async for c in self.stub.Generate(req)]
@@ -205,6 +209,7 @@ class RolloutClient:
         pin_version: int = 0,
         return_prompt_ids: bool = True,
         priority: int = 0,
+        stop: Sequence[str] = (),
     ) -> AsyncIterator[Completion]:
         """`generate`, but each whole completion as soon as the engine finishes it (a prompt's
         `n` samples arrive together), in finishing order, so a caller can score the first
@@ -213,7 +218,7 @@ class RolloutClient:
         Not retried: results already handed out cannot be replayed (a failure surfaces as
         `Unavailable` or grpc.aio.AioRpcError). Leaving the loop early cancels the call."""
         req = _request(chats, n, max_tokens, temperature, top_p, seed, pin_version,
-                             return_prompt_ids, priority)
+                       return_prompt_ids, priority, stop=stop)
         call = self.stub.Generate(req)
         try:
             async for c in _unavailable_named("rollout", self.address, call):

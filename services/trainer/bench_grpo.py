@@ -338,14 +338,16 @@ class Bench:
             await edge.close()
 
 
-def run_peer(out: Path, model_dir: Path, steps: int, threads: int | None, reward: str, say) -> dict:
+def run_peer(out: Path, model_dir: Path, steps: int, threads: int | None, reward: str, say,
+             stop: list[str] = ()) -> dict:
     """TRL's GRPOTrainer in its own process, scored by the reward service at `reward`; its
     figure, or why there is none."""
     path = out / "peer-trl.json"
     log_path = out / "peer-trl.log"
     cmd = [sys.executable, "-m", "services.trainer.bench_grpo_trl", "--model", str(model_dir),
            "--steps", str(steps), "--reward", reward, "--json", str(path)] \
-        + (["--threads", str(threads)] if threads else [])
+        + (["--threads", str(threads)] if threads else []) \
+        + [a for s in stop for a in ("--stop", s)]
     say(f"peer: TRL GRPOTrainer, {steps} steps of the same configuration (log {log_path})")
     popen = None
     try:
@@ -442,7 +444,7 @@ def main(args) -> int:
     # every sample counts, trained or not (skipped uniform groups too): what each recipe produced
     bench = Bench(out, args.steps, args.max_staleness, trainer_cfg.batch_prompts * trainer_cfg.group_size, say)
     say(f"{trainer_cfg.batch_prompts} prompts x {trainer_cfg.group_size} samples x {trainer_cfg.max_new_tokens} "
-        f"tokens, {args.steps} steps sync then {args.steps} async (max_staleness {args.max_staleness})"
+        f"tokens{f' (stop {job.stop!r})' if job.stop else ''}, {args.steps} steps sync then {args.steps} async (max_staleness {args.max_staleness})"
         + (", then TRL's GRPOTrainer" if args.peer else "") + f"; run files under {out}")
     sampler = CpuSampler()
     interrupted = False
@@ -483,7 +485,7 @@ def main(args) -> int:
                 reward = reward_mesh.info.endpoints["reward"]
                 peer = run_peer(out, models.resolve(mesh_cfg.model.name), args.peer_steps,
                                 trainer_cfg.torch_threads, reward if isinstance(reward, str) else reward[0],
-                                say)
+                                say, stop=job.stop)
         except KeyboardInterrupt:
             interrupted = True
         finally:
@@ -499,7 +501,8 @@ def main(args) -> int:
         "settings": {"config": config_path, "overrides": list(args.set), "steps": args.steps,
                      "max_staleness": args.max_staleness, "peer": args.peer, "peer_steps": args.peer_steps,
                      "batch_prompts": trainer_cfg.batch_prompts, "group_size": trainer_cfg.group_size,
-                     "max_new_tokens": trainer_cfg.max_new_tokens, "lora_r": trainer_cfg.lora.r,
+                     "max_new_tokens": trainer_cfg.max_new_tokens, "stop": job.stop,
+                     "lora_r": trainer_cfg.lora.r,
                      "lr": trainer_cfg.optimizer.lr, "kl_beta": trainer_cfg.loss.kl_beta,
                      "dtype": trainer_cfg.dtype, "torch_threads": trainer_cfg.torch_threads,
                      "run_dir": str(out)},

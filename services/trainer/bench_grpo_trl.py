@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import os
 import statistics
@@ -42,6 +43,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--beta", type=float, default=0.04)
     p.add_argument("--rank", type=int, default=16)
+    p.add_argument("--stop", action="append", default=[],
+                   help="a stop string, as hotloop's [grpo] stop (repeatable)")
     p.add_argument("--reward", required=True, help="the reward service's address")
     p.add_argument("--json", required=True, help="write the result here")
     args = p.parse_args(argv)
@@ -94,6 +97,10 @@ def main(argv: list[str] | None = None) -> int:
 
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
     tok = AutoTokenizer.from_pretrained(args.model)
+    if args.stop:
+        # HF generate stops on strings only when handed the tokenizer, which TRL's generate
+        # call does not pass; the peft wrapper TRL adds reaches this model's `generate`.
+        model.generate = functools.partial(model.generate, tokenizer=tok)
     micro = max(1, args.prompts * args.group // 4)
     cfg = GRPOConfig(
         output_dir=tempfile.mkdtemp(prefix="trl-peer-"), use_cpu=True, bf16=False, fp16=False,
@@ -101,6 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         num_generations=args.group, max_completion_length=args.max_tokens, temperature=1.0,
         learning_rate=args.lr, beta=args.beta, max_steps=args.steps, logging_steps=1,
         save_strategy="no", report_to="none", seed=0, shuffle_dataset=False,
+        generation_kwargs={"stop_strings": args.stop} if args.stop else None,
     )
     trainer = GRPOTrainer(
         model=model, processing_class=tok, reward_funcs=reward, args=cfg, train_dataset=data,

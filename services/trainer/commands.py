@@ -124,7 +124,7 @@ def evaluate(args) -> int:
         try:
             return await evaluate(rollout, reward, tasks, samples=args.samples,
                                   temperature=job.eval_temperature, max_tokens=trainer_cfg.max_new_tokens,
-                                  version=args.version, ks=ks)
+                                  version=args.version, ks=ks, stop=job.stop)
         finally:
             await rollout.close()
             await reward.close()

@@ -20,9 +20,10 @@ import random
 import statistics
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import ConfigDict, Field
 
@@ -54,6 +55,11 @@ class TaskJobConfig(Section):
     """Run reports and checkpoints go under `<out_dir>/<run_id>/`."""
     seed: int = 0
     """Task order."""
+    stop: list[Annotated[str, Field(min_length=1)]] = Field(default_factory=list, max_length=8)
+    """Strings that end a completion, in training and in evaluation alike (left out of its
+    text; its tokens are trained on). The demo ends each completion at the first code block's
+    closing fence followed by a blank line, where the model moves on to prose and further
+    examples that the reward never reads: that halves the tokens every stage pays for."""
 
 
 class GrpoJobConfig(TaskJobConfig):
@@ -153,12 +159,12 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 async def evaluate(rollout: RolloutClient, reward: RewardClient, tasks: list[CodeTask],
                    samples: int, temperature: float, max_tokens: int, version: int = 0,
-                   ks: tuple[int, ...] = (1,), step: int = 0) -> EvalRecord:
+                   ks: tuple[int, ...] = (1,), step: int = 0, stop: Sequence[str] = ()) -> EvalRecord:
     """pass@k of the version the replica serves (or `version` when pinned) on `tasks`."""
     greedy = samples == 1
     comps = await rollout.generate(
         [chat(t) for t in tasks], n=samples, max_tokens=max_tokens,
-        temperature=0.0 if greedy else temperature, seed=1234, pin_version=version,
+        temperature=0.0 if greedy else temperature, seed=1234, pin_version=version, stop=stop,
     )
     scores = await reward.score([score_item(tasks[c.prompt_index], c, i) for i, c in enumerate(comps)])
     correct = [0] * len(tasks)
@@ -187,11 +193,11 @@ async def evaluate_both(rollout: RolloutClient, reward: RewardClient, heldout: l
     run at once: the engine batches their requests together, and the greedy completions
     are scored while the sampled ones still generate."""
     runs = [evaluate(rollout, reward, heldout, samples=job.eval_samples, temperature=job.eval_temperature,
-                     max_tokens=trainer_cfg.max_new_tokens, step=step)]
+                     max_tokens=trainer_cfg.max_new_tokens, step=step, stop=job.stop)]
     if job.eval_sampled:
         runs.append(evaluate(rollout, reward, heldout, samples=job.eval_sampled,
                              temperature=job.sample_temperature, max_tokens=trainer_cfg.max_new_tokens,
-                             step=step))
+                             step=step, stop=job.stop))
     rec, *sampled = await asyncio.gather(*runs)
     rec.sampled = sampled[0] if sampled else None
     return rec
@@ -324,6 +330,7 @@ async def run(job: GrpoJobConfig, trainer_cfg, model_dir: Path, mesh: Mesh, run_
                     comps = await rollout.generate(
                         [chat(tk) for tk in tasks], n=G, max_tokens=trainer_cfg.max_new_tokens,
                         temperature=job.sample_temperature, seed=job.seed * 100_003 + step,
+                        stop=job.stop,
                     )
                 secs["generate"] = time.perf_counter() - t
                 if len(comps) != len(tasks) * G:

@@ -149,7 +149,7 @@ async def produce(step: int, tasks: list[CodeTask], position: dict, mesh: Mesh, 
         try:
             async for c in mesh.rollout[0].generate_each(
                     [chat(t) for t in tasks], n=G, max_tokens=trainer_cfg.max_new_tokens,
-                    temperature=job.sample_temperature, seed=seed):
+                    temperature=job.sample_temperature, seed=seed, stop=job.stop):
                 i = c.prompt_index * G + c.sample_index
                 comps[i] = c
                 await to_score.put(score_item(tasks[c.prompt_index], c, i))

@@ -31,6 +31,7 @@ import math
 import statistics
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -139,10 +140,10 @@ class HeldOut:
 
 
 async def _rewards(mesh: Mesh, tasks: list[CodeTask], scorer: str, n: int, temperature: float,
-                   max_tokens: int) -> tuple[list[float], list[Completion]]:
+                   max_tokens: int, stop: Sequence[str]) -> tuple[list[float], list[Completion]]:
     comps = await mesh.rollout[0].generate([chat(t) for t in tasks], n=n, max_tokens=max_tokens,
                                            temperature=temperature, seed=1234,
-                                           priority=TRAINING_PRIORITY)
+                                           priority=TRAINING_PRIORITY, stop=stop)
     scores = await mesh.reward.score(score_items(tasks, comps, scorer))
     per = [0.0] * len(tasks)
     for c, s in zip(comps, scores):
@@ -151,12 +152,12 @@ async def _rewards(mesh: Mesh, tasks: list[CodeTask], scorer: str, n: int, tempe
 
 
 async def evaluate(mesh: Mesh, tasks: list[CodeTask], scorer: str, max_tokens: int, step: int,
-                   samples: int = 0, temperature: float = 1.0) -> HeldOut:
-    greedy, comps = await _rewards(mesh, tasks, scorer, 1, 0.0, max_tokens)
+                   samples: int = 0, temperature: float = 1.0, stop: Sequence[str] = ()) -> HeldOut:
+    greedy, comps = await _rewards(mesh, tasks, scorer, 1, 0.0, max_tokens, stop)
     rec = HeldOut(step=step, version=comps[0].policy_version if comps else 0, per_task=greedy,
                   texts=[c.text for c in comps])
     if samples:
-        rec.sampled, _ = await _rewards(mesh, tasks, scorer, samples, temperature, max_tokens)
+        rec.sampled, _ = await _rewards(mesh, tasks, scorer, samples, temperature, max_tokens, stop)
         rec.samples = samples
     return rec
 
@@ -223,7 +224,7 @@ async def run(job: PpoJobConfig, trainer_cfg, model_dir: Path, mesh: Mesh, run_d
     async def do_eval(step: int) -> None:
         with tracer.start_as_current_span("evaluate"):
             rec = await evaluate(mesh, heldout, job.scorer, trainer_cfg.max_new_tokens, step,
-                                 job.eval_sampled, job.sample_temperature)
+                                 job.eval_sampled, job.sample_temperature, job.stop)
         evals.append(rec)
         metrics_file.write(json.dumps({"eval": {"step": step, "version": rec.version,
                                                 "reward_mean": rec.mean,
@@ -260,7 +261,7 @@ async def run(job: PpoJobConfig, trainer_cfg, model_dir: Path, mesh: Mesh, run_d
                     comps = await rollout.generate(
                         [chat(tk) for tk in tasks], n=trainer_cfg.group_size,
                         max_tokens=trainer_cfg.max_new_tokens, temperature=job.sample_temperature,
-                        seed=job.seed * 100_003 + step, priority=TRAINING_PRIORITY)
+                        seed=job.seed * 100_003 + step, priority=TRAINING_PRIORITY, stop=job.stop)
                 secs["generate"] = time.perf_counter() - t
 
                 t = time.perf_counter()

@@ -95,6 +95,24 @@ async def test_greedy_text_and_token_ids_agree(rollout):
     assert list(a[0].token_ids) == list(b[0].token_ids)
 
 
+async def test_a_stop_string_ends_the_text_and_keeps_every_sampled_token(rollout):
+    """What GRPO trains on when `[grpo] stop` ends a completion: its text stops before the stop
+    string, its token ids and logprobs are every token the engine sampled, the string's too."""
+    core, stub = rollout
+    (full,) = await generate(stub, [text_prompt("def add(a, b):")], max_tokens=48, temperature=0)
+    text, ids = full.text, list(full.token_ids)
+    # a stop string across the boundary of two sampled tokens, at its first occurrence
+    k = next(k for k in range(1, len(ids)) if len(core.tokenizer.decode(ids[:k])) >= 2)
+    start = len(core.tokenizer.decode(ids[:k])) - 2
+    stop = text[start:start + 4]
+    assert len(stop) == 4 and text.find(stop) == start, (text, stop)
+    (cut,) = await generate(stub, [text_prompt("def add(a, b):")], max_tokens=48, temperature=0, stop=[stop])
+    assert cut.finish_reason == "stop" and cut.text == text[:start]
+    n = len(cut.token_ids)
+    assert n > k and list(cut.token_ids) == ids[:n] and len(cut.logprobs) == n
+    assert stop in core.tokenizer.decode(list(cut.token_ids))  # the stop's tokens are kept
+
+
 @pytest.mark.parametrize(
     "prompts,sampling,code,needle",
     [

@@ -30,8 +30,10 @@ class FakeRollout:
 
     def __init__(self, delay: float = 0.01, events: list | None = None):
         self.latest, self.delay, self.events = 0, delay, events if events is not None else []
+        self.stops: list[list[str]] = []  # each request's stop strings
 
-    async def generate_each(self, chats, n=1, max_tokens=8, temperature=1.0, seed=None, **_):
+    async def generate_each(self, chats, n=1, max_tokens=8, temperature=1.0, seed=None, stop=(), **_):
+        self.stops.append(list(stop))
         admitted = self.latest
         for p, _chat in enumerate(chats):
             await asyncio.sleep(self.delay)
@@ -70,6 +72,9 @@ class FakeReward:
 class FakeReference:
     def __init__(self):
         self.seen: list[str] = []
+
+    async def logprobs(self, pairs):  # the synchronous recipe's call
+        return [[-1.0] * len(c) for _, c in pairs]
 
     async def logprobs_each(self, pairs):
         async for i, p, c in pairs:
@@ -212,6 +217,19 @@ async def test_staleness_never_exceeds_the_bound_and_the_loss_sees_the_rollouts_
     assert len(seen_old) == 4 * B * G
     assert all(tuple(row.tolist()) in markers for row in seen_old)
     assert all(s["train"]["is_weight_mean"] > 0 for s in steps)  # the TIS objective ran
+
+
+@pytest.mark.parametrize("max_staleness", [0, 1])
+async def test_the_jobs_stop_strings_reach_every_request_training_and_evaluation(
+        tcfg, tiny_model, tmp_path, max_staleness):
+    mesh = make_mesh()
+    stop = ["\n```\n\n"]
+    j = job(tmp_path, max_staleness=max_staleness, run_id="s", stop=stop)
+    await recipe(j)(j, tcfg.model_copy(update={"num_steps": 2}), tiny_model, mesh, tmp_path / "s",
+                    progress=False)
+    stops = mesh.rollout[0].stops
+    # 2 training batches, then the greedy evaluations before and after
+    assert len(stops) == 2 + 2 and all(s == stop for s in stops)
 
 
 async def test_a_sample_past_the_bound_is_an_error(tcfg, tiny_model, tmp_path):

@@ -115,7 +115,7 @@ def test_evaluate_both_scores_the_same_tasks_greedy_and_sampled():
     calls = []
 
     class Rollout:  # task i's sample j passes when j < i (greedy: task i passes when i > 0)
-        async def generate(self, chats, n, max_tokens, temperature, seed, pin_version):
+        async def generate(self, chats, n, max_tokens, temperature, seed, pin_version, stop=()):
             calls.append((n, temperature))
             return [Completion(i, j, f"t{i}s{j}T{temperature}", [1], [0.0], "stop", 3)
                     for i in range(len(chats)) for j in range(n)]
