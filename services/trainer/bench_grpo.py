@@ -432,7 +432,7 @@ def main(args) -> int:
     out.mkdir(parents=True, exist_ok=True)
     (out / "no-heldout.jsonl").write_text("")  # the bench evaluates nothing
     overrides = [*args.set, f"run_dir={out / 'mesh'}", f"trainer.num_steps={args.steps}",
-                 "grpo.train_budget_s=0", f"grpo.eval_tasks={out / 'no-heldout.jsonl'}", "grpo.eval_split=all",
+                 "grpo.train_budget_s=0", "grpo.run_budget_s=0", f"grpo.eval_tasks={out / 'no-heldout.jsonl'}", "grpo.eval_split=all",
                  f"grpo.out_dir={out}"]
 
     def say(msg: str) -> None:

@@ -32,6 +32,8 @@ from hotloop.clients import Completion, ReferenceClient, RewardClient, RolloutCl
 from hotloop.config import Section
 from hotloop.tasks import CodeTask, load_tasks
 
+from .budget import StepBudget
+
 log = logging.getLogger(__name__)
 STAGES = ("generate", "score", "reference", "train", "publish")
 
@@ -55,6 +57,10 @@ class TaskJobConfig(Section):
     """Run reports and checkpoints go under `<out_dir>/<run_id>/`."""
     seed: int = 0
     """Task order."""
+    run_budget_s: float = Field(0.0, ge=0.0)
+    """Bound the whole run (setup, both evaluations, training) to about this many seconds:
+    training also stops once another step would leave less time than the final evaluation
+    needs, predicted from the base one (`budget.py`). At least one step runs. 0: no bound."""
     stop: list[Annotated[str, Field(min_length=1)]] = Field(default_factory=list, max_length=8)
     """Strings that end a completion, in training and in evaluation alike (left out of its
     text; its tokens are trained on). The demo ends each completion at the first code block's
@@ -79,7 +85,8 @@ class GrpoJobConfig(TaskJobConfig):
     train_budget_s: float = Field(0.0, ge=0.0)
     """Stop taking steps once another step would end past this many seconds of training
     (0: no limit; num_steps still caps the run). The run then checkpoints and evaluates as
-    usual. This is how `make demo` fits its 15 minutes on CPUs of different speed."""
+    usual. With `run_budget_s`, this is how `make demo` fits its 15 minutes on CPUs of
+    different speed."""
     eval_every: int = Field(0, ge=0)
     """Evaluate every N steps as well as before and after training (0: before and after only)."""
     sample_temperature: float = Field(1.0, gt=0)
@@ -271,6 +278,7 @@ async def run(job: GrpoJobConfig, trainer_cfg, model_dir: Path, mesh: Mesh, run_
     from .policy import LoraPolicy
 
     tracer = trace.get_tracer("hotloop.trainer")
+    run_t0 = time.monotonic()
     run_dir.mkdir(parents=True, exist_ok=True)
 
     # ---- setup -------------------------------------------------------------------------
@@ -306,13 +314,14 @@ async def run(job: GrpoJobConfig, trainer_cfg, model_dir: Path, mesh: Mesh, run_
             log.info("held-out sampled pass@1 at step %d: %.3f ± %.3f", step, rec.sampled.pass_at_1,
                      rec.sampled.ci95)
 
+    t = time.monotonic()
     if heldout:
         await do_eval(start_step)
+    budget = StepBudget(job.train_budget_s, job.run_budget_s, run_t0, time.monotonic() - t)
 
     # ---- train -------------------------------------------------------------------------
     bar = tqdm(range(start_step, trainer_cfg.num_steps), initial=start_step, total=trainer_cfg.num_steps,
                desc="grpo", unit="step", disable=not progress, dynamic_ncols=True)
-    train_t0 = time.monotonic()
     done_step = start_step
     stop = threading.Event()  # set on cancellation: the train thread stops within a micro-batch
     resume_at = ({**stream.position(), "version": version}, policy.step)
@@ -389,12 +398,11 @@ async def run(job: GrpoJobConfig, trainer_cfg, model_dir: Path, mesh: Mesh, run_
             done_step = step + 1
             if job.eval_every and (step + 1) % job.eval_every == 0 and step + 1 < trainer_cfg.num_steps:
                 await do_eval(step + 1)
-            took = time.monotonic() - train_t0
-            if job.train_budget_s and took + took / len(steps) > job.train_budget_s:
+            if budget.spent(len(steps)):
                 if (step + 1) % trainer_cfg.checkpoint_interval and step + 1 != trainer_cfg.num_steps:
                     policy.save_checkpoint(ckpt_root, data_position={**stream.position(), "version": version})
-                log.warning("training budget of %.0f s reached after %d steps (%.0f s); evaluating",
-                            job.train_budget_s, step + 1, took)
+                log.warning("%s reached after %d steps (%.0f s of training); evaluating",
+                            budget.why, step + 1, budget.took())
                 break
     except asyncio.CancelledError:
         # Ctrl-C / SIGTERM: stop the train thread, then checkpoint the last completed state

@@ -41,6 +41,7 @@ from hotloop.aio import raise_if_cancelled
 from hotloop.clients import Completion, Score
 from hotloop.tasks import CodeTask, load_tasks
 
+from .budget import StepBudget
 from .grpo import (EvalRecord, GrpoJobConfig, Mesh, StepRecord, TaskStream, chat, evaluate_both,
                    score_item, serve_policy, summarize, train_and_publish)
 
@@ -245,6 +246,7 @@ async def run(job: AsyncGrpoJobConfig, trainer_cfg, model_dir: Path, mesh: Mesh,
     from .policy import LoraPolicy
 
     tracer = trace.get_tracer("hotloop.trainer")
+    run_t0 = time.monotonic()
     run_dir.mkdir(parents=True, exist_ok=True)
 
     # ---- setup -------------------------------------------------------------------------
@@ -278,8 +280,10 @@ async def run(job: AsyncGrpoJobConfig, trainer_cfg, model_dir: Path, mesh: Mesh,
         metrics_file.flush()
         log.info("held-out pass@1 at step %d (v%d): %.3f ± %.3f", step, rec.version, rec.pass_at_1, rec.ci95)
 
+    t = time.monotonic()
     if heldout:
         await do_eval(start_step)
+    budget = StepBudget(job.train_budget_s, job.run_budget_s, run_t0, time.monotonic() - t)
 
     # ---- train: a producer task samples ahead, bounded by the gate --------------------------
     gate = StalenessGate(job.max_staleness, trained=start_step)
@@ -361,12 +365,11 @@ async def run(job: AsyncGrpoJobConfig, trainer_cfg, model_dir: Path, mesh: Mesh,
             done_step = step + 1
             if job.eval_every and (step + 1) % job.eval_every == 0 and step + 1 < trainer_cfg.num_steps:
                 await do_eval(step + 1)
-            took = time.monotonic() - train_t0
-            if job.train_budget_s and took + took / len(steps) > job.train_budget_s:
+            if budget.spent(len(steps)):
                 if (step + 1) % trainer_cfg.checkpoint_interval and step + 1 != trainer_cfg.num_steps:
                     policy.save_checkpoint(ckpt_root, data_position={**trained_position, "version": version})
-                log.warning("training budget of %.0f s reached after %d steps (%.0f s); evaluating",
-                            job.train_budget_s, step + 1, took)
+                log.warning("%s reached after %d steps (%.0f s of training); evaluating",
+                            budget.why, step + 1, budget.took())
                 break
     except asyncio.CancelledError:
         # As grpo.run: stop the train thread, then checkpoint the last completed state.

@@ -42,6 +42,7 @@ from hotloop.aio import raise_if_cancelled
 from hotloop.clients import TRAINING_PRIORITY, Completion, ScoreItem
 from hotloop.tasks import CodeTask, load_tasks
 
+from .budget import StepBudget
 from .grpo import Mesh, TaskJobConfig, TaskStream, chat, serve_policy
 from .usersfirst import UsersFirst
 
@@ -177,6 +178,7 @@ async def run(job: PpoJobConfig, trainer_cfg, model_dir: Path, mesh: Mesh, run_d
     from .policy import Interrupted, LoraPolicy
 
     tracer = trace.get_tracer("hotloop.trainer")
+    run_t0 = time.monotonic()
     run_dir.mkdir(parents=True, exist_ok=True)
     rollout = mesh.rollout[0]
     users = UsersFirst(job.users_first, rollout.address, job.max_pause_s)
@@ -242,14 +244,15 @@ async def run(job: PpoJobConfig, trainer_cfg, model_dir: Path, mesh: Mesh, run_d
 
     try:
         users.watch()
+        t = time.monotonic()
         if heldout:
             await do_eval(start_step)
+        budget = StepBudget(job.train_budget_s, job.run_budget_s, run_t0, time.monotonic() - t)
 
         # ---- train -----------------------------------------------------------------------
         bar = tqdm(range(start_step, trainer_cfg.num_steps), initial=start_step,
                    total=trainer_cfg.num_steps, desc="ppo", unit="step", disable=not progress,
                    dynamic_ncols=True)
-        train_t0 = time.monotonic()
         for step in bar:
             raise_if_cancelled()  # a Ctrl-C that a library swallowed mid-step (hotloop.aio)
             secs: dict[str, float] = {}
@@ -344,12 +347,11 @@ async def run(job: PpoJobConfig, trainer_cfg, model_dir: Path, mesh: Mesh, run_d
             if on_step is not None:
                 on_step(rec)
             done_step = step + 1
-            took = time.monotonic() - train_t0
-            if job.train_budget_s and took + took / len(steps) > job.train_budget_s:
+            if budget.spent(len(steps)):
                 if (step + 1) % trainer_cfg.checkpoint_interval and step + 1 != trainer_cfg.num_steps:
                     checkpoint(step + 1)
-                log.warning("training budget of %.0f s reached after %d steps", job.train_budget_s,
-                            step + 1)
+                log.warning("%s reached after %d steps (%.0f s of training)", budget.why, step + 1,
+                            budget.took())
                 break
         bar.close()
     except asyncio.CancelledError:

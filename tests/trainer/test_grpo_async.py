@@ -232,6 +232,21 @@ async def test_the_jobs_stop_strings_reach_every_request_training_and_evaluation
     assert len(stops) == 2 + 2 and all(s == stop for s in stops)
 
 
+@pytest.mark.parametrize("max_staleness", [0, 1])
+async def test_a_run_budget_gives_way_to_the_final_evaluation(tcfg, tiny_model, tmp_path, max_staleness):
+    """A slow engine (0.3 s a prompt): the base evaluation takes 0.6 s of a 2 s run budget, so
+    after one step training stops and the final evaluation still runs; with room, all 4."""
+    def steps_and_evals(run_id: str) -> tuple[int, int]:
+        lines = [json.loads(x) for x in (tmp_path / run_id / "metrics.jsonl").read_text().splitlines()]
+        return sum("step" in x for x in lines), sum("eval" in x for x in lines)
+
+    for run_id, run_budget_s in (("tight", 2.0), ("roomy", 600.0)):
+        j = job(tmp_path, max_staleness=max_staleness, run_id=run_id, run_budget_s=run_budget_s)
+        await recipe(j)(j, tcfg, tiny_model, make_mesh(delay=0.3), tmp_path / run_id, progress=False)
+    assert steps_and_evals("tight") == (1, 2)
+    assert steps_and_evals("roomy") == (4, 2)
+
+
 async def test_a_sample_past_the_bound_is_an_error(tcfg, tiny_model, tmp_path):
     mesh = make_mesh(behind=1)  # the replica lags a version behind every push
     with pytest.raises(RuntimeError, match="over max_staleness = 1"):
