@@ -32,11 +32,14 @@ def main(args) -> int:
 
     signal.signal(signal.SIGTERM, _terminate)
     print("[demo] starting the mesh (NATS, reference, reward, rollout with vLLM)...", flush=True)
+    t0 = time.monotonic()
     with mesh:
         os.environ.update(mesh.info.env())
         mesh_cfg, job, trainer_cfg = load_job_configs(config_path, args.set)
         if not job.run_id:  # fixed here so that an interrupted run can name itself for resume
             job = job.model_copy(update={"run_id": time.strftime("%Y%m%d-%H%M%S")})
+        if job.run_budget_s:  # the demo's bound: its mesh's start counts against it
+            job = job.model_copy(update={"run_budget_s": max(1.0, job.run_budget_s - (time.monotonic() - t0))})
 
         print(f"[demo] GRPO: {trainer_cfg.num_steps} steps x {trainer_cfg.batch_prompts} prompts x "
               f"{trainer_cfg.group_size} samples; held-out eval before and after", flush=True)
