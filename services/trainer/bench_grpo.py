@@ -38,6 +38,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -339,7 +340,7 @@ class Bench:
 
 
 def run_peer(out: Path, model_dir: Path, steps: int, threads: int | None, reward: str, say,
-             stop: list[str] = ()) -> dict:
+             stop: Sequence[str] = ()) -> dict:
     """TRL's GRPOTrainer in its own process, scored by the reward service at `reward`; its
     figure, or why there is none."""
     path = out / "peer-trl.json"
@@ -432,8 +433,8 @@ def main(args) -> int:
     out.mkdir(parents=True, exist_ok=True)
     (out / "no-heldout.jsonl").write_text("")  # the bench evaluates nothing
     overrides = [*args.set, f"run_dir={out / 'mesh'}", f"trainer.num_steps={args.steps}",
-                 "grpo.train_budget_s=0", "grpo.run_budget_s=0", f"grpo.eval_tasks={out / 'no-heldout.jsonl'}", "grpo.eval_split=all",
-                 f"grpo.out_dir={out}"]
+                 "grpo.train_budget_s=0", "grpo.run_budget_s=0", f"grpo.eval_tasks={out / 'no-heldout.jsonl'}",
+                 "grpo.eval_split=all", f"grpo.out_dir={out}"]
 
     def say(msg: str) -> None:
         print(f"[bench grpo] {msg}", flush=True)
@@ -444,7 +445,8 @@ def main(args) -> int:
     # every sample counts, trained or not (skipped uniform groups too): what each recipe produced
     bench = Bench(out, args.steps, args.max_staleness, trainer_cfg.batch_prompts * trainer_cfg.group_size, say)
     say(f"{trainer_cfg.batch_prompts} prompts x {trainer_cfg.group_size} samples x {trainer_cfg.max_new_tokens} "
-        f"tokens{f' (stop {job.stop!r})' if job.stop else ''}, {args.steps} steps sync then {args.steps} async (max_staleness {args.max_staleness})"
+        f"tokens{f' (stop {job.stop!r})' if job.stop else ''}, {args.steps} steps sync then {args.steps} async "
+        f"(max_staleness {args.max_staleness})"
         + (", then TRL's GRPOTrainer" if args.peer else "") + f"; run files under {out}")
     sampler = CpuSampler()
     interrupted = False

@@ -390,8 +390,8 @@ class Bench:
 
     def trainer_command(self, policy: str) -> list[str]:
         sets = [*self.overrides, f"ppo.run_id={RUN_ID}", f"ppo.out_dir={self.out}",
-                f"ppo.users_first={policy}", f"trainer.num_steps={ENDLESS_STEPS}", "ppo.train_budget_s=0", "ppo.run_budget_s=0",
-                "ppo.eval_limit=0"]
+                f"ppo.users_first={policy}", f"trainer.num_steps={ENDLESS_STEPS}", "ppo.train_budget_s=0",
+                "ppo.run_budget_s=0", "ppo.eval_limit=0"]
         return [sys.executable, "-m", "hotloop.cli", "train", "ppo", "--config", self.config_path,
                 "--run-dir", str(self.mesh.run_dir)] + [a for s in sets for a in ("--set", s)]
 
