@@ -95,3 +95,20 @@ def test_group_size_times_shared_and_unshared_prompts(tiny_model: Path, tmp_path
     assert ab["speedup"] == pytest.approx(ab["step_s_unshared"] / ab["step_s"])
     assert r["tokens_per_s"] == pytest.approx(8 * 18 / ab["step_s"])
     assert r["micro_batch_tokens"] == 64 and r["micro_batches"] > 1
+
+
+def test_the_profiled_step_runs_a_bounded_slice_of_the_batch(
+        tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The profiler's records grow with the step (the demo's 64 samples ran a 24 GiB host out
+    of memory), so it profiles at most PROFILE_MAX_SAMPLES of them; the timed steps run all."""
+    from services.trainer import bench_trainstep
+
+    monkeypatch.setattr(bench_trainstep, "PROFILE_MAX_SAMPLES", 4)
+    out = tmp_path / "train-step.json"
+    args = Namespace(model=str(tiny_model), dtype="float32", samples=8, prompt_tokens=4,
+                     completion_tokens=6, steps=1, threads=1, json=str(out), group_size=1,
+                     micro_batch_tokens=2048)
+    assert main(args) == 0
+    r = json.loads(out.read_text())
+    assert r["samples"] == 8 and r["profile"]["samples"] == 4
+    assert r["tokens_per_s"] == pytest.approx(8 * 10 / r["step_s"])
