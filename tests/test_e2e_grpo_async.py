@@ -82,9 +82,9 @@ kl_beta = 0.04
 
 
 def trainer_spans(mesh_cfg):
-    """The spans this process's trainer ends from now on. The tracer provider is global and
-    set once per process (`telemetry.setup` is idempotent): when another test's job ran here
-    first, its jsonl file, not this test's, receives them. So collect them in memory."""
+    """The spans this process's trainer ends from now on, in memory beside the job's own
+    exporter (the tracer provider is global; `telemetry.setup` installs it once per process
+    and points it at each job's exporter)."""
     from opentelemetry import trace
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
