@@ -17,6 +17,13 @@ from services.trainer.bench_trainstep import ModelShape, main, step_flops
 TINY = ModelShape(hidden=4, intermediate=8, layers=2, heads=2, kv_heads=1, head_dim=2, vocab=10)
 
 
+def bench_args(out: Path, model: Path, **kw) -> Namespace:
+    """`hotloop bench train-step`'s arguments: a one-step run on one thread, `kw` over these."""
+    base = dict(model=str(model), dtype="float32", samples=3, prompt_tokens=4, completion_tokens=6,
+                steps=1, threads=1, json=str(out), group_size=1, micro_batch_tokens=2048)
+    return Namespace(**{**base, **kw})
+
+
 def test_step_flops_match_a_hand_count() -> None:
     # One sequence of 2 prompt + 3 completion tokens (L = 5), LoRA rank 1.
     # Weights per layer: q 4x4=16, k 4x2=8, v 4x2=8, o 4x4=16, gate/up/down 4x8=32 each -> 144.
@@ -66,9 +73,7 @@ def test_matmul_flops_match_what_a_train_step_runs(make_cfg) -> None:
 
 def test_main_writes_the_json_on_the_tiny_model(tiny_model: Path, tmp_path: Path) -> None:
     out = tmp_path / "bench" / "train-step.json"
-    args = Namespace(model=str(tiny_model), dtype="float32", samples=3, prompt_tokens=4,
-                     completion_tokens=6, steps=1, threads=1, json=str(out), group_size=1,
-                     micro_batch_tokens=2048)
+    args = bench_args(out, tiny_model)
     assert main(args) == 0
     r = json.loads(out.read_text())
     for key in ("tokens_per_s", "roofline_ratio", "step_s", "step_gflop", "matmul_gflops"):
@@ -85,9 +90,8 @@ def test_group_size_times_shared_and_unshared_prompts(tiny_model: Path, tmp_path
     """GRPO's batch shape: the step with shared prompts, then the same batch with every row
     running its prompt, both reported; tokens/s is the shared step's."""
     out = tmp_path / "train-step.json"
-    args = Namespace(model=str(tiny_model), dtype="float32", samples=8, prompt_tokens=12,
-                     completion_tokens=6, steps=1, threads=1, json=str(out), group_size=4,
-                     micro_batch_tokens=64)
+    args = bench_args(out, tiny_model, samples=8, prompt_tokens=12, group_size=4,
+                      micro_batch_tokens=64)
     assert main(args) == 0
     r = json.loads(out.read_text())
     ab = r["shared_prompts"]
@@ -105,9 +109,7 @@ def test_the_profiled_step_runs_a_bounded_slice_of_the_batch(
 
     monkeypatch.setattr(bench_trainstep, "PROFILE_MAX_SAMPLES", 4)
     out = tmp_path / "train-step.json"
-    args = Namespace(model=str(tiny_model), dtype="float32", samples=8, prompt_tokens=4,
-                     completion_tokens=6, steps=1, threads=1, json=str(out), group_size=1,
-                     micro_batch_tokens=2048)
+    args = bench_args(out, tiny_model, samples=8)
     assert main(args) == 0
     r = json.loads(out.read_text())
     assert r["samples"] == 8 and r["profile"]["samples"] == 4
