@@ -4,8 +4,9 @@ Owns: the OpenAI wire format (`/v1/chat/completions`, `/v1/completions`, streami
 `data: …` events ending in `data: [DONE]`, `/v1/models`), OpenAI's error shape
 `{"error": {"message", "type", "param", "code"}}` for every refusal, and hotloop's additions:
 `X-Hotloop-Response-Id` / `X-Hotloop-Policy-Version` headers and a `policy_version` field in
-every body and chunk, `POST /v1/feedback`, `/v1/hotloop/status` and `/metrics`; and the
-request-body bounds (`_BoundedBody`).
+every body and chunk, `POST /v1/feedback`, `/v1/hotloop/status` and `/metrics`; `/health`
+(liveness: the process answers) and `/ready` (readiness: `GatewayCore.readiness`), both without
+a key; and the request-body bounds (`_BoundedBody`).
 Does not own: any decision (core.py); this module only converts.
 
 A failure after the stream started cannot change the status code: it is sent as one
@@ -461,6 +462,12 @@ def build_app(core: GatewayCore) -> FastAPI:
     @app.get("/health")
     async def health():
         return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready():
+        r = core.readiness()
+        return JSONResponse({"status": "ready" if r.ready else "not_ready", "reason": r.reason},
+                            status_code=200 if r.ready else 503)
 
     @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics():

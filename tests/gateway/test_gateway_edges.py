@@ -1,6 +1,7 @@
-"""The gateway's edges over raw sockets: how much of a request body it reads (declared,
-chunked, lying, trickled). Real gateway (HTTP and gRPC on port 0), real NATS, a scripted
-replica."""
+"""The gateway's edges over raw sockets and the health protocols: how much of a request body
+it reads (declared, chunked, lying, trickled), and readiness (`/ready`, the Gateway service's
+gRPC health, compose's health check script) against a scripted replica that goes away and
+comes back. Real gateway (HTTP and gRPC on port 0), real NATS."""
 
 from __future__ import annotations
 
@@ -8,15 +9,26 @@ import asyncio
 import contextlib
 import json
 import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
 
+import grpc
+import httpx
 import pytest
 import pytest_asyncio
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from hotloop import grpcutil
 
 from .conftest import KEY, start_gateway
 from .fake_rollout import start_fake
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
+ROOT = Path(__file__).resolve().parents[2]
 LIMIT = 1024  # max_request_bytes of the `small` gateway: the smallest the config allows
+GATEWAY = "hotloop.v1.Gateway"
 HI = [{"role": "user", "content": "hi"}]
 CHAT = json.dumps({"model": "tiny", "messages": HI, "max_tokens": 4}).encode()
 
@@ -195,6 +207,88 @@ async def test_bodies_within_the_limit_still_work_for_the_openai_client(gateways
     stream = await small.openai().chat.completions.create(
         model="tiny", messages=HI, stream=True)
     assert [c async for c in stream]
+
+
+# ---- readiness -----------------------------------------------------------------------------
+
+
+def healthcheck(*args: str) -> int:
+    """compose/healthcheck.py's exit code (it runs as `hotloop-healthcheck` in the image)."""
+    return subprocess.run([sys.executable, str(ROOT / "compose/healthcheck.py"), *args],
+                          timeout=30).returncode
+
+
+async def until(predicate, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not await predicate():
+        assert time.monotonic() < deadline, "the gateway never changed its mind"
+        await asyncio.sleep(0.05)
+
+
+async def test_ready_follows_whether_a_replica_can_serve_and_health_stays_ok(nats_module):
+    _, server, addr = await start_fake(version=4)
+    gw = await start_gateway([addr], nats_module.url)  # health polled every 0.2 s
+    base = f"http://127.0.0.1:{gw.http.port}"
+    ch = grpcutil.channel(gw.grpc_address)
+    health = health_pb2_grpc.HealthStub(ch)
+
+    async def grpc_status(service: str):
+        return (await health.Check(health_pb2.HealthCheckRequest(service=service))).status
+
+    def grpc_says(want):
+        async def check() -> bool:
+            return await grpc_status(GATEWAY) == want
+        return check
+
+    try:
+        async with httpx.AsyncClient(base_url=base) as http:  # no key: probes have none
+            r = await http.get("/ready")
+            assert r.status_code == 200 and r.json() == {
+                "status": "ready", "reason": "1 of 1 rollout replicas can serve"}
+            assert await grpc_status(GATEWAY) == health_pb2.HealthCheckResponse.SERVING
+            assert await asyncio.to_thread(healthcheck, "--http", str(gw.http.port), "/ready") == 0
+
+            await server.stop(0)
+
+            async def not_ready():
+                return (await http.get("/ready")).status_code == 503
+
+            await until(not_ready)
+            body = (await http.get("/ready")).json()
+            assert body["status"] == "not_ready"
+            assert "no healthy rollout replica" in body["reason"] and addr in body["reason"]
+            assert (await http.get("/health")).json() == {"status": "ok"}  # alive all along
+            await until(grpc_says(health_pb2.HealthCheckResponse.NOT_SERVING))
+            assert await grpc_status("") == health_pb2.HealthCheckResponse.SERVING
+            assert await asyncio.to_thread(healthcheck, "--http", str(gw.http.port), "/ready") == 1
+            assert await asyncio.to_thread(healthcheck, gw.grpc_address.split(":")[1]) == 0
+
+            _, server, _ = await start_fake(addr, version=5)  # back on its address
+
+            async def ready():
+                return (await http.get("/ready")).status_code == 200
+
+            await until(ready)
+            await until(grpc_says(health_pb2.HealthCheckResponse.SERVING))
+            r = await gw.openai().chat.completions.create(model="tiny", messages=HI)
+            assert r.model_extra["policy_version"] == 5
+    finally:
+        await ch.close()
+        await gw.stop()
+        await server.stop(0)
+
+
+async def test_a_gateway_started_without_a_reachable_replica_is_not_ready(nats_module):
+    _, server, addr = await start_fake()
+    await server.stop(0)  # nothing listens there any more
+    gw = await start_gateway([addr], nats_module.url)
+    try:
+        async with httpx.AsyncClient() as http:
+            r = await http.get(f"http://127.0.0.1:{gw.http.port}/ready")
+        assert r.status_code == 503 and "health check failed" in r.json()["reason"]
+        assert await asyncio.to_thread(healthcheck, "--http", str(gw.http.port), "/ready") == 1
+    finally:
+        await gw.stop()
 
 
 # ---- the body bound as a class: exactly how much it reads -----------------------------------
