@@ -1,9 +1,21 @@
 """gRPC helpers: servers with health, reflection, auth, tracing and limits; retrying channels.
 
 Owns: `create_server(...) -> (server, port)` following grpc's Python examples (bind port 0
-in tests), the admin-token interceptor, mapping of `hotloop.errors` to status codes, and
-client channels whose service config retries UNAVAILABLE a bounded number of times.
+in tests), the admin-token interceptor, settling request streams before a status goes out,
+mapping of `hotloop.errors` to status codes, and client channels whose service config retries
+UNAVAILABLE a bounded number of times.
 Does not own: any service's messages or logic.
+
+Why request streams are settled: a grpc.aio client that is still writing when the server's
+status arrives can have that status replaced by INTERNAL "Internal error from Core" (its
+failed write overwrites the status it already received; grpc/grpc#36066, open in 1.85). So a
+server that refuses a push at its header, or denies it for want of a token, must not answer
+until the client has finished sending. `_SettleRequestStreams` does that for every
+request-streaming method of every server built here: whenever such a handler ends (aborts,
+raises or returns) before its request stream has ended, the rest of the stream is read and
+discarded first, bounded by `SETTLE_MAX_BYTES` and `SETTLE_TIMEOUT_S`. Past either bound the
+status goes out anyway: a client that streams more than any honest one would may then see
+INTERNAL, and the server has spent no more than the bounds on it.
 """
 
 from __future__ import annotations
@@ -15,19 +27,25 @@ import inspect
 import json
 import logging
 import signal
-from collections.abc import Callable, Iterable
+import time
+from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from hotloop import errors
+from hotloop import adapters, errors
 
 log = logging.getLogger(__name__)
 
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # adapters travel in chunks; this bounds any one message
 CHUNK_BYTES = 1024 * 1024  # measured: 1 MiB chunks stream at ~400-480 MB/s on loopback
+
+# The longest request stream an honest client sends is a push of an adapter at the archive
+# limit (plus its header message); a refused one is read to its end within these bounds.
+SETTLE_MAX_BYTES = adapters.MAX_ARCHIVE_BYTES + MAX_MESSAGE_BYTES
+SETTLE_TIMEOUT_S = 60.0
 
 _OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -63,6 +81,8 @@ class AdminAuthInterceptor(grpc.aio.ServerInterceptor):
 
 
 def _deny(handler: grpc.RpcMethodHandler, why: str) -> grpc.RpcMethodHandler:
+    # No request deserializer: a refused caller's messages are never parsed, only counted
+    # while `_SettleRequestStreams` reads them to their end.
     async def unary(request, context):
         await context.abort(grpc.StatusCode.PERMISSION_DENIED, why)
 
@@ -76,6 +96,152 @@ def _deny(handler: grpc.RpcMethodHandler, why: str) -> grpc.RpcMethodHandler:
     if handler.response_streaming:
         return grpc.unary_stream_rpc_method_handler(unary)
     return grpc.unary_unary_rpc_method_handler(unary)
+
+
+class _RequestStream:
+    """A handler's request iterator that knows whether the client has finished sending.
+
+    It reads raw messages and deserializes only those the handler takes, so settling costs
+    a copy of the bytes, not a parse of messages nobody reads."""
+
+    def __init__(self, requests: AsyncIterator[bytes], deserialize: Callable | None) -> None:
+        self._requests = aiter(requests)
+        self._deserialize = deserialize
+        self.ended = False
+
+    def __aiter__(self) -> _RequestStream:
+        return self
+
+    async def _raw(self) -> bytes:
+        try:
+            return await anext(self._requests)
+        except StopAsyncIteration:
+            self.ended = True
+            raise
+
+    async def __anext__(self):
+        raw = await self._raw()
+        return raw if self._deserialize is None else self._deserialize(raw)
+
+    async def settle(self, max_bytes: int, timeout_s: float) -> None:
+        """Read and discard the rest of the stream, within the bounds. Best effort by
+        design: whatever stops the reading, the caller sends its status next."""
+        if self.ended:
+            return
+        seen = 0
+        t0 = time.monotonic()
+        try:
+            async with asyncio.timeout(timeout_s):
+                while seen <= max_bytes:
+                    seen += len(await self._raw())
+        except (StopAsyncIteration, TimeoutError):
+            pass
+        if not self.ended:
+            log.warning(
+                "answering a request stream the client is still sending (%d bytes read in "
+                "%.1f s); the client may see INTERNAL instead of the status", seen,
+                time.monotonic() - t0,
+            )
+
+
+class _SettlingContext:
+    """The servicer context a request-streaming handler sees: `abort` first settles the
+    request stream, then sends the status. Everything else is the real context's."""
+
+    def __init__(self, context, stream: _RequestStream, settle: Callable[[], Any]) -> None:
+        self._context = context
+        self._stream = stream
+        self._settle = settle
+
+    def __getattr__(self, name: str):
+        return getattr(self._context, name)
+
+    async def read(self):
+        try:
+            return await anext(self._stream)
+        except StopAsyncIteration:
+            return grpc.aio.EOF
+
+    async def abort(self, code, details="", trailing_metadata=()):
+        await self._settle()
+        await self._context.abort(code, details, trailing_metadata)
+
+
+class _SettleRequestStreams(grpc.aio.ServerInterceptor):
+    """Every request-streaming handler answers only once its client has finished sending
+    (within the bounds); see the module docstring for why."""
+
+    def __init__(self, max_bytes: int, timeout_s: float) -> None:
+        self._max_bytes = max_bytes
+        self._timeout_s = timeout_s
+
+    async def intercept_service(self, continuation, details):
+        handler = await continuation(details)
+        if handler is None or not handler.request_streaming:
+            return handler
+        if handler.response_streaming:
+            behavior = handler.stream_stream
+            if not (inspect.isasyncgenfunction(behavior) or inspect.iscoroutinefunction(behavior)):
+                return handler  # a sync handler runs in a thread; not ours to wrap
+            return grpc.stream_stream_rpc_method_handler(
+                self._bidi(behavior, handler.request_deserializer),
+                response_serializer=handler.response_serializer,
+            )
+        behavior = handler.stream_unary
+        if not inspect.iscoroutinefunction(behavior):
+            return handler
+        return grpc.stream_unary_rpc_method_handler(
+            self._unary(behavior, handler.request_deserializer),
+            response_serializer=handler.response_serializer,
+        )
+
+    def _wrap(
+        self, requests, context, deserialize
+    ) -> tuple[_RequestStream, _SettlingContext, Callable]:
+        stream = _RequestStream(requests, deserialize)
+        settled = False
+
+        async def settle() -> None:
+            nonlocal settled
+            if not settled:
+                settled = True
+                await stream.settle(self._max_bytes, self._timeout_s)
+
+        return stream, _SettlingContext(context, stream, settle), settle
+
+    def _unary(self, behavior, deserialize):
+        async def settled_unary(requests, context):
+            stream, ctx, settle = self._wrap(requests, context, deserialize)
+            try:
+                response = await behavior(stream, ctx)
+            except grpc.aio.AbortError:
+                raise  # `ctx.abort` settled before it sent the status
+            except Exception:
+                await settle()  # grpc answers UNKNOWN (or the set code) once this propagates
+                raise
+            await settle()
+            return response
+
+        return settled_unary
+
+    def _bidi(self, behavior, deserialize):
+        async def settled_bidi(requests, context):
+            stream, ctx, settle = self._wrap(requests, context, deserialize)
+            try:
+                result = behavior(stream, ctx)
+                if inspect.isasyncgen(result):
+                    async for response in result:
+                        yield response
+                else:  # a handler that writes through `context.write`
+                    await result
+            except grpc.aio.AbortError:
+                raise
+            except Exception:
+                await settle()
+                raise
+            await settle()
+
+        return settled_bidi
 
 
 _INSTRUMENTED = {"server": False, "client": False}
@@ -102,12 +268,21 @@ async def create_server(
     address: str = "127.0.0.1:0",
     admin_methods: Iterable[str] = (),
     admin_token: str = "",
+    settle_max_bytes: int = SETTLE_MAX_BYTES,
+    settle_timeout_s: float = SETTLE_TIMEOUT_S,
 ) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
     """Build and start an aio server with health and reflection; returns (server, port, health).
 
     `add_servicers` are callables like `lambda s: pb2_grpc.add_XServicer_to_server(impl, s)`.
+    `settle_*` bound how much of a refused request stream is read before its status goes
+    out (module docstring).
     """
-    interceptors = [AdminAuthInterceptor(admin_methods, admin_token)] if admin_methods else []
+    # Settling is outermost, so an admin denial is settled like any other early answer.
+    interceptors: list[grpc.aio.ServerInterceptor] = [
+        _SettleRequestStreams(settle_max_bytes, settle_timeout_s)
+    ]
+    if admin_methods:
+        interceptors.append(AdminAuthInterceptor(admin_methods, admin_token))
     server = grpc.aio.server(options=_OPTIONS, interceptors=interceptors)
     for add in add_servicers:
         add(server)

@@ -43,7 +43,11 @@ class GatewayConfig(Section):
     max_prompt_chars: int = Field(32768, ge=1)
     """Longest prompt in characters (all messages together); the rollout also bounds tokens."""
     max_request_bytes: int = Field(1 << 20, ge=1024)
-    """Largest HTTP request body (HTTP 413 beyond it), checked before it is parsed."""
+    """Largest HTTP request body (HTTP 413 beyond it): a declared Content-Length over it is
+    refused before reading, and the bytes actually received are counted, chunked or not."""
+    request_body_timeout_s: float = Field(30.0, gt=0, le=600)
+    """Longest time a request body may take to arrive (HTTP 408 beyond it), so a client
+    trickling bytes cannot hold a connection and its buffer indefinitely."""
     max_stop: int = Field(4, ge=0, le=64)
     """Most stop strings (OpenAI allows 4)."""
     max_feedback_text_chars: int = Field(4096, ge=0)

@@ -9,6 +9,8 @@ Owns:
   healthy one (nothing has reached the user yet, so this is invisible); once tokens flow, a
   failure ends the response with an error, never with a made-up finish_reason;
 - the traffic fork: each choice that finishes is queued for TRAFFIC without waiting;
+- readiness (`readiness()`): whether a request arriving now has a replica to go to, and why
+  not; HTTP `/ready` and the Gateway service's gRPC health both report it;
 - feedback: checked against the responses this gateway served (a bounded TTL map), else
   against TRAFFIC on the bus (so a restarted gateway still takes feedback on what it forked),
   then published to FEEDBACK and acknowledged only once JetStream stored it.
@@ -147,6 +149,12 @@ def _version_at(spans: list[tuple[int, int]], token: int) -> int:
 
 def _subject_safe(response_id: str) -> bool:
     return bool(response_id) and len(response_id) <= 128 and not (set(response_id) & _SUBJECT_UNSAFE)
+
+
+@dataclass(frozen=True)
+class Readiness:
+    ready: bool
+    reason: str
 
 
 class GatewayCore:
@@ -378,6 +386,17 @@ class GatewayCore:
         return FeedbackResult(True, "accepted", "")
 
     # ---- status -------------------------------------------------------------------------
+    def readiness(self) -> Readiness:
+        """Whether a request arriving now has a replica to go to, and why (not). The one
+        place that decides it: `/ready` and the gRPC health of the Gateway service read it,
+        and it must agree with which replicas `Router.pick` would choose."""
+        states = self.router.states
+        able = [s for s in states if s.healthy]
+        if able:
+            return Readiness(True, f"{len(able)} of {len(states)} rollout replicas can serve")
+        why = "; ".join(f"{s.replica.address}: {s.reason}" for s in states)
+        return Readiness(False, f"no healthy rollout replica ({why})")
+
     def status(self) -> dict:
         t = self.events.counters
         return {

@@ -4,7 +4,9 @@ Owns: the OpenAI wire format (`/v1/chat/completions`, `/v1/completions`, streami
 `data: …` events ending in `data: [DONE]`, `/v1/models`), OpenAI's error shape
 `{"error": {"message", "type", "param", "code"}}` for every refusal, and hotloop's additions:
 `X-Hotloop-Response-Id` / `X-Hotloop-Policy-Version` headers and a `policy_version` field in
-every body and chunk, `POST /v1/feedback`, `/v1/hotloop/status` and `/metrics`.
+every body and chunk, `POST /v1/feedback`, `/v1/hotloop/status` and `/metrics`; `/health`
+(liveness: the process answers) and `/ready` (readiness: `GatewayCore.readiness`), both without
+a key; and the request-body bounds (`_BoundedBody`).
 Does not own: any decision (core.py); this module only converts.
 
 A failure after the stream started cannot change the status code: it is sent as one
@@ -132,6 +134,94 @@ def error_of(e: HotloopError) -> tuple[int, dict]:
 def _error_response(status: int, body: dict) -> JSONResponse:
     headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
     return JSONResponse(body, status_code=status, headers=headers)
+
+
+# A refused body is still read (and dropped) before the answer: for at most LINGER_S, and at
+# most LINGER_LIMITS times the body limit (see _BoundedBody).
+LINGER_S = 1.0
+LINGER_LIMITS = 4
+
+
+class _BoundedBody:
+    """ASGI middleware: reads each request's body before the app does, and refuses it once
+    more than `max_bytes` have arrived (413) or it has not arrived within `timeout_s` (408).
+
+    The bound is on the bytes actually received, whatever the framing: a Content-Length over
+    the limit is refused before anything is read, and a chunked body, which declares nothing,
+    is counted as it arrives. A Content-Length smaller than what the client sends bounds the
+    body by itself (the server reads that many bytes as this request's). The app gets the
+    body in one piece; later `receive` calls (the disconnect a streaming response listens
+    for) go to the server.
+
+    A refusal closes the connection, but first reads and drops what the client is still
+    sending, up to `LINGER_LIMITS` x `max_bytes` more within `LINGER_S` (nothing for
+    `Expect: 100-continue`, whose client waits): closing a socket with unread input sends a
+    TCP reset, which can reach the client before it has read the answer (rarely on loopback,
+    where the tests run; over a network, as HTTP servers' lingering close knows). So at most
+    (1 + `LINGER_LIMITS`) x `max_bytes` of a body are read and at most `max_bytes` of it
+    held; past that an endless sender is cut off."""
+
+    def __init__(self, app, max_bytes: int, timeout_s: float) -> None:
+        self.app, self.max_bytes, self.timeout_s = app, max_bytes, timeout_s
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope["headers"])
+        length = headers.get(b"content-length")
+        if length is not None and (not length.isdigit() or int(length) > self.max_bytes):
+            if headers.get(b"expect", b"").lower() != b"100-continue":
+                await self._linger(receive)
+            return await self._refuse(413, scope, send)
+        body = bytearray()
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                more = True
+                while more:
+                    message = await receive()
+                    if message["type"] == "http.disconnect":
+                        return  # nobody to answer
+                    body += message.get("body", b"")
+                    more = message.get("more_body", False)
+                    if len(body) > self.max_bytes:
+                        if more:
+                            await self._linger(receive)
+                        return await self._refuse(413, scope, send)
+        except TimeoutError:
+            await self._linger(receive)
+            return await self._refuse(408, scope, send)
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if replayed:
+                return await receive()
+            replayed = True
+            return {"type": "http.request", "body": bytes(body), "more_body": False}
+
+        await self.app(scope, replay, send)
+
+    async def _linger(self, receive) -> None:
+        dropped = 0
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(LINGER_S):
+                while dropped <= LINGER_LIMITS * self.max_bytes:
+                    message = await receive()
+                    if message["type"] != "http.request" or not message.get("more_body", False):
+                        return
+                    dropped += len(message.get("body", b""))
+
+    async def _refuse(self, status: int, scope, send) -> None:
+        message = (f"the request body exceeds {self.max_bytes} bytes" if status == 413 else
+                   f"the request body did not arrive within {self.timeout_s:g}s")
+        code = None if status == 413 else "request_timeout"
+        response = JSONResponse(error_body(message, "invalid_request_error", None, code),
+                                status_code=status, headers={"Connection": "close"})
+        await response(scope, _no_body, send)
+
+
+async def _no_body():
+    return {"type": "http.disconnect"}
 
 
 def _param(loc: tuple) -> str | None:
@@ -345,7 +435,8 @@ def _prometheus(status: dict) -> str:
 # ---- the app ---------------------------------------------------------------------------
 def build_app(core: GatewayCore) -> FastAPI:
     app = FastAPI(title="hotloop gateway", docs_url=None, redoc_url=None, openapi_url=None)
-    max_body = core.cfg.max_request_bytes
+    app.add_middleware(_BoundedBody, max_bytes=core.cfg.max_request_bytes,
+                       timeout_s=core.cfg.request_body_timeout_s)
 
     @app.exception_handler(HotloopError)
     async def _hotloop_error(request: Request, e: HotloopError):
@@ -365,21 +456,18 @@ def build_app(core: GatewayCore) -> FastAPI:
     async def _http_error(request: Request, e: StarletteHTTPException):
         return _error_response(e.status_code, error_body(str(e.detail), "invalid_request_error"))
 
-    @app.middleware("http")
-    async def _limit_body(request: Request, call_next):
-        # Refuse before reading: an oversized body is never buffered.
-        length = request.headers.get("content-length")
-        if length is not None and (not length.isdigit() or int(length) > max_body):
-            return _error_response(413, error_body(
-                f"the request body exceeds {max_body} bytes", "invalid_request_error"))
-        return await call_next(request)
-
     def user(request: Request) -> str:
         return core.authenticate(request.headers.get("authorization"))
 
     @app.get("/health")
     async def health():
         return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready():
+        r = core.readiness()
+        return JSONResponse({"status": "ready" if r.ready else "not_ready", "reason": r.reason},
+                            status_code=200 if r.ready else 503)
 
     @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics():

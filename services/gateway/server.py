@@ -5,11 +5,18 @@ and the status codes (`hotloop.errors` via `map_errors`; a missing or wrong key 
 UNAUTHENTICATED). Feedback the core refuses is an OK call with `FeedbackAck(accepted=false,
 reason)`, as gateway.proto's ack is designed; a bus that does not acknowledge is UNAVAILABLE,
 so a client retries instead of believing it was stored.
+
+Health: the server's own entry ("") is SERVING while the process serves (liveness, as HTTP
+`/health`); the `hotloop.v1.Gateway` entry follows `GatewayCore.readiness` (as HTTP `/ready`),
+NOT_SERVING while no replica can serve, re-read as often as the router polls the replicas.
 """
 
 from __future__ import annotations
 
+import asyncio
+
 import grpc
+from grpc_health.v1 import health_pb2
 
 from hotloop.grpcutil import create_server, map_errors
 from hotloop.proto.v1 import gateway_pb2, gateway_pb2_grpc
@@ -65,9 +72,32 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         return gateway_pb2.FeedbackAck(accepted=r.accepted, reason=r.reason)
 
 
+async def _follow_readiness(core: GatewayCore, health, server: grpc.aio.Server) -> None:
+    """Set the Gateway service's health from `core.readiness()` until the server stops."""
+    stopped = asyncio.ensure_future(server.wait_for_termination())
+    last = None
+    try:
+        while not stopped.done():
+            ready = core.readiness().ready
+            if ready != last:
+                await health.set(SERVICE, health_pb2.HealthCheckResponse.SERVING if ready
+                                 else health_pb2.HealthCheckResponse.NOT_SERVING)
+                last = ready
+            await asyncio.wait({stopped}, timeout=core.cfg.health_interval_s)
+    finally:
+        stopped.cancel()
+
+
+_followers: set[asyncio.Task] = set()  # the loop holds tasks weakly
+
+
 async def serve(core: GatewayCore, address: str):
     """Start the gRPC server (health and reflection included); returns (server, port, health)."""
     servicer = GatewayServicer(core)
-    return await create_server(
+    server, port, health = await create_server(
         [lambda s: gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, s)], [SERVICE], address,
     )
+    follower = asyncio.create_task(_follow_readiness(core, health, server))
+    _followers.add(follower)
+    follower.add_done_callback(_followers.discard)
+    return server, port, health

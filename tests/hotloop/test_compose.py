@@ -55,3 +55,20 @@ def test_colocated_profile_runs_ppo_without_a_reference_service():
 
     tree = config.raw_config(ROOT / ppo["command"][3], environ={})
     assert config.load_section(tree, "ppo", PpoJobConfig).reference == "colocated"
+
+
+def test_the_gateway_is_health_checked_on_its_readiness():
+    """Healthy means a rollout replica can serve (`/ready`), not only that the process answers
+    (`/health`). The script's answers against a real gateway: tests/gateway/test_gateway_edges.py."""
+    from types import SimpleNamespace
+
+    from services.gateway.config import GatewayConfig
+    from services.gateway.http import build_app
+
+    gateway = yaml.safe_load((ROOT / "compose/docker-compose.yml").read_text())["services"]["gateway"]
+    http_port = next(c.split("=", 1)[1] for c in gateway["command"]
+                     if c.startswith("gateway.http_port="))
+    assert gateway["healthcheck"]["test"] == [
+        "CMD", "hotloop-healthcheck", "--http", http_port, "/ready"]
+    app = build_app(SimpleNamespace(cfg=GatewayConfig()))
+    assert "/ready" in {route.path for route in app.routes}

@@ -73,7 +73,10 @@ def test_cpu_sampler_stops_cleanly_started_or_not():
     never.stop()  # the run failed before sampling began
     s = CpuSampler(0.05)
     s.start()
-    time.sleep(0.2)
+    deadline = time.monotonic() + 30
+    while len(s.samples) < 2:  # two periodic samples, however slowly this machine runs
+        assert time.monotonic() < deadline, "the sampler took no second sample"
+        time.sleep(0.01)
     s.stop()
-    assert not s.is_alive() and len(s.samples) >= 3
+    assert not s.is_alive() and len(s.samples) >= 3  # and the one `stop` takes
     assert all(b.at >= a.at and b.own_s >= a.own_s for a, b in zip(s.samples, s.samples[1:]))

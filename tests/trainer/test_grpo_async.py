@@ -26,15 +26,31 @@ def marker_logprobs(prompt_index: int, sample_index: int, n: int) -> list[float]
 
 
 class FakeRollout:
-    """Groups finish one after another, `delay` apart; each is admitted on the latest version."""
+    """Groups finish one after another, `delay` apart; each is admitted on the latest version.
+    `admitted`: the version each training request (`generate_each`) was admitted on."""
 
     def __init__(self, delay: float = 0.01, events: list | None = None):
         self.latest, self.delay, self.events = 0, delay, events if events is not None else []
         self.stops: list[list[str]] = []  # each request's stop strings
+        self.admitted: list[int] = []
+        self._admitting = asyncio.Condition()
 
-    async def generate_each(self, chats, n=1, max_tokens=8, temperature=1.0, seed=None, stop=(), **_):
-        self.stops.append(list(stop))
+    async def admitted_at_least(self, n: int) -> None:
+        """Until `n` training requests were admitted; a gate that never lets them through is
+        a deadlock, reported after a minute instead of hanging the suite."""
+        async with asyncio.timeout(60), self._admitting:
+            await self._admitting.wait_for(lambda: len(self.admitted) >= n)
+
+    async def generate_each(self, chats, n=1, **kw):
         admitted = self.latest
+        self.admitted.append(admitted)
+        async with self._admitting:
+            self._admitting.notify_all()
+        async for c in self._complete(chats, n, admitted, **kw):
+            yield c
+
+    async def _complete(self, chats, n, admitted, max_tokens=8, temperature=1.0, seed=None, stop=(), **_):
+        self.stops.append(list(stop))
         for p, _chat in enumerate(chats):
             await asyncio.sleep(self.delay)
             self.events.append(("generated", p))
@@ -44,8 +60,8 @@ class FakeRollout:
                                  marker_logprobs(p, j, length), "stop", admitted, [5, 6, 9 + p],
                                  version_spans=[(admitted, 0)])
 
-    async def generate(self, chats, n=1, **kw):
-        out = [c async for c in self.generate_each(chats, n, **kw)]
+    async def generate(self, chats, n=1, **kw):  # the evaluation's call
+        out = [c async for c in self._complete(chats, n, self.latest, **kw)]
         return sorted(out, key=lambda c: (c.prompt_index, c.sample_index))
 
     async def status(self):
@@ -83,21 +99,32 @@ class FakeReference:
 
 
 class FakePublisher:
-    def __init__(self, rollout: FakeRollout, behind: int = 0):
+    """`hold_until_ahead`: publishing version v (step v - 1's update) first waits until the
+    producer has had training batch v - 1 + ahead admitted (all of them, near the end), so
+    every batch is sampled as early as the staleness gate lets it: batch k on version
+    max(0, k - ahead). The schedule that reaches the bound, made by events, not timing."""
+
+    def __init__(self, rollout: FakeRollout, behind: int = 0,
+                 hold_until_ahead: tuple[int, int] | None = None):
         self.rollout, self.behind, self.published = rollout, behind, []
+        self.hold_until_ahead = hold_until_ahead  # (ahead, number of training batches)
         self.store = SimpleNamespace(latest=lambda: None)
 
     async def publish(self, version, adapter):
+        if self.hold_until_ahead is not None:
+            ahead, batches = self.hold_until_ahead
+            await self.rollout.admitted_at_least(min(version + ahead, batches))
         self.published.append(version)
         # behind > 0: a replica that serves an older version than the one pushed
         self.rollout.latest = max(0, version - self.behind)
 
 
-def make_mesh(behind: int = 0, delay: float = 0.01):
+def make_mesh(behind: int = 0, delay: float = 0.01, hold_until_ahead: tuple[int, int] | None = None):
     from services.trainer.grpo import Mesh
 
     rollout = FakeRollout(delay)
-    return Mesh([rollout], FakeReward(), FakeReference(), FakePublisher(rollout, behind))
+    return Mesh([rollout], FakeReward(), FakeReference(),
+                FakePublisher(rollout, behind, hold_until_ahead))
 
 
 def job(tmp_path, **kw) -> AsyncGrpoJobConfig:
@@ -203,11 +230,16 @@ async def test_staleness_never_exceeds_the_bound_and_the_loss_sees_the_rollouts_
         return real(logprobs, old_logprobs, ref_logprobs, advantages, mask, cfg, **kw)
 
     monkeypatch.setattr(algorithms, "tis_reinforce_loss", spy)
-    mesh = make_mesh()
+    # Each update is published only once the producer has run as far ahead as the gate allows,
+    # so the bound is reached by construction; left to timing, a producer that falls behind
+    # the trainer samples fresher batches and staleness never gets to 2.
+    mesh = make_mesh(hold_until_ahead=(max_staleness, tcfg.num_steps))
     j = job(tmp_path, max_staleness=max_staleness, run_id="r")
     summary = await run(j, tcfg, tiny_model, mesh, tmp_path / "r", progress=False)
     steps = [json.loads(line)["step"] for line in (tmp_path / "r/metrics.jsonl").read_text().splitlines()
              if "step" in json.loads(line)]
+    assert mesh.rollout[0].admitted == [max(0, k - max_staleness) for k in range(4)]
+    assert all(s["train"]["staleness_max"] <= max_staleness for s in steps)
     assert [s["train"]["staleness_max"] for s in steps] == [min(k, max_staleness) for k in range(4)]
     assert summary["async"]["staleness_max"] == max_staleness
     assert mesh.publisher.published == [1, 2, 3, 4]
@@ -248,7 +280,8 @@ async def test_a_run_budget_gives_way_to_the_final_evaluation(tcfg, tiny_model, 
 
 
 async def test_a_sample_past_the_bound_is_an_error(tcfg, tiny_model, tmp_path):
-    mesh = make_mesh(behind=1)  # the replica lags a version behind every push
+    # the replica lags a version behind every push; batch 2 is admitted before step 1 publishes
+    mesh = make_mesh(behind=1, hold_until_ahead=(1, tcfg.num_steps))
     with pytest.raises(RuntimeError, match="over max_staleness = 1"):
         await run(job(tmp_path, run_id="x"), tcfg, tiny_model, mesh, tmp_path / "x", progress=False)
 

@@ -86,10 +86,11 @@ def test_hold_waits_while_users_wait_and_resumes_when_they_are_served():
     t0 = time.monotonic()
     users.hold()
     waited = time.monotonic() - t0
-    assert 0.15 < waited < 2.0 and users.pauses == 1
-    t0 = time.monotonic()
+    # released by the users' news (the timer fires no sooner than 0.2 s), not by the budget
+    assert 0.15 < waited < users.max_pause_s and users.pauses == 1
+    paused_s = users.paused_s
     users.hold()  # nobody waits: no wait
-    assert time.monotonic() - t0 < 0.05 and users.pauses == 1
+    assert users.pauses == 1 and users.paused_s == paused_s
 
 
 def test_one_busy_spell_stops_training_at_most_max_pause_s():
@@ -98,16 +99,16 @@ def test_one_busy_spell_stops_training_at_most_max_pause_s():
     t0 = time.monotonic()
     for _ in range(5):  # every layer of a pass asks; the spell's budget is shared
         users.hold()
-    assert time.monotonic() - t0 < 0.5
+    assert time.monotonic() - t0 >= 0.2  # the first waited the whole budget ...
+    assert users.pauses == 1  # ... and the other four did not wait at all
     users.users_waiting(True)  # still the same spell: no fresh budget
-    t0 = time.monotonic()
     users.hold()
-    assert time.monotonic() - t0 < 0.05
+    assert users.pauses == 1
     users.users_waiting(False)
     users.users_waiting(True)  # a new spell: a new budget
     t0 = time.monotonic()
     users.hold()
-    assert time.monotonic() - t0 >= 0.15
+    assert time.monotonic() - t0 >= 0.15 and users.pauses == 2
 
 
 def test_close_releases_a_waiting_compute_thread():
@@ -117,7 +118,7 @@ def test_close_releases_a_waiting_compute_thread():
     t.start()
     time.sleep(0.1)
     asyncio.run(users.close())
-    t.join(2.0)
+    t.join(20.0)  # well under the 30 s budget that would release it without `close`
     assert not t.is_alive()
 
 
@@ -167,7 +168,8 @@ def test_pause_holds_on_the_board_without_the_stream(tmp_path):
         threading.Timer(0.2, board.write, args=(1, 0)).start()  # the first token came
         t0 = time.monotonic()
         users.hold()
-        assert 0.15 < time.monotonic() - t0 < 1.0 and users.pauses == 1
+        # released by the board (the timer fires no sooner than 0.2 s), not by the budget
+        assert 0.15 < time.monotonic() - t0 < users.max_pause_s and users.pauses == 1
     finally:
         asyncio.run(users.close())
         board.close()
