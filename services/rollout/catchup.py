@@ -162,7 +162,7 @@ class CatchUp:
             latest = await asyncio.wait_for(self._read_latest(), timeout_s)
         except (Unavailable, TimeoutError) as e:
             # an announcement heard earlier may still be fetchable
-            latest, why_not = None, f"reading KV latest: {e or 'timed out'}"
+            latest, why_not = None, f"reading KV latest: {str(e) or 'timed out'}"
         else:
             why_not = ""
         if latest is not None:
