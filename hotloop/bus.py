@@ -6,7 +6,9 @@ messages that cannot be decoded, and the KV bucket holding the current policy ve
 Does not own: what a service does with a message.
 
 Outages: once connected, the client reconnects for as long as the process lives (a NATS
-restart on the same port and store keeps the streams, consumers and KV). While it is away,
+restart on the same port and store keeps the streams, consumers and KV), and calls the
+`on_reconnect` listeners when it is back (plain subscriptions miss what was published while it
+was away, so a listener re-reads what it needs from the KV). While it is away,
 core publishes and acks wait in the client's buffer and pull fetches come back empty; each
 JetStream request (publish, lookup, KV, consumer info) is retried for up to `outage_s`
 (default `OUTAGE_S`), then its error propagates. A caller with a user waiting passes
@@ -44,6 +46,8 @@ FEEDBACK_DEDUP_WINDOW_S = 24 * 3600.0
 TRAFFIC_MAX_AGE_S = 24 * 3600.0
 """Served exchanges older than this are dropped from TRAFFIC; feedback on them is refused."""
 VERSIONS_BUCKET = "hotloop-versions"
+LATEST_KEY = "latest"
+"""KV key (in `VERSIONS_BUCKET`) of the newest announced version (a `common_pb2.VersionInfo`)."""
 TYPE_HEADER = "hotloop-type"
 OUTAGE_S = 30.0
 """How long a JetStream request keeps retrying while the server is unreachable."""
@@ -110,12 +114,18 @@ class Received:
 
 
 class Bus:
-    def __init__(self, nc, js, outage_s: float = OUTAGE_S):
+    def __init__(self, nc, js, outage_s: float = OUTAGE_S,
+                 reconnect_listeners: list[Callable[[], None]] | None = None):
         self.nc = nc
         self.js = js
         self.outage_s = outage_s
         self._kv = None
         self._pulls: list = []  # pull subscriptions, unsubscribed (not drained) at close
+        self._reconnect_listeners = [] if reconnect_listeners is None else reconnect_listeners
+
+    def on_reconnect(self, fn: Callable[[], None]) -> None:
+        """Call `fn()` (on the event loop, not awaited) each time the connection comes back."""
+        self._reconnect_listeners.append(fn)
 
     @classmethod
     async def connect(cls, url: str, name: str, timeout_s: float = 10.0,
@@ -127,6 +137,13 @@ class Bus:
         async def _quiet(e: Exception) -> None:  # reconnects are logged once, not per traceback
             log.warning("nats: %s", e)
 
+        listeners: list[Callable[[], None]] = []
+
+        async def _reconnected() -> None:
+            log.info("nats: reconnected")
+            for fn in list(listeners):
+                fn()
+
         nc = Client()
         # With max_reconnect_attempts=-1 nats-py retries the first connect forever too, so the
         # bound is this wait_for; after it, reconnecting never gives up (see the docstring).
@@ -134,13 +151,14 @@ class Bus:
             await asyncio.wait_for(nc.connect(
                 url, name=name, connect_timeout=2, allow_reconnect=True, max_reconnect_attempts=-1,
                 reconnect_time_wait=RECONNECT_WAIT_S, drain_timeout=DRAIN_TIMEOUT_S, error_cb=_quiet,
+                reconnected_cb=_reconnected,
             ), timeout_s)
         except TimeoutError:
             last = nc.last_error
             await nc.close()
             raise BusError(f"no NATS server answered at {url} within {timeout_s:g}s"
                            + (f" ({last})" if last else "")) from None
-        return cls(nc, nc.jetstream(timeout=REQUEST_TIMEOUT_S), outage_s)
+        return cls(nc, nc.jetstream(timeout=REQUEST_TIMEOUT_S), outage_s, listeners)
 
     async def close(self) -> None:
         """Deliver what is buffered (acks included) and close. Pull subscriptions are

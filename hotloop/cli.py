@@ -158,7 +158,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.set_defaults(fn=cmd_up)
 
     serve = sub.add_parser("serve", help="run one service in the foreground (as compose does)")
-    serve.add_argument("service", choices=SERVICES)
+    # the online trainer too: compose runs it as a service that replicas fetch versions from
+    serve.add_argument("service", choices=[*SERVICES, "trainer"])
     serve.add_argument("rest", nargs=argparse.REMAINDER, help="--config F --set K=V --port-file F")
     serve.set_defaults(fn=cmd_serve)
 

@@ -1,4 +1,4 @@
-"""gRPC clients for the rollout, reward and reference services, with plain dataclasses.
+"""gRPC clients for the rollout, reward, reference and trainer services, with plain dataclasses.
 
 Owns: the caller's side of the contracts in protos/ (proto types stop here), bounded retries
 on UNAVAILABLE (channel service config plus a tenacity retry around whole streaming calls,
@@ -16,9 +16,10 @@ from dataclasses import dataclass, field
 import grpc
 
 from hotloop import grpcutil
-from hotloop.errors import Unavailable
+from hotloop.adapters import Version, version_from_proto
+from hotloop.errors import HotloopError, InvalidArgument, NotFound, Unavailable
 from hotloop.proto.v1 import common_pb2, reference_pb2, reference_pb2_grpc, reward_pb2, reward_pb2_grpc
-from hotloop.proto.v1 import rollout_pb2, rollout_pb2_grpc
+from hotloop.proto.v1 import rollout_pb2, rollout_pb2_grpc, trainer_pb2, trainer_pb2_grpc
 
 RETRY_ATTEMPTS = 4
 # vLLM priority scheduling admits lower values first: the gateway sends users at 0, and
@@ -382,6 +383,70 @@ class ReferenceClient:
     async def status(self) -> reference_pb2.ReferenceStatus:
         return await _call("reference", self.address,
                            lambda: self.stub.Status(reference_pb2.ReferenceStatusRequest(), timeout=10))
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+
+# ---- trainer ------------------------------------------------------------------------------
+class TrainerClient:
+    """A trainer's `FetchAdapter`: how a rollout replica gets a version it missed.
+
+    No gRPC-level retry, and a short reconnect backoff: the caller (the replica's catch-up)
+    retries on its own schedule, and each of its attempts must really try to connect rather
+    than fail fast on a channel still waiting out a long backoff after the trainer was down."""
+
+    def __init__(self, address: str):
+        self.address = address
+        self.channel = grpc.aio.insecure_channel(address, options=[
+            ("grpc.max_receive_message_length", grpcutil.MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", grpcutil.MAX_MESSAGE_BYTES),
+            ("grpc.enable_retries", 0),
+            ("grpc.initial_reconnect_backoff_ms", 100),
+            ("grpc.min_reconnect_backoff_ms", 100),
+            ("grpc.max_reconnect_backoff_ms", 1000),
+        ])
+        self.stub = trainer_pb2_grpc.TrainerStub(self.channel)
+
+    def _error(self, e: grpc.aio.AioRpcError) -> HotloopError:
+        if e.code() == grpc.StatusCode.NOT_FOUND:
+            return NotFound(f"trainer at {self.address}: {e.details()}")
+        return Unavailable(f"trainer at {self.address} is unavailable: {e.code().name}: {e.details()}")
+
+    async def fetch_adapter(self, version: int = 0,
+                            timeout_s: float = 120.0) -> tuple[Version, AsyncIterator[bytes]]:
+        """The stored `Version` (0: the trainer's latest) and its archive's chunks. The header
+        is read here, so an unknown version (`NotFound`) or an unreachable trainer
+        (`Unavailable`) raises before anything is handed over; `timeout_s` bounds the whole
+        transfer. Not retried. Leave the chunks unconsumed and the call is cancelled when the
+        iterator is closed."""
+        call = self.stub.FetchAdapter(trainer_pb2.FetchAdapterRequest(version=version),
+                                      timeout=timeout_s)
+        try:
+            first = await call.read()
+        except grpc.aio.AioRpcError as e:
+            raise self._error(e) from e
+        if first is grpc.aio.EOF or first.WhichOneof("kind") != "info":
+            call.cancel()
+            raise InvalidArgument(f"trainer at {self.address} sent no version header")
+        info = version_from_proto(first.info)
+
+        async def chunks() -> AsyncIterator[bytes]:
+            try:
+                while True:
+                    try:
+                        msg = await call.read()
+                    except grpc.aio.AioRpcError as e:
+                        raise self._error(e) from e
+                    if msg is grpc.aio.EOF:
+                        return
+                    if msg.WhichOneof("kind") != "data":
+                        raise InvalidArgument(f"trainer at {self.address} sent a second header")
+                    yield msg.data
+            finally:
+                call.cancel()  # no-op once the call has finished
+
+        return info, chunks()
 
     async def close(self) -> None:
         await self.channel.close()

@@ -1,10 +1,20 @@
-"""`hotloop up`: a whole mesh on one machine, as local processes on loopback.
+"""`hotloop up`: a whole mesh on one machine, as local processes on loopback, kept running.
 
 Owns: starting a NATS server (JetStream, store under the run directory), generating the admin
 token and the gateway's user API key file, starting each service as `python -m services.<name>`
-with its log file, waiting until each is healthy, writing `<run_dir>/mesh.json` (how clients
-find the mesh, including the gateway's HTTP URL), and stopping
-everything in order on Ctrl-C or when one process dies (saying which and why).
+(the rollout as `[up] rollout_replicas` replicas) with its log file, waiting until each is
+healthy, writing `<run_dir>/mesh.json` (how clients find the mesh, including the gateway's HTTP
+URL), supervising, and stopping everything in order on Ctrl-C.
+
+Supervision (`Mesh.poll`, looped by `watch`): a service that exits without being stopped is
+restarted after a doubling backoff while the others keep running; NATS likewise, on the same
+port and store. Each comes back on the port it had (chosen by the OS at the first start, then
+passed as `--set <section>.port`), so the endpoints and mesh.json stay valid and the gateway
+and the trainer find a restarted replica where they knew it; mesh.json is rewritten with the
+new pid. A restarted service reads the endpoints as they are then (a replica restarted after
+the trainer came up knows where to fetch the versions it missed). One crash more than
+`[up] max_restarts` within `restart_window_s` stops the mesh, saying which process, how it
+ended and its last log lines: a service that cannot stay up is a fault to fix, not to hide.
 Does not own: any service's logic; services get their endpoints through the environment.
 """
 
@@ -17,11 +27,15 @@ import secrets
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hotloop.config import MeshConfig
+from pydantic import Field
+
+from hotloop import config as hconfig
+from hotloop.config import MeshConfig, Section
 from hotloop.natsserver import NatsServer
 
 # Start order: the trainer job and the gateway need the others' endpoints.
@@ -30,14 +44,76 @@ ALL_SERVICES = ["reference", "reward", "rollout", "gateway"]
 # gateway's feedback and pushes to the rollout replicas.
 OPT_IN_SERVICES = ["trainer"]
 MESH_FILE = "mesh.json"
+# Where each service takes its listening port (`--set`), so a restart can reuse it.
+PORT_KEYS = {"rollout": "rollout.port", "reward": "reward.port", "reference": "reference.port",
+             "gateway": "gateway.port", "trainer": "trainer_server.port"}
+
+
+class UpConfig(Section):
+    """The `[up]` section: what `hotloop up` starts and how it keeps it running."""
+
+    rollout_replicas: int = Field(1, ge=1, le=16)
+    """Rollout replicas to start, each its own process and engine (`rollout`, `rollout-1`, ...:
+    their logs, port files and pids go by these names; adapters under `<run_dir>/<name>`).
+    The gateway routes among them; the trainer pushes every version to each."""
+    max_restarts: int = Field(5, ge=0, le=1000)
+    """Restarts of one service (or of NATS) allowed within `restart_window_s`; its next crash
+    in the window stops the whole mesh, saying which process and why. 0: the first crash of
+    anything stops the mesh."""
+    restart_window_s: float = Field(600.0, gt=0)
+    """The window `max_restarts` counts in: a service that crashes now and then is restarted
+    for as long as the mesh runs; one that keeps crashing is not hidden."""
+    restart_backoff_s: float = Field(1.0, ge=0)
+    """Wait before restarting a crashed process; it doubles with each crash in the window."""
+    restart_backoff_max_s: float = Field(60.0, ge=0)
+    """Cap on that wait."""
+    start_timeout_s: float = Field(300.0, gt=0)
+    """Longest a service may take to listen, at the first start (past it `hotloop up` fails)
+    and after a restart (past it the restart counts as a crash). A vLLM engine takes ~20-60 s
+    on a small CPU host; a rollout replica also catches up first (`catchup_timeout_s`)."""
+
+
+@dataclass
+class RestartPolicy:
+    """Bounded exponential backoff, and a limit on crashes within a window (clock passed in)."""
+
+    max_restarts: int
+    window_s: float
+    backoff_s: float
+    backoff_max_s: float
+    crashes: list[float] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, up: UpConfig) -> "RestartPolicy":
+        return cls(up.max_restarts, up.restart_window_s, up.restart_backoff_s,
+                   up.restart_backoff_max_s)
+
+    def crashed(self, now: float) -> float | None:
+        """Record a crash at `now`: the wait before restarting, or None when it is one crash
+        more than `max_restarts` within the window."""
+        self.crashes = [t for t in self.crashes if t > now - self.window_s] + [now]
+        if len(self.crashes) > self.max_restarts:
+            return None
+        return min(self.backoff_max_s, self.backoff_s * 2 ** (len(self.crashes) - 1))
 
 
 @dataclass
 class Proc:
-    name: str
-    popen: subprocess.Popen
+    name: str  # "rollout", "rollout-1", "gateway", ...: its log, port file and pid key
+    popen: subprocess.Popen | None  # None until first spawned
     log_path: Path
     port: int = 0
+    service: str = ""  # its package under services/; "" means `name`
+    sets: list[str] = field(default_factory=list)  # its own overrides: its storage, its ports
+    restarts: RestartPolicy | None = None
+    state: str = "running"  # | "waiting" (to be restarted at `due`) | "starting" (restarted)
+    due: float = 0.0  # waiting: when to restart; starting: when to give up on it
+
+    @property
+    def kind(self) -> str:
+        return self.service or self.name
+
+
 
 
 @dataclass
@@ -115,9 +191,38 @@ def tail_log(path: Path, lines: int = 25) -> str:
         return "(no log)"
 
 
+def available(name: str) -> bool:
+    """Whether `services/<name>` exists as a runnable service in this checkout."""
+    import importlib.util
+
+    return importlib.util.find_spec(f"services.{name}.__main__") is not None
+
+
+def die_with_parent() -> None:
+    """In the child, before exec: get SIGTERM when the launcher dies, even by SIGKILL, so a
+    killed `hotloop up` or demo never leaves services (and their vLLM engines) running.
+    Services run in their own session so that Ctrl-C reaches only the launcher, which stops
+    them in order."""
+    import ctypes
+
+    PR_SET_PDEATHSIG = 1
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:  # not glibc Linux: the launcher's own stop() remains the only guard
+        pass
+
+
+def tail_log(path: Path, lines: int = 25) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
 class Mesh:
     def __init__(self, mesh_cfg: MeshConfig, config_path: str | None, overrides: list[str],
-                 services: list[str], quiet: bool = False):
+                 services: list[str], quiet: bool = False, up: UpConfig | None = None):
+        """`up`: the `[up]` section; None reads it from `config_path` and `overrides`."""
         unknown = set(services) - set(ALL_SERVICES) - set(OPT_IN_SERVICES)
         if unknown:
             raise ValueError(f"unknown services {sorted(unknown)}; known: {ALL_SERVICES + OPT_IN_SERVICES}")
@@ -125,6 +230,13 @@ class Mesh:
         if unbuilt:
             raise ValueError(f"services {unbuilt} are not implemented yet (their protos exist); "
                              f"available: {[s for s in ALL_SERVICES if available(s)]}")
+        tree = hconfig.raw_config(config_path, overrides)
+        self.up = up if up is not None else hconfig.load_section(tree, "up", UpConfig)
+        rollout = tree.get("rollout", {})
+        if self.up.rollout_replicas > 1 and rollout.get("port"):
+            raise ValueError(f"rollout.port = {rollout['port']} gives every replica one port; "
+                             f"with up.rollout_replicas = {self.up.rollout_replicas} leave it 0")
+        self._rollout_storage = rollout.get("storage_dir", "")
         self.cfg = mesh_cfg
         self.config_path = config_path
         self.overrides = overrides
@@ -132,14 +244,20 @@ class Mesh:
         self.run_dir = Path(mesh_cfg.run_dir).resolve()
         self.procs: list[Proc] = []
         self.nats: NatsServer | None = None
+        self._nats_restarts = RestartPolicy.of(self.up)
+        self._nats_due: float | None = None  # when NATS is to be restarted, while it is down
         self.info: MeshInfo | None = None
         self.quiet = quiet
+        self._stopping = False
 
     def say(self, msg: str) -> None:
         if not self.quiet:
             print(f"[hotloop up] {msg}", flush=True)
 
-    def start(self, timeout_s: float = 300.0) -> MeshInfo:
+    def start(self, timeout_s: float | None = None) -> MeshInfo:
+        """Start everything; raises (after stopping what started) if anything fails to come up
+        within `timeout_s` (None: `[up] start_timeout_s`)."""
+        timeout_s = self.up.start_timeout_s if timeout_s is None else timeout_s
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
         (self.run_dir / "ports").mkdir(parents=True, exist_ok=True)
         token_file = self.run_dir / "admin-token"
@@ -162,8 +280,7 @@ class Mesh:
         except BaseException:
             self.stop()
             raise
-        self.info.pids = {p.name: p.popen.pid for p in self.procs}
-        (self.run_dir / MESH_FILE).write_text(json.dumps(self.info.__dict__, indent=2))
+        self._write_info()
         return self.info
 
     def _user_keys_file(self) -> str:
@@ -178,32 +295,69 @@ class Mesh:
         path.chmod(0o600)
         return str(path)
 
+    def _write_info(self) -> None:
+        """mesh.json, replaced atomically: a client reading it meanwhile sees all of one."""
+        self.info.pids = {p.name: p.popen.pid for p in self.procs}
+        path = self.run_dir / MESH_FILE
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.info.__dict__, indent=2))
+        tmp.rename(path)
+
+    def _port_file(self, proc: Proc) -> Path:
+        return self.run_dir / "ports" / f"{proc.name}.json"
+
+    def _http_port_file(self) -> Path:
+        return self.run_dir / "ports" / "gateway-http.json"
+
+    def _new_procs(self, service: str) -> list[Proc]:
+        if service != "rollout" or self.up.rollout_replicas == 1:
+            return [Proc(service, None, self.run_dir / "logs" / f"{service}.log", service=service,
+                         restarts=RestartPolicy.of(self.up))]
+        procs = []
+        for i in range(self.up.rollout_replicas):
+            name = "rollout" if i == 0 else f"rollout-{i}"
+            # each replica empties its adapter directory at start: one directory each
+            storage = Path(self._rollout_storage or self.run_dir) / name / "adapters"
+            procs.append(Proc(name, None, self.run_dir / "logs" / f"{name}.log", service=service,
+                              sets=[f"rollout.storage_dir={storage}"],
+                              restarts=RestartPolicy.of(self.up)))
+        return procs
+
+    def _spawn(self, proc: Proc) -> None:
+        """Start `proc`'s process, with the endpoints as they are now."""
+        port_file = self._port_file(proc)
+        port_file.unlink(missing_ok=True)
+        cmd = [sys.executable, "-m", f"services.{proc.kind}", "--port-file", str(port_file)]
+        if self.config_path:
+            cmd += ["--config", self.config_path]
+        for o in self.overrides:
+            cmd += ["--set", o]
+        if proc.kind == "gateway":  # its HTTP port, for mesh.json
+            self._http_port_file().unlink(missing_ok=True)
+            cmd += ["--set", f"gateway.http_port_file={self._http_port_file()}"]
+        for o in proc.sets:
+            cmd += ["--set", o]
+        env = {**os.environ, **self.info.env(), "PYTHONUNBUFFERED": "1"}
+        with open(proc.log_path, "ab") as log:
+            proc.popen = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                          start_new_session=True, preexec_fn=die_with_parent)
+
+    def _listening_port(self, proc: Proc) -> int | None:
+        """The port `proc` wrote once serving, or None while it has not."""
+        path = self._port_file(proc)
+        return json.loads(path.read_text())["port"] if path.exists() else None
+
     def _start_batch(self, names: list[str], timeout_s: float) -> None:
         started = []
         for name in names:
-            port_file = self.run_dir / "ports" / f"{name}.json"
-            port_file.unlink(missing_ok=True)
-            log_path = self.run_dir / "logs" / f"{name}.log"
-            cmd = [sys.executable, "-m", f"services.{name}", "--port-file", str(port_file)]
-            if self.config_path:
-                cmd += ["--config", self.config_path]
-            for o in self.overrides:
-                cmd += ["--set", o]
-            if name == "gateway":  # its HTTP port, for mesh.json
-                http_port_file = self.run_dir / "ports" / "gateway-http.json"
-                http_port_file.unlink(missing_ok=True)
-                cmd += ["--set", f"gateway.http_port_file={http_port_file}"]
-            env = {**os.environ, **self.info.env(), "PYTHONUNBUFFERED": "1"}
-            with open(log_path, "ab") as log:
-                popen = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                         start_new_session=True, preexec_fn=die_with_parent)
-            proc = Proc(name, popen, log_path)
-            self.procs.append(proc)
-            started.append((proc, port_file))
-            self.say(f"starting {name} (log: {log_path})")
+            for proc in self._new_procs(name):
+                self._spawn(proc)
+                self.procs.append(proc)
+                started.append(proc)
+                self.say(f"starting {proc.name} (log: {proc.log_path})")
         deadline = time.monotonic() + timeout_s
-        for proc, port_file in started:
-            while not port_file.exists():
+        for proc in started:
+            while (port := self._listening_port(proc)) is None:
                 if proc.popen.poll() is not None:
                     raise RuntimeError(
                         f"{proc.name} exited with code {proc.popen.returncode} during start-up; "
@@ -212,51 +366,158 @@ class Mesh:
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"{proc.name} did not start within {timeout_s:.0f}s; see {proc.log_path}")
                 time.sleep(0.2)
-            proc.port = json.loads(port_file.read_text())["port"]
+            proc.port = port
             from hotloop.grpcutil import wait_healthy
 
             asyncio.run(wait_healthy(f"127.0.0.1:{proc.port}", max(5.0, deadline - time.monotonic())))
             addr = f"127.0.0.1:{proc.port}"
-            self.info.endpoints[proc.name] = [addr] if proc.name == "rollout" else addr
-            if proc.name == "gateway":
+            # a restart listens where this one does
+            proc.sets.append(f"{PORT_KEYS[proc.kind]}={proc.port}")
+            if proc.kind == "rollout":
+                self.info.endpoints.setdefault("rollout", []).append(addr)  # in replica order
+            else:
+                self.info.endpoints[proc.kind] = addr
+            if proc.kind == "gateway":
                 # written before the gRPC port file, so it is there by now
-                http = json.loads((self.run_dir / "ports" / "gateway-http.json").read_text())["port"]
+                http = json.loads(self._http_port_file().read_text())["port"]
+                proc.sets.append(f"gateway.http_port={http}")
                 self.info.gateway_url = f"http://127.0.0.1:{http}/v1"
                 self.say(f"gateway HTTP (OpenAI-compatible) on {self.info.gateway_url}")
             self.say(f"{proc.name} healthy on {addr}")
 
+    # ---- supervision -------------------------------------------------------------------
+    def poll(self, now: float | None = None) -> str | None:
+        """One round of supervision: note crashes, restart what is due, see restarted
+        processes listen. Returns why the mesh must stop, else None. Not thread-safe with
+        `stop`: call `stop` only once whoever polls has stopped."""
+        if self._stopping or self.info is None:
+            return None
+        now = time.monotonic() if now is None else now
+        if (why := self._poll_nats(now)) is not None:
+            return why
+        for proc in self.procs:
+            if (why := self._poll_proc(proc, now)) is not None:
+                return why
+        return None
+
+    def _poll_proc(self, proc: Proc, now: float) -> str | None:
+        if proc.state == "waiting":
+            if now >= proc.due:
+                self._spawn(proc)
+                proc.state, proc.due = "starting", now + self.up.start_timeout_s
+                self.say(f"restarting {proc.name} on port {proc.port} (log: {proc.log_path})")
+            return None
+        code = proc.popen.poll()
+        if code is None:
+            if proc.state == "starting":
+                port = self._listening_port(proc)
+                if port is not None:
+                    proc.state = "running"
+                    if port != proc.port:  # a service config that ignores the port it is given
+                        self._moved(proc, port)
+                    self._write_info()
+                    self.say(f"{proc.name} is back on 127.0.0.1:{port} (pid {proc.popen.pid})")
+                elif now > proc.due:
+                    os.killpg(proc.popen.pid, signal.SIGKILL)
+                    proc.popen.wait()
+                    return self._crashed(proc, now, f"did not listen within "
+                                                    f"{self.up.start_timeout_s:.0f}s of its restart")
+            return None
+        how = "exited during its restart" if proc.state == "starting" else "died"
+        return self._crashed(proc, now, f"{how} with exit code {code}")
+
+    def _moved(self, proc: Proc, port: int) -> None:
+        old, new = f"127.0.0.1:{proc.port}", f"127.0.0.1:{port}"
+        if proc.kind == "rollout":
+            eps = self.info.endpoints["rollout"]
+            eps[eps.index(old)] = new
+        else:
+            self.info.endpoints[proc.kind] = new
+        proc.port = port
+        self.say(f"{proc.name} moved from {old} to {new}: processes started before this one "
+                 f"still look for it at {old}")
+
+    def _crashed(self, proc: Proc, now: float, what: str) -> str | None:
+        wait = proc.restarts.crashed(now)
+        tail = f"Last lines of {proc.log_path}:\n{tail_log(proc.log_path, 12)}"
+        if wait is None:
+            return (f"{proc.name} {what}: {len(proc.restarts.crashes)} crashes within "
+                    f"{self.up.restart_window_s:g}s, more than up.max_restarts = "
+                    f"{self.up.max_restarts}; stopping the mesh. {tail}")
+        proc.state, proc.due = "waiting", now + wait
+        self.say(f"{proc.name} {what}; restarting it in {wait:.1f}s (crash "
+                 f"{len(proc.restarts.crashes)} of {self.up.max_restarts} allowed within "
+                 f"{self.up.restart_window_s:g}s); the others keep running. {tail}")
+        return None
+
+    def _poll_nats(self, now: float) -> str | None:
+        if self.nats is None:
+            return None
+        if self._nats_due is None:
+            if self.nats.proc.poll() is None:
+                return None
+            what = f"nats-server died with exit code {self.nats.proc.returncode}"
+        elif now < self._nats_due:
+            return None
+        else:
+            try:  # on the same port and store: clients reconnect; streams and KV survive
+                self.nats.restart(preexec_fn=die_with_parent)
+            except (RuntimeError, TimeoutError) as e:
+                what = f"nats-server did not restart ({e})"
+            else:
+                self._nats_due = None
+                self.say(f"nats-server is back on {self.nats.url}")
+                return None
+        wait = self._nats_restarts.crashed(now)
+        tail = f"Last lines of {self.nats.log_path}:\n{tail_log(self.nats.log_path, 12)}"
+        if wait is None:
+            return (f"{what}: {len(self._nats_restarts.crashes)} crashes within "
+                    f"{self.up.restart_window_s:g}s, more than up.max_restarts = "
+                    f"{self.up.max_restarts}; stopping the mesh. {tail}")
+        self._nats_due = now + wait
+        self.say(f"{what}; restarting it in {wait:.1f}s on the same port and store. {tail}")
+        return None
+
+    def supervise(self, stop: threading.Event | None = None, interval_s: float = 0.5) -> int:
+        """`poll` until `stop` is set (0) or the mesh must stop (1, after saying why). Does not
+        stop the mesh itself."""
+        stop = stop or threading.Event()
+        while not stop.is_set():
+            why = self.poll()
+            if why is not None:
+                self.say(why)
+                return 1
+            stop.wait(interval_s)
+        return 0
+
     def watch(self) -> int:
-        """Block until Ctrl-C/SIGTERM (exit 0) or until a process dies (exit 1)."""
-        stop = {"flag": False}
+        """Supervise until Ctrl-C/SIGTERM (exit 0) or until the mesh cannot be kept up (exit
+        1); then stop everything."""
+        stop = threading.Event()
 
         def _handler(signum, frame):
-            stop["flag"] = True
+            stop.set()
 
         old = {s: signal.signal(s, _handler) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
-            while not stop["flag"]:
-                for p in self.procs:
-                    if p.popen.poll() is not None:
-                        self.say(f"{p.name} died with exit code {p.popen.returncode}; stopping the "
-                                 f"mesh. Last lines of {p.log_path}:\n{tail_log(p.log_path)}")
-                        return 1
-                if self.nats and self.nats.proc.poll() is not None:
-                    self.say("nats-server died; stopping the mesh")
-                    return 1
-                time.sleep(0.5)
-            self.say("stopping")
-            return 0
+            code = self.supervise(stop)
+            if code == 0:
+                self.say("stopping")
+            return code
         finally:
             for s, h in old.items():
                 signal.signal(s, h)
             self.stop()
 
     def stop(self, grace_s: float = 30.0) -> None:
+        self._stopping = True
         for p in reversed(self.procs):
-            if p.popen.poll() is None:
+            if p.popen is not None and p.popen.poll() is None:
                 p.popen.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + grace_s
         for p in reversed(self.procs):
+            if p.popen is None:
+                continue
             try:
                 p.popen.wait(max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:

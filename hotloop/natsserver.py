@@ -79,7 +79,7 @@ class NatsServer:
                 self.proc.kill()
                 self.proc.wait()
 
-    def restart(self, timeout_s: float = 10.0) -> "NatsServer":
+    def restart(self, timeout_s: float = 10.0, preexec_fn=None) -> "NatsServer":
         """Stop, then start again on the same port and store. A port that the old process's
         sockets still hold for a moment is retried until `timeout_s`."""
         assert self.port is not None, "restart() needs a server that started once"
@@ -87,7 +87,7 @@ class NatsServer:
         deadline = time.monotonic() + timeout_s
         while True:
             try:
-                return self.start(max(0.1, deadline - time.monotonic()))
+                return self.start(max(0.1, deadline - time.monotonic()), preexec_fn=preexec_fn)
             except RuntimeError:  # exited at once: the port is not free yet
                 if time.monotonic() >= deadline:
                     raise

@@ -30,7 +30,7 @@ class Running:
     cleanups: list[Callable[[], Any]] = field(default_factory=list)
     check: Callable[[], None] | None = None
     """Raises `FatalError` when the service can no longer serve (polled every 2 s): the
-    process then stops with exit code 1, so `hotloop up` reports which service died and why."""
+    process then stops with exit code 1, so `hotloop up` restarts it and says why."""
 
 
 def parse_args(name: str) -> argparse.Namespace:

@@ -39,7 +39,8 @@ async def build(mesh: MeshConfig, cfg: GatewayConfig) -> service.Running:
 
     bus = await Bus.connect(mesh.nats.url, "gateway", mesh.nats.connect_timeout_s)
     router = Router([GrpcReplica(a) for a in mesh.endpoints.rollout], cfg.routing,
-                    cfg.health_interval_s, cfg.health_timeout_s, cfg.health_failures)
+                    cfg.health_interval_s, cfg.health_timeout_s, cfg.health_failures,
+                    cfg.max_version_lag)
     core = GatewayCore(cfg, keys, router, BusEvents(bus, cfg.traffic_queue),
                        cfg.served_model or mesh.model.name)
     await core.start()

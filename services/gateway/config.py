@@ -63,6 +63,13 @@ class GatewayConfig(Section):
     """How often each replica's health and status are polled."""
     health_timeout_s: float = Field(1.0, gt=0, le=60)
     """A poll slower than this counts as missed."""
+    max_version_lag: int = Field(0, ge=0)
+    """Most versions a replica may be behind the newest version seen (the highest any replica
+    serves or knows announced) and still get users. 0: users are answered only by the newest
+    policy while any replica serves it; a replica that missed an update or restarted on an
+    older one gets no user until it has caught up, and with none current users get 503 /
+    UNAVAILABLE saying why. A replica whose push is still landing is skipped until the next
+    poll (`health_interval_s`) sees it done."""
     health_failures: int = Field(3, ge=1, le=100)
     """Missed polls in a row before a replica is skipped. A replica that says it is not
     serving, or fails a request, is skipped at once."""

@@ -409,13 +409,21 @@ class GatewayCore:
                 "traffic_dropped": t.dropped, "traffic_publish_errors": t.publish_errors,
             },
             "traffic_queued": self.events.queued,
+            "newest_version": self.router.newest,
             "replicas": [
                 {"address": s.replica.address, "healthy": s.healthy, "reason": s.reason,
+                 "version": s.version, "version_lag": self.router.lag(s),
+                 "may_serve": self.router.may_serve(s),
                  "in_flight": s.in_flight, "other_load": s.others, "served": s.served,
                  "failures": s.failures}
                 for s in self.router.states
             ],
         }
+
+    def servable_replicas(self) -> list[str]:
+        """Addresses of the replicas a user request may go to now (healthy, and within
+        `max_version_lag` of the newest version seen); empty: requests get 503/UNAVAILABLE."""
+        return [s.replica.address for s in self.router.servable()]
 
 
 @dataclass

@@ -1,8 +1,14 @@
-"""Choosing a healthy rollout replica for each request.
+"""Choosing a healthy, current rollout replica for each request.
 
 Owns: per-replica state (healthy, why not, requests this gateway has in flight there, the load
-the replica reported), a background poll of every replica, and the choice itself:
-`least_loaded` (fewest requests in flight, ties in turn) or `round_robin` (in turn).
+and the version the replica reported), a background poll of every replica, the newest version
+seen, and the choice itself: `least_loaded` (fewest requests in flight, ties in turn) or
+`round_robin` (in turn), among the replicas that may serve (`servable`).
+Staleness: a replica serving a version more than `max_version_lag` behind the newest version
+seen (the highest any replica serves or knows announced: a replica catching up reports both)
+is skipped, so no user is answered by an older policy than the mesh has while a current replica
+can answer; with none, the request is refused (Unavailable), not served stale. The newest
+version only grows: it is what the trainer published, whichever replica said it last.
 A replica that fails a request, or says it is not serving, is marked down at once, so the next
 request goes elsewhere without waiting; the poll brings it back when it answers again. A poll
 that merely gets no answer in time marks it down only after `failures` in a row: a replica (or
@@ -34,6 +40,7 @@ class ReplicaState:
     served: int = 0
     failures: int = 0  # requests it failed
     missed_polls: int = 0  # polls in a row without an answer
+    version: int = 0  # the version it serves, at the last poll that reached it
 
     @property
     def load(self) -> int:
@@ -42,7 +49,8 @@ class ReplicaState:
 
 class Router:
     def __init__(self, replicas: list[Replica], policy: str = "least_loaded",
-                 interval_s: float = 2.0, timeout_s: float = 1.0, failures: int = 3):
+                 interval_s: float = 2.0, timeout_s: float = 1.0, failures: int = 3,
+                 max_version_lag: int = 0):
         if not replicas:
             raise ValueError("no rollout replicas configured ([endpoints] rollout)")
         self._states = [ReplicaState(r) for r in replicas]
@@ -50,12 +58,33 @@ class Router:
         self._interval_s = interval_s
         self._timeout_s = timeout_s
         self._failures = failures
+        self._max_lag = max_version_lag
+        self.newest = 0
+        """The newest version seen (served or known announced by any replica); never falls."""
         self._turn = 0
         self._poller: asyncio.Task | None = None
 
     @property
     def states(self) -> list[ReplicaState]:
         return list(self._states)
+
+    def lag(self, state: ReplicaState) -> int:
+        """Versions `state`'s replica is behind the newest seen."""
+        return max(0, self.newest - state.version)
+
+    def may_serve(self, state: ReplicaState) -> bool:
+        return state.healthy and self.lag(state) <= self._max_lag
+
+    def servable(self) -> list[ReplicaState]:
+        """The replicas a request may go to now: healthy and within `max_version_lag` of the
+        newest version seen (what a readiness check wants: none means users get 503)."""
+        return [s for s in self._states if self.may_serve(s)]
+
+    def _why_not(self, s: ReplicaState) -> str:
+        if not s.healthy:
+            return s.reason
+        return (f"serves v{s.version}, {self.lag(s)} behind the newest v{self.newest} "
+                f"(max_version_lag {self._max_lag})")
 
     async def start(self) -> None:
         """Poll once (so a fresh gateway routes at once), then keep polling in the background."""
@@ -73,22 +102,31 @@ class Router:
         async def one(s: ReplicaState) -> None:
             was = s.healthy
             try:
-                running = await s.replica.probe(self._timeout_s)
+                status = await s.replica.probe(self._timeout_s)
             except Exception as e:  # a probe that raises is a sick replica, not a crash
                 s.missed_polls += 1
                 if s.missed_polls >= self._failures or not s.healthy:
                     s.healthy, s.reason = False, f"health check failed: {e}"
             else:
                 s.missed_polls = 0
-                s.healthy = running is not None
+                s.healthy = status is not None
                 s.reason = "" if s.healthy else "not serving"
-                if running is not None:
-                    s.others = max(0, running - s.in_flight)
+                if status is not None:
+                    s.others = max(0, status.running - s.in_flight)
+                    s.version = status.version
+                    self.newest = max(self.newest, status.version, status.known_latest)
             if was != s.healthy:
                 log.info("replica %s is %s", s.replica.address,
                          "healthy" if s.healthy else f"unhealthy ({s.reason})")
 
+        servable = {id(s) for s in self.servable()}
         await asyncio.gather(*(one(s) for s in self._states))
+        for s in self._states:
+            stale = s.healthy and not self.may_serve(s)
+            if stale and id(s) in servable:
+                log.warning("replica %s skipped: %s", s.replica.address, self._why_not(s))
+            elif self.may_serve(s) and id(s) not in servable and s.version < self.newest:
+                log.info("replica %s caught up: serves v%d", s.replica.address, s.version)
 
     async def _poll_forever(self) -> None:
         while True:
@@ -104,13 +142,19 @@ class Router:
                 s.failures += 1
 
     def pick(self, exclude: set[int] = frozenset()) -> ReplicaState:
-        """A healthy replica not in `exclude` (ids of states), else Unavailable."""
+        """A replica that may serve (`servable`) not in `exclude` (ids of states), else
+        Unavailable saying why each one may not."""
         n = len(self._states)
         order = [(self._turn + i) % n for i in range(n)]  # rotating start: ties go in turn
         candidates = [self._states[i] for i in order
-                      if self._states[i].healthy and id(self._states[i]) not in exclude]
+                      if self.may_serve(self._states[i]) and id(self._states[i]) not in exclude]
         if not candidates:
-            why = "; ".join(f"{s.replica.address}: {s.reason}" for s in self._states)
+            why = "; ".join(
+                f"{s.replica.address}: "
+                f"{'failed this request' if self.may_serve(s) else self._why_not(s)}"
+                for s in self._states)
+            if any(s.healthy and not self.may_serve(s) for s in self._states):
+                raise Unavailable(f"no current rollout replica ({why})")
             raise Unavailable(f"no healthy rollout replica ({why})")
         self._turn = (self._turn + 1) % n
         if self._policy == "least_loaded":

@@ -117,6 +117,15 @@ class FeedbackResult:
     reason: str = ""
 
 
+@dataclass(frozen=True)
+class ReplicaStatus:
+    """What a replica said at a poll."""
+
+    running: int  # requests running on it now (all callers)
+    version: int  # the version new requests run on
+    known_latest: int = 0  # the newest version it knows the mesh announced (>= version)
+
+
 class Replica(ABC):
     """A rollout replica as the gateway uses it. Errors are `hotloop.errors` types:
     `Unavailable` when the replica cannot serve (the router then skips it), `InvalidArgument`
@@ -128,9 +137,9 @@ class Replica(ABC):
     def generate(self, req: UpstreamRequest) -> AsyncIterator[UpstreamDelta]: ...
 
     @abstractmethod
-    async def probe(self, timeout_s: float) -> int | None:
-        """Requests running on the replica when it is healthy; None when it says it is not
-        serving; raises when it cannot be asked (the message becomes the reason)."""
+    async def probe(self, timeout_s: float) -> ReplicaStatus | None:
+        """Its load and versions when it is healthy; None when it says it is not serving;
+        raises when it cannot be asked (the message becomes the reason)."""
 
     @abstractmethod
     async def close(self) -> None: ...

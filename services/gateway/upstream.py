@@ -2,7 +2,7 @@
 
 Owns: the streaming `Rollout.Generate` call (stream=true, return_prompt_ids, user priority),
 proto -> `UpstreamDelta` conversion, the health probe (grpc health, then `Status` for the
-replica's load), and mapping the replica's status codes to `hotloop.errors`.
+replica's load and versions), and mapping the replica's status codes to `hotloop.errors`.
 Does not own: choosing a replica or retrying (routing.py, core.py).
 
 No gRPC-level retry here: a Generate stream replayed after it produced tokens would duplicate
@@ -28,7 +28,7 @@ from hotloop.errors import (
 )
 from hotloop.proto.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 
-from .types import Replica, UpstreamDelta, UpstreamRequest
+from .types import Replica, ReplicaStatus, UpstreamDelta, UpstreamRequest
 
 SERVICE = rollout_pb2.DESCRIPTOR.services_by_name["Rollout"].full_name
 USER_PRIORITY = 0  # rollout.proto: the gateway sends users at 0, training uses larger values
@@ -120,7 +120,7 @@ class GrpcReplica(Replica):
         finally:
             call.cancel()  # no-op when finished; aborts the engine's work when the user left
 
-    async def probe(self, timeout_s: float) -> int | None:
+    async def probe(self, timeout_s: float) -> ReplicaStatus | None:
         try:
             h = await self._health.Check(health_pb2.HealthCheckRequest(service=SERVICE), timeout=timeout_s)
             if h.status != health_pb2.HealthCheckResponse.SERVING:
@@ -128,7 +128,8 @@ class GrpcReplica(Replica):
             status = await self._stub.Status(rollout_pb2.StatusRequest(), timeout=timeout_s)
         except grpc.aio.AioRpcError as e:
             raise Unavailable(f"{e.code().name}: {e.details()}") from e
-        return status.running_requests
+        return ReplicaStatus(status.running_requests, status.latest_version,
+                             max(status.known_latest_version, status.latest_version))
 
     async def close(self) -> None:
         await self._channel.close()

@@ -69,3 +69,17 @@ class RolloutConfig(Section):
     """CUDA: share of GPU memory the engine takes (leave room for trainer/reference)."""
     storage_dir: str = ""
     """Where received adapters are unpacked; empty: `<run_dir>/rollout-<port>/adapters`."""
+    catchup_timeout_s: float = Field(60.0, ge=0, le=3600)
+    """Start-up: longest wait to fetch and load the mesh's latest announced version (bus KV
+    `latest`, from the trainer's FetchAdapter) before the replica reports SERVING. Past it, or
+    at once when no trainer address is known (`[endpoints] trainer` unset and no announcement
+    heard: waiting could not help), the replica serves what it has and reports itself behind
+    (Status `known_latest_version` above `latest_version`; the gateway skips a replica more
+    than its `max_version_lag` behind) while it keeps catching up in the background. Bounded
+    rather than unbounded so that a trainer that is gone for good leaves a replica that says
+    so, not one that never starts; 60 s covers a trainer restarting (~10-30 s here)."""
+    catchup_poll_s: float = Field(30.0, gt=0, le=3600)
+    """How often the latest version is re-read from the bus besides the announcements, which
+    trigger a look at once, and reconnects: core NATS delivers an announcement at most once."""
+    catchup_retry_max_s: float = Field(30.0, gt=0, le=3600)
+    """Longest wait between two failed catch-up attempts (the wait doubles from 0.5 s)."""

@@ -14,6 +14,7 @@ from hotloop.grpcutil import create_server, map_errors
 from hotloop.hardware import runtime_info
 from hotloop.proto.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 
+from .catchup import CatchUp
 from .core import CompletionOut, GenerateInput, PromptIn, RolloutCore, Sampling
 
 SERVICE = rollout_pb2.DESCRIPTOR.services_by_name["Rollout"].full_name
@@ -63,8 +64,9 @@ def completion_to_proto(c: CompletionOut) -> rollout_pb2.Completion:
 
 
 class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
-    def __init__(self, core: RolloutCore):
+    def __init__(self, core: RolloutCore, catchup: CatchUp | None = None):
         self.core = core
+        self.catchup = catchup
 
     @map_errors
     async def Generate(self, request, context) -> AsyncIterator[rollout_pb2.Completion]:
@@ -101,6 +103,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         )
 
     async def Status(self, request, context):
+        c = self.catchup
         return rollout_pb2.RolloutStatus(
             model=self.core.base_model,
             latest_version=self.core.latest,
@@ -112,6 +115,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
             engine=self.core.engine_name,
             runtime=common_pb2.RuntimeInfo(**runtime_info(self.core.dtype)),
             swap=self.core.swap,
+            known_latest_version=c.known_latest if c is not None else self.core.latest,
+            catch_up=c.error if c is not None and c.behind else "",
         )
 
     async def WatchLoad(self, request, context):
@@ -122,8 +127,10 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
                                           board_path=path, board_nonce=nonce)
 
 
-async def serve(core: RolloutCore, address: str, admin_token: str) -> tuple[grpc.aio.Server, int, object]:
-    servicer = RolloutServicer(core)
+async def serve(core: RolloutCore, address: str, admin_token: str,
+                catchup: CatchUp | None = None) -> tuple[grpc.aio.Server, int, object]:
+    """`catchup`: what Status reports of the mesh's latest version (None: no bus)."""
+    servicer = RolloutServicer(core, catchup)
     return await create_server(
         [lambda s: rollout_pb2_grpc.add_RolloutServicer_to_server(servicer, s)],
         [SERVICE], address, admin_methods=ADMIN_METHODS, admin_token=admin_token,

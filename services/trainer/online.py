@@ -36,9 +36,12 @@ acked and counted.
 Backpressure: an intake task fetches into a queue of `max_queue` and stops fetching while it is
 full (JetStream keeps the rest; the consumer's max_ack_pending bounds what it hands out).
 
-Failure policy: errors propagate (a reference or replica that stays down fails the loop after
-the clients' bounded retries; un-acked feedback is redelivered to the next run). A non-finite
-loss publishes nothing and dead-letters its batch, since retraining it would fail the same way.
+Failure policy: errors propagate (a reference that stays down fails the loop after the
+clients' bounded retries; un-acked feedback is redelivered to the next run). A replica that
+cannot be reached during a publish fails the loop only when no replica took the version: once
+it is announced, the replicas that were away catch up from the store (`publish_tolerant`), so
+one replica's restart does not stop training. A non-finite loss publishes nothing and
+dead-letters its batch, since retraining it would fail the same way.
 
 Does not own: the services it talks to, the policy's update math (policy.py, algorithms.py),
 or the process around it (job.py, __main__.py).
@@ -64,6 +67,7 @@ from hotloop import telemetry
 from hotloop.aio import raise_if_cancelled
 from hotloop.bus import FEEDBACK, Bus, BusError, PullConsumer, Received
 from hotloop.clients import ReferenceClient, RolloutClient
+from hotloop.errors import Unavailable
 from hotloop.proto.v1 import bus_pb2, common_pb2
 
 from .config import OnlineConfig, TrainerConfig
@@ -241,15 +245,20 @@ async def ack_all(items: list[Pending], bus: Bus) -> None:
 
 
 async def mesh_latest(mesh: OnlineMesh) -> int:
-    """The highest version the mesh has seen: this run's store, the bus's "latest", replicas."""
-    from .publisher import LATEST_KEY
+    """The highest version the mesh has seen: this run's store, the bus's "latest", replicas.
+    A replica that does not answer is left out: a restarted replica holds no version (it
+    starts from the base and catches up), so it cannot hold one above the others."""
+    from hotloop.bus import LATEST_KEY
 
     held = mesh.publisher.store.latest()
     seen = [held.version if held is not None else 0]
     kv = await mesh.bus.kv_get(LATEST_KEY, common_pb2.VersionInfo)
     seen.append(kv.version if kv is not None else 0)
     for r in mesh.rollout:
-        seen.append(int((await r.status()).latest_version))
+        try:
+            seen.append(int((await r.status()).latest_version))
+        except Unavailable as e:
+            log.warning("left out of the mesh's latest version: %s", e)
     return max(seen)
 
 
@@ -295,6 +304,10 @@ async def run(job: OnlineConfig, trainer_cfg: TrainerConfig, model_dir: Path, me
         version = seen + 1
         await publish(policy, mesh, run_dir, version)
         log.info("published the %s policy as version %d", "restored" if ckpt else "initial", version)
+    elif version:
+        # Replicas that restarted while no trainer was up serve older weights and may know no
+        # address to fetch this one from: tell them (services/rollout/catchup.py).
+        await mesh.publisher.reannounce()
 
     await mesh.bus.ensure_streams()
     in_flight = job.batch_size * job.checkpoint_interval  # trained, waiting for a checkpoint
@@ -439,7 +452,7 @@ async def run(job: OnlineConfig, trainer_cfg: TrainerConfig, model_dir: Path, me
                     adapter = policy.save_adapter(run_dir / "adapters" / f"v{version}")
                 secs["pack"] = time.perf_counter() - t
                 t = time.perf_counter()
-                await mesh.publisher.publish(version, adapter)  # opens the "publish" span
+                await publish_tolerant(mesh, version, adapter)  # opens the "publish" span
                 shutil.rmtree(adapter)  # the publisher's store keeps the archive
                 secs["publish"] = time.perf_counter() - t
 
@@ -485,5 +498,20 @@ async def run(job: OnlineConfig, trainer_cfg: TrainerConfig, model_dir: Path, me
 
 async def publish(policy, mesh: OnlineMesh, run_dir: Path, version: int) -> None:
     adapter = policy.save_adapter(run_dir / "adapters" / f"v{version}")
-    await mesh.publisher.publish(version, adapter)
+    await publish_tolerant(mesh, version, adapter)
     shutil.rmtree(adapter)
+
+
+async def publish_tolerant(mesh: OnlineMesh, version: int, adapter: Path) -> None:
+    """Publish; a replica that could not be reached does not stop training once the version
+    is announced (live on another replica): it catches up from the announcement and the
+    store when it is back. A refusal, or a version no replica took, still raises."""
+    from .publisher import PublishError, ReplicaUnavailable
+
+    try:
+        await mesh.publisher.publish(version, adapter)
+    except PublishError as e:
+        if not e.result.announced or not all(
+                isinstance(f, ReplicaUnavailable) for f in e.failures.values()):
+            raise
+        log.warning("%s; training goes on (the replicas that were away catch up)", e)

@@ -14,7 +14,9 @@ verifying or loading on the replica (the rollout service), or the bus connection
 
 Announcement rule: a version is announced when it is live on at least one replica (or there
 are no replicas to push to). Then a replica that was down catches up from the KV and
-`FetchAdapter`; a version every replica refused is never advertised.
+`FetchAdapter` (services/rollout/catchup.py); a version every replica refused is never
+advertised. `reannounce` says the latest announced version again with this trainer's address:
+a replica that restarted while no trainer was up learns where to fetch it.
 """
 
 from __future__ import annotations
@@ -39,14 +41,12 @@ from tenacity import (
 
 from hotloop import adapters, grpcutil
 from hotloop.adapters import Version, version_to_proto
-from hotloop.bus import WEIGHTS_UPDATED, Bus
+from hotloop.bus import LATEST_KEY, WEIGHTS_UPDATED, Bus
 from hotloop.errors import FailedPrecondition, InvalidArgument, NotFound
 from hotloop.proto.v1 import bus_pb2, common_pb2, rollout_pb2, rollout_pb2_grpc
 
 log = logging.getLogger(__name__)
 _tracer = trace.get_tracer(__name__)
-
-LATEST_KEY = "latest"
 
 
 # ---- the durable store -----------------------------------------------------------------------
@@ -383,6 +383,20 @@ class Publisher:
             await self._bus.publish(
                 WEIGHTS_UPDATED, bus_pb2.WeightsUpdated(info=info, fetch_from=self.fetch_from)
             )
+
+    async def reannounce(self) -> Version | None:
+        """Announce the store's latest version again (with this trainer's `fetch_from`) if it
+        is the mesh's latest (KV "latest", same sha256); returns it, else None. A stored version
+        the KV does not hold was never announced (every replica refused it) and stays so."""
+        held = self.store.latest()
+        if self._bus is None or held is None:
+            return None
+        kv = await self._bus.kv_get(LATEST_KEY, common_pb2.VersionInfo)
+        if kv is None or (kv.version, kv.sha256) != (held.version, held.sha256):
+            return None
+        await self._announce(version_to_proto(held))
+        log.info("announced v%d again, fetchable from %s", held.version, self.fetch_from)
+        return held
 
     async def close(self) -> None:
         """Close the replica channels. The bus is the caller's and stays open."""

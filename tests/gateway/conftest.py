@@ -58,7 +58,8 @@ async def start_gateway(replicas: list[str], nats_url: str, served_model: str = 
     config = GatewayConfig(**{"health_interval_s": 0.2, "health_timeout_s": 0.5, **cfg})
     bus = await Bus.connect(nats_url, "gateway-test")
     router = Router([GrpcReplica(a) for a in replicas], config.routing,
-                    config.health_interval_s, config.health_timeout_s, config.health_failures)
+                    config.health_interval_s, config.health_timeout_s, config.health_failures,
+                    config.max_version_lag)
     core = GatewayCore(config, KeyRing(load_keys(keys)), router, BusEvents(bus, config.traffic_queue),
                        served_model)
     await core.start()

@@ -380,11 +380,56 @@ async def test_no_healthy_replica_is_503(nats_module):
         await gw.stop()
 
 
+async def test_no_user_is_served_by_a_replica_behind_the_newest_version(nats_module):
+    """Two replicas, one a version behind: users get the newest; when only the stale one is
+    left, a clean 503 / UNAVAILABLE saying why, not an answer from the older policy; once it
+    has caught up, it serves."""
+    _, fresh_server, fresh_addr = await start_fake(version=4)
+    stale, stale_server, stale_addr = await start_fake(version=3)
+    gw = await start_gateway([fresh_addr, stale_addr], nats_module.url)  # max_version_lag 0
+    try:
+        client = gw.openai()
+        rs = await asyncio.gather(*(client.chat.completions.create(model="tiny", messages=HI)
+                                    for _ in range(4)))
+        assert [r.model_extra["policy_version"] for r in rs] == [4] * 4
+        assert stale.requests == []
+        assert gw.core.servable_replicas() == [fresh_addr]
+
+        await fresh_server.stop(0)
+        with pytest.raises(openai.APIStatusError) as e:
+            await client.chat.completions.create(model="tiny", messages=HI)
+        assert e.value.status_code == 503
+        assert f"{stale_addr}: serves v3, 1 behind the newest v4 (max_version_lag 0)" in e.value.message
+        ch, stub = gw.stub()
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            [c async for c in stub.Generate(gateway_pb2.UserGenerateRequest(
+                messages=[common_pb2.ChatMessage(role="user", content="hi")]),
+                metadata=(("authorization", f"Bearer {KEY}"),))]
+        await ch.close()
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "behind the newest v4" in e.value.details()
+        assert stale.requests == [] and gw.core.servable_replicas() == []
+        status = gw.core.status()
+        assert status["newest_version"] == 4
+        assert {r["address"]: r["version_lag"] for r in status["replicas"]}[stale_addr] == 1
+
+        stale.version = 4  # caught up: the next poll lets it serve
+        deadline = asyncio.get_running_loop().time() + 10
+        while gw.core.servable_replicas() != [stale_addr]:
+            assert asyncio.get_running_loop().time() < deadline, gw.core.status()
+            await asyncio.sleep(0.05)
+        r = await client.chat.completions.create(model="tiny", messages=HI)
+        assert r.model_extra["policy_version"] == 4
+    finally:
+        await gw.stop()
+        await stale_server.stop(0)
+
+
 async def test_replica_failing_before_the_first_token_is_routed_around(nats_module):
     bad, bad_server, bad_addr = await start_fake()
     good, good_server, good_addr = await start_fake(version=7)
     bad.refuse = (grpc.StatusCode.UNAVAILABLE, "engine restarting")
-    gw = await start_gateway([bad_addr, good_addr], nats_module.url, routing="round_robin")
+    gw = await start_gateway([bad_addr, good_addr], nats_module.url, routing="round_robin",
+                             max_version_lag=10)  # both may serve: the refusal is under test
     try:
         for _ in range(3):
             r = await gw.openai().chat.completions.create(model="tiny", messages=HI)
@@ -397,8 +442,8 @@ async def test_replica_failing_before_the_first_token_is_routed_around(nats_modu
 
 
 async def test_least_loaded_spreads_concurrent_requests(nats_module):
-    fakes = [await start_fake(version=v, delay_s=0.05) for v in (1, 2)]
-    gw = await start_gateway([a for _, _, a in fakes], nats_module.url)
+    fakes = [await start_fake(version=v, delay_s=0.05) for v in (1, 2)]  # versions tell them apart
+    gw = await start_gateway([a for _, _, a in fakes], nats_module.url, max_version_lag=1)
     try:
         client = gw.openai()
         rs = await asyncio.gather(*(client.chat.completions.create(model="tiny", messages=HI) for _ in range(4)))

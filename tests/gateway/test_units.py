@@ -12,7 +12,7 @@ from services.gateway.config import GatewayConfig
 from services.gateway.core import ResponseIndex, _version_at
 from services.gateway.keys import KeyConfigError, KeyRing, default_id, load_keys
 from services.gateway.routing import Router
-from services.gateway.types import Replica
+from services.gateway.types import Replica, ReplicaStatus
 
 
 def test_keys_are_kept_as_digests_with_ids(tmp_path):
@@ -55,8 +55,9 @@ def test_config_bounds():
 
 
 class Stub(Replica):
-    def __init__(self, address, running=0, healthy=True):
+    def __init__(self, address, running=0, healthy=True, version=0, known_latest=0):
         self.address, self.running, self.healthy = address, running, healthy
+        self.version, self.known_latest = version, known_latest
 
     def generate(self, req):
         raise NotImplementedError
@@ -64,7 +65,7 @@ class Stub(Replica):
     async def probe(self, timeout_s):
         if self.healthy == "raise":
             raise ConnectionError("refused")
-        return self.running if self.healthy else None
+        return ReplicaStatus(self.running, self.version, self.known_latest) if self.healthy else None
 
     async def close(self):
         pass
@@ -117,6 +118,43 @@ async def test_round_robin_skips_unhealthy_and_poll_restores():
     assert "refused" in str(e.value) and "failed a request" in str(e.value)
     await router.poll()
     assert router.pick().replica.address in ("a", "b")
+
+
+async def test_a_replica_behind_the_newest_version_gets_no_user():
+    a, b = Stub("a", version=3), Stub("b", version=1, running=0)
+    a.running = 5  # least_loaded alone would pick b
+    router = Router([a, b], max_version_lag=0)
+    await router.poll()
+    assert router.newest == 3 and [s.replica for s in router.servable()] == [a]
+    assert {router.pick().replica.address for _ in range(4)} == {"a"}
+    b.version = 2
+    await router.poll()
+    assert router.pick().replica is a
+    b.version = 3  # caught up
+    await router.poll()
+    assert router.pick().replica is b
+
+    # the newest version is remembered when the replica that served it goes away
+    a.healthy = "raise"
+    b.version = 1  # e.g. restarted on an older version
+    for _ in range(3):
+        await router.poll()
+    with pytest.raises(Unavailable, match="no current rollout replica") as e:
+        router.pick()
+    assert "b: serves v1, 2 behind the newest v3 (max_version_lag 0)" in str(e.value)
+    assert router.servable() == []
+
+
+async def test_a_replica_that_knows_it_is_behind_is_skipped_on_its_own_word():
+    """A lone replica that could not catch up reports the announced version it lacks."""
+    lone = Stub("lone", version=0, known_latest=3)
+    router = Router([lone], max_version_lag=1)
+    await router.poll()
+    with pytest.raises(Unavailable, match="serves v0, 3 behind the newest v3 \\(max_version_lag 1\\)"):
+        router.pick()
+    lone.version = 2  # one behind is within the lag
+    await router.poll()
+    assert router.pick().replica is lone
 
 
 def test_router_needs_replicas():

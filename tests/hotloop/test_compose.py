@@ -6,6 +6,7 @@ from pathlib import Path
 import yaml
 
 from hotloop.cli import SERVICES
+from hotloop.launcher import OPT_IN_SERVICES
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -16,7 +17,7 @@ def test_compose_services_are_real_and_health_checked():
     for name, svc in doc["services"].items():
         cmd = svc.get("command", [])
         if cmd[:1] == ["serve"]:
-            assert cmd[1] in SERVICES, f"{name} serves unknown service {cmd[1]}"
+            assert cmd[1] in SERVICES + OPT_IN_SERVICES, f"{name} serves unknown service {cmd[1]}"
             assert (ROOT / "services" / cmd[1] / "__main__.py").exists()
             assert "healthcheck" in svc, f"{name} has no health check"
             served[cmd[1]] = svc
@@ -28,6 +29,28 @@ def test_compose_services_are_real_and_health_checked():
     assert {"rollout", "reference", "reward", "gateway"} <= set(served)
     for gpu in ("rollout", "reference"):
         assert served[gpu]["deploy"]["resources"]["reservations"]["devices"][0]["capabilities"] == ["gpu"]
+
+
+def test_long_running_services_restart_and_jobs_end():
+    """A crashed service comes back while the others keep running; a job (model pull,
+    training run) is not rerun when it ends."""
+    services = yaml.safe_load((ROOT / "compose/docker-compose.yml").read_text())["services"]
+    for name, svc in services.items():
+        job = svc.get("command", [""])[0] in ("train", "models")
+        want = "no" if job else "unless-stopped"
+        assert svc.get("restart", "no") == want, f"{name}: restart {svc.get('restart')!r}, want {want!r}"
+    assert {"nats", "rollout", "gateway", "online-trainer"} <= {
+        n for n, s in services.items() if s.get("restart") == "unless-stopped"}
+
+
+def test_a_restarted_replica_knows_where_to_fetch_missed_versions():
+    """The rollout's `[endpoints] trainer` is the online trainer's FetchAdapter address."""
+    services = yaml.safe_load((ROOT / "compose/docker-compose.yml").read_text())["services"]
+    host, port = services["rollout"]["environment"]["HOTLOOP__ENDPOINTS__TRAINER"].split(":")
+    trainer = services[host]["command"]
+    assert trainer[:2] == ["serve", "trainer"]
+    assert f"trainer_server.port={port}" in trainer and "trainer_server.host=0.0.0.0" in trainer
+    assert services[host]["healthcheck"]["test"][-1] == port
 
 
 def test_dockerfile_copies_existing_paths():

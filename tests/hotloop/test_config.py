@@ -48,10 +48,12 @@ def test_every_config_file_parses(path):
     from services.trainer.grpo_async import AsyncGrpoJobConfig
     from services.trainer.ppo import PpoJobConfig
 
+    from hotloop.launcher import UpConfig
+
     sections = {"rollout": RolloutConfig, "reward": RewardConfig, "reference": ReferenceConfig,
                 "trainer": TrainerConfig, "grpo": AsyncGrpoJobConfig, "gateway": GatewayConfig,
                 "ppo": PpoJobConfig,
-                "online": OnlineConfig, "trainer_server": TrainerServerConfig}
+                "online": OnlineConfig, "trainer_server": TrainerServerConfig, "up": UpConfig}
     tree = config.raw_config(path, environ={})
     config.load_mesh(tree)
     for name in tree:

@@ -1,17 +1,32 @@
-"""`hotloop up`'s launcher with real processes: the reward service (no model needed) and NATS."""
+"""`hotloop up`'s launcher with real processes: the reward service (no model needed), the
+reference (the tiny model) and NATS; the restart policy on its own with an explicit clock."""
 
+import asyncio
 import os
 import signal
+import time
 
 import pytest
 
 from hotloop import config
-from hotloop.launcher import Mesh, MeshInfo
+from hotloop.grpcutil import wait_healthy
+from hotloop.launcher import Mesh, MeshInfo, RestartPolicy, UpConfig
 
 
-def test_up_reports_a_dead_service_and_stops_everything(tmp_path, capsys):
+def test_restart_policy_backs_off_and_gives_up_past_its_limit_within_the_window():
+    p = RestartPolicy(max_restarts=3, window_s=100, backoff_s=1, backoff_max_s=3)
+    assert [p.crashed(t) for t in (0, 1, 2)] == [1, 2, 3]  # doubling, capped
+    assert p.crashed(3) is None  # the fourth crash within 100 s
+    q = RestartPolicy(max_restarts=2, window_s=100, backoff_s=1, backoff_max_s=60)
+    assert q.crashed(0) == 1 and q.crashed(50) == 2
+    assert q.crashed(120) == 2  # the crash at 0 left the window: this is the 2nd in it
+    assert q.crashed(200) == 2 and q.crashed(201) is None
+    assert RestartPolicy(0, 100, 1, 60).crashed(0) is None  # max_restarts 0: no restart
+
+
+def test_up_with_no_restarts_allowed_reports_a_dead_service_and_stops_everything(tmp_path, capsys):
     cfg = config.load_mesh(config.raw_config(None, [f"run_dir={tmp_path}"], environ={}))
-    mesh = Mesh(cfg, None, [f"run_dir={tmp_path}"], ["reward"])
+    mesh = Mesh(cfg, None, [f"run_dir={tmp_path}"], ["reward"], up=UpConfig(max_restarts=0))
     info = mesh.start(timeout_s=120)
     assert MeshInfo.load(tmp_path).endpoints["reward"] == info.endpoints["reward"]
     assert oct((tmp_path / "admin-token").stat().st_mode & 0o777) == "0o600"
@@ -20,9 +35,71 @@ def test_up_reports_a_dead_service_and_stops_everything(tmp_path, capsys):
     os.kill(reward_pid, signal.SIGKILL)
     assert mesh.watch() == 1
     out = capsys.readouterr().out
-    assert "reward died with exit code -9" in out
+    assert "reward died with exit code -9" in out and "more than up.max_restarts = 0" in out
     assert nats_proc.poll() is not None, "nats-server was left running"
     assert not (tmp_path / "mesh.json").exists()
+
+
+def poll_until(mesh: Mesh, cond, what: str, timeout_s: float = 120.0) -> None:
+    """Supervise (as `watch` does) until `cond()`; the mesh must not give up meanwhile."""
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        why = mesh.poll()
+        assert why is None, why
+        assert time.monotonic() < deadline, f"not within {timeout_s}s: {what}"
+        time.sleep(0.1)
+
+
+def proc(mesh: Mesh, name: str):
+    (p,) = [p for p in mesh.procs if p.name == name]
+    return p
+
+
+@pytest.mark.slow
+def test_a_killed_service_is_restarted_on_its_port_while_the_others_keep_running(tmp_path, tiny_model):
+    sets = [f"run_dir={tmp_path}", f"model.name={tiny_model}"]
+    cfg = config.load_mesh(config.raw_config(None, sets, environ={}))
+    up = UpConfig(max_restarts=1, restart_backoff_s=0.1, restart_window_s=3600)
+    mesh = Mesh(cfg, None, sets, ["reference", "reward"], quiet=True, up=up)
+    info = mesh.start(timeout_s=180)
+    try:
+        pids, endpoints, nats_pid = dict(info.pids), dict(info.endpoints), mesh.nats.proc.pid
+        reward = proc(mesh, "reward")
+
+        os.kill(pids["reward"], signal.SIGKILL)
+        poll_until(mesh, lambda: reward.state == "running" and reward.popen.pid != pids["reward"],
+                   "the reward service restarted")
+        after = MeshInfo.load(tmp_path)
+        assert after.pids["reward"] == reward.popen.pid != pids["reward"]
+        assert after.pids["reference"] == pids["reference"] and mesh.nats.proc.pid == nats_pid
+        assert after.endpoints == endpoints  # the same port again
+        asyncio.run(wait_healthy(endpoints["reward"], 30))
+
+        os.kill(nats_pid, signal.SIGKILL)  # NATS too, on its port and store
+        poll_until(mesh, lambda: mesh.nats.proc.pid != nats_pid and mesh.nats.proc.poll() is None,
+                   "nats-server restarted")
+        assert mesh.nats.url == info.nats_url
+        assert {p.name: p.popen.pid for p in mesh.procs} == MeshInfo.load(tmp_path).pids
+        assert proc(mesh, "reference").popen.pid == pids["reference"]
+
+        os.kill(reward.popen.pid, signal.SIGKILL)  # its second crash in the window: one too many
+        deadline = time.monotonic() + 30
+        while (why := mesh.poll()) is None:
+            assert time.monotonic() < deadline, "the mesh never gave up on the reward service"
+            time.sleep(0.1)
+        assert why.startswith("reward died with exit code -9: 2 crashes within 3600s, more than "
+                              "up.max_restarts = 1; stopping the mesh.")
+        assert f"Last lines of {reward.log_path}" in why
+    finally:
+        mesh.stop()
+    assert not (tmp_path / "mesh.json").exists()
+
+
+def test_replicas_need_a_port_each(tmp_path):
+    sets = [f"run_dir={tmp_path}", "rollout.port=50051"]
+    cfg = config.load_mesh(config.raw_config(None, sets, environ={}))
+    with pytest.raises(ValueError, match="with up.rollout_replicas = 2 leave it 0"):
+        Mesh(cfg, None, sets, ["rollout"], up=UpConfig(rollout_replicas=2))
 
 
 def test_unknown_service_is_refused(tmp_path):

@@ -22,6 +22,7 @@ import pytest
 
 from hotloop import adapters, grpcutil
 from hotloop.bus import WEIGHTS_UPDATED, Bus
+from hotloop.clients import RolloutClient
 from hotloop.errors import FailedPrecondition
 from hotloop.proto.v1 import (
     bus_pb2,
@@ -353,3 +354,66 @@ async def test_publish_span_has_one_child_span_per_replica(tmp_path, replicas, m
     assert publish.attributes["hotloop.version"] == 1
     assert sorted(s.attributes["hotloop.replica"] for s in pushes) == sorted(addrs)
     assert all(s.parent.span_id == publish.context.span_id for s in pushes)
+
+
+@pytest.mark.slow  # the replica that is down is asked with the client's bounded retries (~7 s)
+async def test_the_online_loop_trains_on_when_an_away_replica_can_catch_up(tmp_path, replicas, nats_server):
+    """`online.publish_tolerant`: a replica that could not be reached does not stop training
+    once another one took the version (it is announced: the away one catches up from the
+    store); a refusal, or a version nobody took, still raises."""
+    from services.trainer.online import OnlineMesh, mesh_latest, publish_tolerant
+
+    up, down = await replicas.start(FakeReplica()), f"127.0.0.1:{free_port()}"
+    bus = await Bus.connect(nats_server.url, "trainer")
+    pub = Publisher([up, down], TOKEN, tmp_path / "store", bus, BASE, max_attempts=2)
+    mesh = OnlineMesh(bus, pub, rollout=[RolloutClient(down)])
+    try:
+        await publish_tolerant(mesh, 1, make_adapter_dir(tmp_path / "a1", 1000, seed=1))
+        assert (await bus.kv_get("latest", common_pb2.VersionInfo)).version == 1
+        assert await mesh_latest(mesh) == 1  # the replica that does not answer is left out
+
+        pub.replicas = [down]  # nobody takes it: nothing is announced, and the loop stops
+        with pytest.raises(PublishError):
+            await publish_tolerant(mesh, 2, make_adapter_dir(tmp_path / "a2", 1000, seed=2))
+        refusing = await replicas.start(FakeReplica(refuse="rank too large"))
+        pub.replicas = [up, refusing]  # announced, but a refusal is not a replica away
+        with pytest.raises(PublishError, match="rank too large"):
+            await publish_tolerant(mesh, 3, make_adapter_dir(tmp_path / "a3", 1000, seed=3))
+    finally:
+        await mesh.rollout[0].close()
+        await pub.close()
+        await bus.close()
+
+
+async def test_reannounce_says_the_latest_announced_version_again_with_this_trainers_address(
+        tmp_path, replicas, nats_server):
+    bus = await Bus.connect(nats_server.url, "trainer")
+    listener = await Bus.connect(nats_server.url, "listener")
+    got: asyncio.Queue = asyncio.Queue()
+
+    async def on_update(msg: bus_pb2.WeightsUpdated, headers: dict) -> None:
+        await got.put(msg)
+
+    await listener.subscribe(WEIGHTS_UPDATED, bus_pb2.WeightsUpdated, on_update)
+    await listener.nc.flush()
+    down = f"127.0.0.1:{free_port()}"
+    pub = Publisher([down], TOKEN, tmp_path / "store", bus, BASE, max_attempts=1)
+    try:
+        assert await pub.reannounce() is None  # nothing stored
+        with pytest.raises(PublishError):  # stored, never announced: every replica was away
+            await pub.publish(1, make_adapter_dir(tmp_path / "a1", 1000, seed=1))
+        assert await pub.reannounce() is None and got.empty()
+
+        pub.replicas = [await replicas.start(FakeReplica())]
+        res = await pub.publish(2, make_adapter_dir(tmp_path / "a2", 1000, seed=2))
+        assert (await asyncio.wait_for(got.get(), 5)).info.version == 2
+        # a restarted trainer: same store, another address
+        again = Publisher([], TOKEN, tmp_path / "store", bus, BASE, fetch_from="127.0.0.1:7001")
+        assert (await again.reannounce()).sha256 == res.version.sha256
+        msg = await asyncio.wait_for(got.get(), 5)
+        assert (msg.info.version, msg.info.sha256, msg.fetch_from) == (2, res.version.sha256, "127.0.0.1:7001")
+        await again.close()
+    finally:
+        await pub.close()
+        await bus.close()
+        await listener.close()

@@ -98,7 +98,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class RolloutStatus(_message.Message):
-    __slots__ = ("model", "latest_version", "versions", "running_requests", "update_mode", "engine", "runtime", "swap", "foreground_requests", "waiting_requests")
+    __slots__ = ("model", "latest_version", "versions", "running_requests", "update_mode", "engine", "runtime", "swap", "foreground_requests", "waiting_requests", "known_latest_version", "catch_up")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     LATEST_VERSION_FIELD_NUMBER: _ClassVar[int]
     VERSIONS_FIELD_NUMBER: _ClassVar[int]
@@ -109,6 +109,8 @@ class RolloutStatus(_message.Message):
     SWAP_FIELD_NUMBER: _ClassVar[int]
     FOREGROUND_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     WAITING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    KNOWN_LATEST_VERSION_FIELD_NUMBER: _ClassVar[int]
+    CATCH_UP_FIELD_NUMBER: _ClassVar[int]
     model: str
     latest_version: int
     versions: _containers.RepeatedCompositeFieldContainer[_common_pb2.VersionInfo]
@@ -119,7 +121,9 @@ class RolloutStatus(_message.Message):
     swap: str
     foreground_requests: int
     waiting_requests: int
-    def __init__(self, model: _Optional[str] = ..., latest_version: _Optional[int] = ..., versions: _Optional[_Iterable[_Union[_common_pb2.VersionInfo, _Mapping]]] = ..., running_requests: _Optional[int] = ..., update_mode: _Optional[str] = ..., engine: _Optional[str] = ..., runtime: _Optional[_Union[_common_pb2.RuntimeInfo, _Mapping]] = ..., swap: _Optional[str] = ..., foreground_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ...) -> None: ...
+    known_latest_version: int
+    catch_up: str
+    def __init__(self, model: _Optional[str] = ..., latest_version: _Optional[int] = ..., versions: _Optional[_Iterable[_Union[_common_pb2.VersionInfo, _Mapping]]] = ..., running_requests: _Optional[int] = ..., update_mode: _Optional[str] = ..., engine: _Optional[str] = ..., runtime: _Optional[_Union[_common_pb2.RuntimeInfo, _Mapping]] = ..., swap: _Optional[str] = ..., foreground_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., known_latest_version: _Optional[int] = ..., catch_up: _Optional[str] = ...) -> None: ...
 
 class WatchLoadRequest(_message.Message):
     __slots__ = ()

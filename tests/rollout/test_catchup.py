@@ -1,0 +1,226 @@
+"""Catch-up (services/rollout/catchup.py) against a real NATS (KV "latest", `WeightsUpdated`,
+a server restart) and a real trainer `FetchAdapter` server on port 0 fed by the real
+`Publisher`, over the real `TrainerClient`.
+
+The replica is `Versions`, a stand-in for the core's version table: like `RolloutCore.push`
+it takes a version only when the bytes match the header's sha256 and refuses one older than
+its latest. Catch-up is what is under test; a real replica (vLLM) catching up under `hotloop
+up` is tests/faults/test_mesh_restarts.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import pytest
+
+from hotloop import adapters
+from hotloop.adapters import Version
+from hotloop.bus import LATEST_KEY, Bus
+from hotloop.clients import TrainerClient
+from hotloop.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
+from hotloop.proto.v1 import common_pb2
+from services.rollout.catchup import CatchUp, TrainerFetch, bus_latest, listen
+from services.trainer.publisher import Publisher
+from services.trainer.server import TrainerState, serve
+from tests.trainer.test_publisher import free_port, make_adapter_dir
+
+BASE = "tiny-base"
+
+
+class Versions:
+    """The replica's side: what it holds and what it was given."""
+
+    def __init__(self) -> None:
+        self.latest = 0
+        self.loaded: list[int] = []
+
+    async def push(self, info: Version, chunks, make_latest: bool = True):
+        data = b"".join([c async for c in chunks])
+        if adapters.sha256(data) != info.sha256:
+            raise InvalidArgument(f"sha256 mismatch for v{info.version}")
+        if info.version < self.latest:
+            raise FailedPrecondition(f"v{info.version} is older than the latest ({self.latest})")
+        self.latest = info.version
+        self.loaded.append(info.version)
+
+
+class Trainer:
+    """A publisher with no replicas (so each version is announced) and its FetchAdapter."""
+
+    def __init__(self, tmp_path, bus: Bus) -> None:
+        self.tmp, self.bus = tmp_path, bus
+        self.publisher = Publisher([], "token", tmp_path / "store", bus, BASE)
+        self.server = None
+        self.address = ""
+
+    async def serve(self, address: str = "127.0.0.1:0") -> str:
+        self.server, port, _ = await serve(TrainerState(), self.publisher, address)
+        self.address = self.publisher.fetch_from = f"127.0.0.1:{port}"
+        return self.address
+
+    async def stop_serving(self) -> None:
+        await self.server.stop(0)
+        self.server = None
+
+    async def publish(self, version: int) -> Version:
+        adapter = make_adapter_dir(self.tmp / f"a{version}", size=300_000, seed=version)
+        return (await self.publisher.publish(version, adapter)).version
+
+    async def close(self) -> None:
+        if self.server is not None:
+            await self.server.stop(0)
+        await self.publisher.close()
+
+
+@pytest.fixture
+async def rig(tmp_path, nats_server):
+    """(trainer, the replica's bus, fetch); everything closed afterwards."""
+    trainer_bus = await Bus.connect(nats_server.url, "trainer")
+    replica_bus = await Bus.connect(nats_server.url, "rollout")
+    trainer, fetch = Trainer(tmp_path, trainer_bus), TrainerFetch()
+    yield trainer, replica_bus, fetch
+    await fetch.close()
+    await trainer.close()
+    await replica_bus.close()
+    await trainer_bus.close()
+
+
+async def wait_for(cond, what: str, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, f"not within {timeout_s}s: {what}"
+        await asyncio.sleep(0.05)
+
+
+def stop_task(task: asyncio.Task):
+    task.cancel()
+    return asyncio.gather(task, return_exceptions=True)
+
+
+async def test_a_starting_replica_loads_the_announced_version_before_serving(rig):
+    trainer, bus, fetch = rig
+    await trainer.serve()
+    await trainer.publish(1)
+    v2 = await trainer.publish(2)
+    replica = Versions()
+    catchup = CatchUp(replica, bus_latest(bus), fetch, trainer.address)
+    assert await catchup.start(timeout_s=30)
+    assert replica.loaded == [2] and replica.latest == 2  # straight to the latest
+    assert (catchup.known_latest, catchup.behind, catchup.error) == (2, False, "")
+    assert (await bus.kv_get(LATEST_KEY, common_pb2.VersionInfo)).sha256 == v2.sha256
+
+
+async def test_nothing_announced_starts_at_once_on_the_base(rig):
+    trainer, bus, fetch = rig
+    replica = Versions()
+    catchup = CatchUp(replica, bus_latest(bus), fetch, "127.0.0.1:1")  # never asked
+    assert await catchup.start(timeout_s=30)
+    assert replica.loaded == [] and not catchup.behind and catchup.known_latest == 0
+
+
+async def test_an_unreachable_trainer_is_retried_then_the_replica_starts_behind_and_says_so(rig, caplog):
+    trainer, bus, fetch = rig
+    await trainer.serve()
+    await trainer.publish(1)
+    address = trainer.address
+    await trainer.stop_serving()
+    replica = Versions()
+    catchup = CatchUp(replica, bus_latest(bus), fetch, address, retry_max_s=0.2)
+    with caplog.at_level(logging.WARNING, "services.rollout.catchup"):
+        assert not await catchup.start(timeout_s=1.5)
+    assert replica.loaded == [] and catchup.behind and catchup.known_latest == 1
+    assert address in catchup.error and "unavailable" in catchup.error
+    assert "retrying in" in caplog.text and "starting on v0, behind the announced v1" in caplog.text
+
+    follower = asyncio.create_task(catchup.follow())
+    try:
+        await trainer.serve(address)  # the trainer is back where it was
+        await wait_for(lambda: replica.latest == 1, "caught up once the trainer is back")
+        assert not catchup.behind and catchup.error == ""
+    finally:
+        await stop_task(follower)
+
+
+async def test_with_no_trainer_address_it_starts_at_once_and_an_announcement_names_one(rig):
+    trainer, bus, fetch = rig
+    await trainer.serve()
+    trainer.publisher.fetch_from = ""  # an announcement that names no trainer
+    await trainer.publish(1)
+    replica = Versions()
+    catchup = CatchUp(replica, bus_latest(bus), fetch, "")
+    await listen(catchup, bus)
+    t0 = time.monotonic()
+    assert not await catchup.start(timeout_s=600)  # waiting could not help: it does not
+    assert time.monotonic() - t0 < 60
+    assert catchup.behind and "no trainer address is known" in catchup.error
+
+    follower = asyncio.create_task(catchup.follow())
+    try:
+        trainer.publisher.fetch_from = trainer.address
+        await trainer.publisher.reannounce()  # what a trainer does when it starts
+        await wait_for(lambda: replica.latest == 1, "caught up from the announced address")
+        await trainer.publish(2)  # an announcement while it is up
+        await wait_for(lambda: replica.latest == 2, "caught up with a new announcement")
+        assert replica.loaded == [1, 2]
+    finally:
+        await stop_task(follower)
+
+
+async def test_a_store_that_differs_from_the_announcement_is_not_loaded(rig):
+    trainer, bus, fetch = rig
+    await trainer.serve()
+    v1 = await trainer.publish(1)
+    # the KV names other content under the same number (e.g. another run's trainer)
+    await trainer.bus.kv_put(LATEST_KEY, common_pb2.VersionInfo(
+        version=1, sha256="0" * 64, bytes=v1.bytes, base_model=BASE))
+    replica = Versions()
+    catchup = CatchUp(replica, bus_latest(bus), fetch, trainer.address)
+    assert not await catchup.sync()
+    assert replica.loaded == [] and "the announced v1 has 000000000000" in catchup.error
+
+
+async def test_a_missed_announcement_is_caught_when_the_bus_comes_back(rig, nats_server):
+    trainer, bus, fetch = rig
+    await trainer.serve()
+    await trainer.publish(1)
+    replica = Versions()
+    catchup = CatchUp(replica, bus_latest(bus), fetch, trainer.address, poll_s=3600)
+    await listen(catchup, bus)
+    assert await catchup.start(timeout_s=30) and replica.latest == 1
+    follower = asyncio.create_task(catchup.follow())
+    try:
+        # v2 is stored and in the KV, but its announcement never reached this replica
+        adapter = make_adapter_dir(trainer.tmp / "a2", size=300_000, seed=2)
+        data = adapters.pack(adapter)
+        v2 = trainer.publisher.store.put(Version(2, adapters.sha256(data), len(data), BASE), data)
+        await trainer.bus.kv_put(LATEST_KEY, adapters.version_to_proto(v2))
+        await asyncio.sleep(0.5)
+        assert replica.latest == 1  # nothing told it (the poll is an hour away)
+        await asyncio.to_thread(nats_server.restart)
+        await wait_for(lambda: replica.latest == 2, "caught up after the reconnect")
+    finally:
+        await stop_task(follower)
+
+
+async def test_trainer_client_fetches_a_stored_version_and_names_what_is_missing(rig):
+    trainer, bus, fetch = rig
+    await trainer.serve()
+    v1 = await trainer.publish(1)
+    client = TrainerClient(trainer.address)
+    try:
+        info, chunks = await client.fetch_adapter(0)
+        data = b"".join([c async for c in chunks])
+        assert info == v1 and adapters.sha256(data) == v1.sha256
+        with pytest.raises(NotFound, match="version 7 is not in the trainer's store"):
+            await client.fetch_adapter(7)
+    finally:
+        await client.close()
+    dead = TrainerClient(f"127.0.0.1:{free_port()}")
+    try:
+        with pytest.raises(Unavailable, match="unavailable"):
+            await dead.fetch_adapter(1, timeout_s=5)
+    finally:
+        await dead.close()
