@@ -391,10 +391,10 @@ class GatewayCore:
         place that decides it: `/ready` and the gRPC health of the Gateway service read it,
         and it must agree with which replicas `Router.pick` would choose."""
         states = self.router.states
-        able = [s for s in states if s.healthy]
+        able = self.router.servable()
         if able:
             return Readiness(True, f"{len(able)} of {len(states)} rollout replicas can serve")
-        why = "; ".join(f"{s.replica.address}: {s.reason}" for s in states)
+        why = "; ".join(f"{s.replica.address}: {self.router.why_not(s)}" for s in states)
         return Readiness(False, f"no healthy rollout replica ({why})")
 
     def status(self) -> dict:

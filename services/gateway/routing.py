@@ -80,6 +80,10 @@ class Router:
         newest version seen (what a readiness check wants: none means users get 503)."""
         return [s for s in self._states if self.may_serve(s)]
 
+    def why_not(self, s: ReplicaState) -> str:
+        """Why `s` may not serve now (unhealthy, or too far behind the newest version)."""
+        return self._why_not(s)
+
     def _why_not(self, s: ReplicaState) -> str:
         if not s.healthy:
             return s.reason

@@ -408,6 +408,10 @@ async def test_no_user_is_served_by_a_replica_behind_the_newest_version(nats_mod
         await ch.close()
         assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "behind the newest v4" in e.value.details()
         assert stale.requests == [] and gw.core.servable_replicas() == []
+        # readiness agrees with routing: a healthy but stale replica cannot serve
+        async with httpx.AsyncClient() as http:
+            ready = await http.get(gw.base_url.removesuffix("/v1") + "/ready")
+        assert ready.status_code == 503 and "behind the newest v4" in ready.json()["reason"]
         status = gw.core.status()
         assert status["newest_version"] == 4
         assert {r["address"]: r["version_lag"] for r in status["replicas"]}[stale_addr] == 1
