@@ -278,11 +278,20 @@ _OPS = {
 }
 
 
-def candidate_main(code: str, rfd: int, wfd: int) -> None:
+def _crosses_as_handle(value, handle_of) -> bool:
+    try:
+        return encode(value, handle_of, limit=64)[0] == "h"
+    except NotPlain:
+        return False  # plain data (too large for this look, so not a handle)
+
+
+def candidate_main(code: str, names: list, rfd: int, wfd: int) -> None:
     """Load the code, then answer the judge's requests until the request pipe closes.
 
-    Runs as the untrusted code's own process: nothing here is relied on by the judge, which
-    checks every reply. Ends with `os._exit(0)` at the end of input."""
+    The message that says the code loaded carries the functions, classes and other objects
+    among `names` (the names the tests use: the service reads them off the tests) as handles,
+    which saves the judge a round trip per name. Runs as the untrusted code's own process: nothing here is relied on by the judge,
+    which checks every reply. Ends with `os._exit(0)` at the end of input."""
     table = []
     known = {}
 
@@ -309,7 +318,11 @@ def candidate_main(code: str, rfd: int, wfd: int) -> None:
     namespace = {"__name__": "__main__", "__builtins__": builtins}
     try:
         exec(compile(code, "<solution>", "exec"), namespace)
-        send(wfd, encode(("loaded",), handle_of))
+        # Functions, classes and other objects only: a plain global may change with the
+        # calls, so the judge reads it when a test does.
+        found = {name: namespace[name] for name in names if name in namespace
+                 and _crosses_as_handle(namespace[name], handle_of)}
+        send(wfd, encode(("loaded", found), handle_of))
     except BaseException as e:
         send(wfd, encode(("loadfail", describe(e), isinstance(e, MemoryError)), handle_of))
         os._exit(0)
@@ -378,14 +391,17 @@ class Candidate:
         return remote
 
     def loaded(self) -> str:
-        """Wait for the code to load: "" when it did, else why not."""
+        """Wait for the code to load: "" when it did, else why not. Sets `self.globals` to
+        the globals the candidate sent along (names the tests use that the code defines)."""
+        self.globals = {}
         if self.gone:
             return self.gone
         try:
             msg = self._receive()
         except CandidateFailure:
             return f"{self.gone} before the code loaded"
-        if type(msg) is tuple and msg == ("loaded",):
+        if type(msg) is tuple and len(msg) == 2 and msg[0] == "loaded" and type(msg[1]) is dict:
+            self.globals = {k: v for k, v in msg[1].items() if type(k) is str}
             return ""
         if type(msg) is tuple and len(msg) == 3 and msg[0] == "loadfail" and type(msg[1]) is str:
             self.oom = msg[2] is True
@@ -554,13 +570,15 @@ class _Explain(ast.NodeTransformer):
         return ast.copy_location(ast.Assert(captured, message), node)
 
 
-def compile_case(source: str, name: str):
-    """A test case compiled with explained asserts (as written, if the rewrite cannot be)."""
+def explained(source: str) -> str:
+    """A test case with explained asserts, as source (unchanged when it does not parse).
+
+    Done by the service, once per case, not by the judge per run: the rewrite costs more
+    than the run's own calls."""
     try:
-        tree = ast.fix_missing_locations(_Explain().visit(ast.parse(source, name)))
-        return compile(tree, name, "exec")
+        return ast.unparse(ast.fix_missing_locations(_Explain().visit(ast.parse(source))))
     except (SyntaxError, ValueError, TypeError, RecursionError, MemoryError):
-        return compile(source, name, "exec")
+        return source
 
 
 class _Names(dict):
@@ -580,6 +598,8 @@ class _Names(dict):
                 return __import__(name)
             except ImportError:
                 pass
+        if name in self._candidate.globals:
+            return self._candidate.globals[name]
         value = self._candidate.request("global", name)
         if type(value) is Remote:
             self[name] = value  # functions and classes: one look-up, not one per use
@@ -607,7 +627,8 @@ def judge_main(tests: dict, rfd: int, wfd: int, report_fd: int) -> None:
             ns = {"__name__": "__main__", "__builtins__": ns["__builtins__"]}
     if loaded and entry_point:
         try:
-            ns[entry_point] = candidate.request("global", entry_point)
+            ns[entry_point] = candidate.globals[entry_point] if entry_point in candidate.globals \
+                else candidate.request("global", entry_point)
         except NameError as e:
             ns[entry_point] = _Missing(str(e))
         except CandidateFailure:
@@ -617,7 +638,7 @@ def judge_main(tests: dict, rfd: int, wfd: int, report_fd: int) -> None:
         ok = False
         if loaded:
             try:
-                exec(compile_case(case, f"<test case {i}>"), ns)
+                exec(compile(case, f"<test case {i}>", "exec"), ns)
                 ok = True
             except BaseException as e:
                 error = error or f"test case {i}: " + describe(e)

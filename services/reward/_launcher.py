@@ -19,15 +19,21 @@ Three kinds of process, with different trust:
   each frame's bytes into a buffer, forks, and zeroes the buffer, so no earlier job's code or
   tests are in the memory a later child inherits.
 - the candidate: forked after the job's code frame is read and BEFORE its tests frame is, so
-  no test of its own job was ever in its memory. Joins the run's cgroups, makes its own mount
+  no test of its own job was ever in its memory. Makes its own mount
   and IPC namespaces with fresh private tmpfs (namespace levels), keeps only stdio (this
   run's memfds) and its two pipes to the judge, sets rlimits, drops to the sandbox uid (or,
   in a user namespace, every capability), sets no_new_privs, then loads the code and answers
   calls. It holds no expected value, no report channel and no code that counts a pass.
-- the judge: forked after the tests frame is read. Joins the run's cgroups, keeps its report
+- the judge: forked after the tests frame is read. Keeps its report
   channel (a memfd) and its two pipes, sets rlimits, drops to the judge uid, becomes
   non-dumpable (so the candidate cannot trace it or read its memory even as the same uid),
   sets no_new_privs and runs the tests. Its report is the run's only verdict.
+
+Cgroups (`full`): the worker joins its own pids and memory groups once, at start, and every
+child is born in them. A cgroup v1 migration takes a global lock and an RCU grace period
+(measured: it more than doubled a run's CPU when both processes of every run joined per-run
+groups), so no run migrates. Between runs the groups hold only the worker, which is never
+the OOM killer's choice (oom_score_adj -1000); the candidate is its first (1000).
 
 Wire format (both directions length-framed, so no byte of a run's output is ever parsed as
 structure): setup = 8-byte length + marshal; a job is two frames, b"C" + 8-byte length +
@@ -78,11 +84,14 @@ CANDIDATE_GRACE_S = 0.2  # for the candidate to end after the judge closed its r
 # Imported once per worker, before any job: every child of the worker starts with them in
 # sys.modules, so the code's `import math` is a dictionary lookup instead of a file read.
 # Each child gets a copy-on-write copy; nothing a run does to them reaches the worker or a
-# later run. `random` reseeds itself in every forked child (os.register_at_fork).
+# later run. `random` reseeds itself in every forked child (os.register_at_fork). Every
+# module also makes each of a run's two forks dearer (page tables, copy-on-write): hashlib
+# (OpenSSL, 3.9 MB), dataclasses (inspect, 1.7 MB) and socket are left for the rare run
+# that imports them.
 PREIMPORT = (
     "math", "re", "collections", "itertools", "functools", "string", "typing", "heapq",
-    "bisect", "operator", "random", "fractions", "decimal", "statistics", "copy", "hashlib",
-    "json", "dataclasses", "socket", "datetime",
+    "bisect", "operator", "random", "fractions", "decimal", "statistics", "copy", "json",
+    "datetime",
 )
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -181,14 +190,31 @@ def private_mounts(m: dict, uid, gid) -> str:
     return workdir
 
 
-def _join_cgroups(cgroup_dirs: list, group: str) -> None:
-    """Join this run's groups, made by the service under each of the worker's parents."""
-    for dirfd in cgroup_dirs:
-        fd = os.open(f"{group}/cgroup.procs", os.O_WRONLY, dir_fd=dirfd)
+def _join_cgroups(procs_files: list) -> None:
+    """Join the worker's groups, made by the service (its children are born in them)."""
+    for path in procs_files:
+        with open(path, "w") as f:
+            f.write("0")  # cgroup v1: 0 means the writing process
+
+
+def _oom_score(pid: int, adj: int) -> None:
+    """Best effort: some hosts refuse to lower it even to root; raising it always works, and
+    the candidate's 1000 already makes it the OOM killer's first choice."""
+    try:
+        fd = os.open(f"/proc/{pid}/oom_score_adj", os.O_WRONLY)
         try:
-            os.write(fd, b"0")  # cgroup v1: 0 means the writing process
+            os.write(fd, str(adj).encode())
         finally:
             os.close(fd)
+    except OSError:
+        pass
+
+
+def _die_with_the_worker(pidns: bool) -> None:
+    """Outside a pid namespace of its own, a child must not outlive a killed worker; inside
+    one, the kernel kills every process of the namespace when the worker (its pid 1) dies."""
+    if not pidns:
+        _check(_libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "prctl(PDEATHSIG)")
 
 
 def _place_fds(fds: dict) -> None:
@@ -230,11 +256,9 @@ def _drop_privileges(limits: dict, uid, gid, dumpable: bool) -> None:
         # Not dumpable: /proc/<pid>/mem, environ and ptrace need CAP_SYS_PTRACE, whatever the
         # uid. Set after setuid, which would reset it.
         _check(_libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0), "prctl(DUMPABLE)")
-    # No setuid binary can hand the run its privileges back.
-    _check(_libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "prctl(NO_NEW_PRIVS)")
 
 
-def candidate_child(setup, calls, body, cgroup_dirs, fds, workdir) -> None:
+def candidate_child(setup, calls, body, fds, workdir, pidns) -> None:
     """The candidate: its limits and identity, then the code and its calls. Never returns.
 
     `fds`: stdout, stderr, the request pipe's read end, the reply pipe's write end, and the
@@ -243,9 +267,8 @@ def candidate_child(setup, calls, body, cgroup_dirs, fds, workdir) -> None:
     ready = fds["ready"]
     try:
         os.setpgid(0, 0)  # its own group, so the worker can kill its descendants in one call
-        _check(_libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "prctl(PDEATHSIG)")
+        _die_with_the_worker(pidns)
         job = marshal.loads(body)
-        _join_cgroups(cgroup_dirs, job["group"])
         uid, gid = setup["uid"], setup["gid"]
         if setup["mounts"] is not None:
             workdir = private_mounts(setup["mounts"], uid, gid)
@@ -255,7 +278,7 @@ def candidate_child(setup, calls, body, cgroup_dirs, fds, workdir) -> None:
                     5: ready})
         ready = 5
         _drop_privileges(setup["limits"], uid, gid, dumpable=True)
-        code = job["code"]
+        code, names = job["code"], job["names"]
         del job, setup, body
         os.write(ready, b"ok")
         os.close(ready)
@@ -264,18 +287,17 @@ def candidate_child(setup, calls, body, cgroup_dirs, fds, workdir) -> None:
             os.write(ready, f"{type(e).__name__}: {e}".encode("utf-8", "replace")[:2000])
         finally:
             os._exit(SETUP_FAILED)
-    calls.candidate_main(code, 3, 4)
+    calls.candidate_main(code, names, 3, 4)
     os._exit(0)
 
 
-def judge_child(setup, calls, body, cgroup_dirs, fds) -> None:
+def judge_child(setup, calls, body, fds, pidns) -> None:
     """The judge: its limits and identity, then the tests. Never returns."""
     report = fds["report"]
     try:
         os.setpgid(0, 0)
-        _check(_libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "prctl(PDEATHSIG)")
+        _die_with_the_worker(pidns)
         tests = marshal.loads(body)
-        _join_cgroups(cgroup_dirs, tests["group"])
         os.chdir("/")
         null = os.open("/dev/null", os.O_RDWR)
         _place_fds({0: null, 1: fds["err"], 2: fds["err"], 3: report, 4: fds["replies"],
@@ -449,7 +471,7 @@ def _send(kind: str, tag: str, fields: list, blobs: list) -> None:
         view = view[os.write(1, view):]
 
 
-def run_job(setup: dict, calls, cgroup_dirs: list, code_body: bytearray, pidns: bool) -> None:
+def run_job(setup: dict, calls, code_body: bytearray, pidns: bool) -> None:
     """One job: fork the candidate, read the tests, fork the judge, reap both, send the record."""
     opened: list[int] = []
     workdir = ""
@@ -473,9 +495,10 @@ def run_job(setup: dict, calls, cgroup_dirs: list, code_body: bytearray, pidns: 
         deadline = time.monotonic() + setup["wall_seconds"]
         candidate = os.fork()
         if candidate == 0:
-            candidate_child(setup, calls, code_body, cgroup_dirs, {
+            candidate_child(setup, calls, code_body, {
                 "out": out, "err": err, "requests": requests_r, "replies": replies_w, "ready": ready_w,
-            }, workdir)
+            }, workdir, pidns)
+        _oom_score(candidate, 1000)  # the OOM killer's first choice
         code_body[:] = bytes(len(code_body))  # the code stays out of what later children inherit
         for n in (requests_r, replies_w, ready_w):
             os.close(n)
@@ -489,9 +512,9 @@ def run_job(setup: dict, calls, cgroup_dirs: list, code_body: bytearray, pidns: 
         judge_err = fd(os.memfd_create("hotloop-judge-stderr"))
         judge = os.fork()
         if judge == 0:
-            judge_child(setup, calls, tests_body, cgroup_dirs, {
+            judge_child(setup, calls, tests_body, {
                 "report": report, "err": judge_err, "replies": replies_r, "requests": requests_w,
-            })
+            }, pidns)
         tests_body[:] = bytes(len(tests_body))
         for n in (replies_r, requests_w):
             os.close(n)
@@ -531,23 +554,31 @@ def main() -> None:
     exec(compile(setup.pop("calls_source"), "<hotloop calls>", "exec"), calls.__dict__)
     tag = "-" * TAG_LEN
     try:
-        # The cgroup parents, opened before the root changes: a run joins its groups through
-        # these (they are closed in every child before any code of the run executes).
-        cgroup_dirs = [os.open(p, os.O_RDONLY | os.O_DIRECTORY) for p in setup["cgroup_parents"]]
+        # Before the root changes (the cgroup filesystem is not in the new one).
+        _join_cgroups(setup["cgroup_procs"])
+        _oom_score(os.getpid(), -1000)  # never the worker (it runs every later job), where allowed
         if setup["mounts"] is not None:
             setup_root(setup["mounts"])
         _check(_libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0), "prctl(CHILD_SUBREAPER)")
         # Not dumpable: /proc/<this>/mem and ptrace need CAP_SYS_PTRACE, whatever the uid.
         _check(_libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0), "prctl(DUMPABLE)")
+        # Inherited by every child and never lifted: no setuid binary (the visible /usr holds
+        # some) can hand a run privileges back. The worker itself executes nothing.
+        _check(_libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "prctl(NO_NEW_PRIVS)")
         pidns = setup["mounts"] is not None and os.getpid() == 1
         for name in PREIMPORT if setup["preimport"] else ():
             __import__(name)
+        # Everything the worker holds now is shared, copy-on-write, with every child: frozen,
+        # no child's garbage collection walks (and so copies) those objects' pages.
+        import gc
+
+        gc.freeze()
         while True:
             frame = _frame(b"C", with_tag=False)
             if frame is None:
                 return  # the service closed the pipe: no more jobs
             _, body = frame
-            run_job(setup, calls, cgroup_dirs, body, pidns)
+            run_job(setup, calls, body, pidns)
             del body, frame
     except Exception as e:  # a launcher bug or a host refusal: reported as an error record
         import traceback

@@ -78,9 +78,12 @@ What it still does not guarantee:
   in that /tmp. As root this uses `unshare`; otherwise a user namespace (`unshare --user
   --map-root-user`), where both processes run as the service's own uid mapped to root in
   it, without capabilities.
-- `full`: additionally per-run cgroup v1 groups, made fresh for every run and joined by both
-  processes: `pids.max` (fork bombs) and a memory limit over all of the run's processes (an
-  out-of-memory kill is reported as `oom`).
+- `full`: additionally cgroup v1 groups of each worker's own, which every process of its runs
+  is born in: `pids.max` (fork bombs) and a memory limit over all of a run's processes (the
+  configured `memory_mb`, plus a fixed share for the worker and the tests' process; an
+  out-of-memory kill is reported as `oom`). The worker is never the OOM killer's choice; the
+  code's process is its first. A run's processes are all gone before the next run starts,
+  so the groups hold one run at a time.
 
 Worker reuse (a fork server, `IsolationReport.fork_server`), and what it changes. When the
 service runs as root, a worker (one `unshare` + interpreter, with the common standard-library
@@ -141,6 +144,7 @@ from typing import Literal
 
 from hotloop.errors import FatalError
 
+from ._calls import explained
 from .config import ISOLATION_ORDER, IsolationLevel, SandboxConfig
 
 log = logging.getLogger(__name__)
@@ -156,6 +160,10 @@ _CALLS_SOURCE = (_HERE / "_calls.py").read_text()
 _STARTUP_SLACK_S = 5.0
 _RESULT_MAX = 8 << 20  # any one blob of a record (the launcher caps a report at 4 MiB)
 _PRIVATE_DIRS = ("/var/tmp", "/dev/shm")
+# A worker's memory cgroup holds the worker and the tests' process beside the code's: their
+# share, over the configured `memory_mb` (measured: ~15 MB worker, ~10 MB tests, shared pages
+# counted once).
+_WORKER_MEMORY = 64 << 20
 _TMPFS_INODES = 4096
 _ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8"}
 # Where a worker builds its new root, in its own mount namespace (the first that exists and
@@ -243,7 +251,7 @@ class IsolationUnavailable(FatalError):
 
 
 class _Cgroups:
-    """Per-run cgroup v1 groups (pids, memory) under a parent made inside our own cgroup.
+    """Cgroup v1 groups (pids, memory), one pair per worker, under a parent made inside our own cgroup.
 
     Nesting under the service's own groups keeps whatever limits the host put on the service
     in force for the runs too.
@@ -332,7 +340,7 @@ def _remove_stale_groups(base: str) -> None:
         except ProcessLookupError:
             pass
         parent = os.path.join(base, name)
-        runs = {d: os.path.join(parent, d) for d in os.listdir(parent) if d.startswith("run-")}
+        runs = {d: os.path.join(parent, d) for d in os.listdir(parent) if d.startswith(("run-", "worker-"))}
         _Cgroups.destroy(runs)
         try:
             os.rmdir(parent)
@@ -499,7 +507,6 @@ class Sandbox:
             "judge_uid": plan.judge_uid,
             "judge_gid": plan.judge_gid,
             "mounts": plan.mounts,
-            "cgroup_parents": list(plan.cgroups.parents.values()) if plan.cgroups else [],
             "work_root": self._work_root,
             "wall_seconds": cfg.wall_seconds,
             "tail_bytes": cfg.output_tail_bytes,
@@ -514,7 +521,11 @@ class Sandbox:
         }
         reuse = plan.uid is not None
         setup["preimport"] = reuse  # worth its start-up cost only for a worker that serves many
-        return _Workers(plan.argv, setup, reuse=reuse, cwd=self._work_root)
+        groups = None
+        if plan.cgroups is not None:
+            # The worker and the tests' process live in the groups too (they are born there).
+            groups = (plan.cgroups, cfg.max_processes + 2, (cfg.memory_mb << 20) + _WORKER_MEMORY)
+        return _Workers(plan.argv, setup, reuse=reuse, cwd=self._work_root, groups=groups)
 
     @functools.cached_property
     def _mounts(self) -> dict:
@@ -638,28 +649,24 @@ class Sandbox:
         cfg = self._config
         start = time.perf_counter()
         tag = secrets.token_hex(16)  # matches the record to its job; not a secret of anything
-        group = f"run-{tag[:12]}" if plan.cgroups is not None else ""
-        groups: dict[str, str] | None = None
         worker: _Worker | None = None
-        healthy = False
         try:
-            # Only the setup and the spawn are guarded: an OSError there is the host refusing
-            # (no more processes, cgroup limits), reported as status "error".
+            # Only the spawn is guarded: an OSError there is the host refusing (no more
+            # processes, cgroup limits), reported as status "error".
             try:
-                if plan.cgroups is not None:
-                    groups = plan.cgroups.create(group, cfg.max_processes, cfg.memory_mb << 20)
                 worker = plan.workers.acquire()
             except OSError as e:
                 return _error_result(job, f"sandbox could not start the run: {e}", start)
-            code = marshal.dumps({"code": job.code, "group": group})
-            tests = marshal.dumps({"cases": list(job.cases), "prefix": job.prefix,
-                                   "entry_point": job.entry_point, "group": group})
+            code = marshal.dumps({"code": job.code, "names": _names_used(job.cases, job.entry_point)})
+            tests = marshal.dumps({"cases": [_explained(c) for c in job.cases], "prefix": job.prefix,
+                                   "entry_point": job.entry_point})
+            ooms_before = worker.oom_kills()
             record, killed = worker.request(tag, code, tests, cfg.wall_seconds + _STARTUP_SLACK_S)
+            oom_kills = worker.oom_kills() - ooms_before
             healthy = record is not None and "launcher_error" not in record
             plan.workers.release(worker, healthy)
             rc, worker_stderr = worker.proc.returncode, "" if healthy else worker.stderr_tail()
             worker = None
-            oom_kills = plan.cgroups.oom_kills(groups) if groups is not None else 0
             result = self._classify(job, record, killed, rc, oom_kills, start)
             if record is None and result.status == "error":  # the launcher's own complaint
                 result = replace(result, error=f"{result.error}: {worker_stderr.strip()[-500:]}")
@@ -667,8 +674,6 @@ class Sandbox:
         finally:
             if worker is not None:  # an exception between acquire and release
                 plan.workers.release(worker, False)
-            if groups is not None:
-                plan.cgroups.destroy(groups)
 
     def _classify(
         self, job: SandboxJob, record: dict | None, killed: bool, launcher_rc: int | None,
@@ -742,6 +747,31 @@ class Sandbox:
         return replace(res, status="oom" if oom else "failed")
 
 
+@functools.lru_cache(maxsize=4096)
+def _explained(case: str) -> str:
+    """`assert a == b` with a message that says what came back (a task's cases recur every
+    step: rewritten once)."""
+    return explained(case)
+
+
+@functools.lru_cache(maxsize=4096)
+def _names_used(cases: tuple[str, ...], entry_point: str) -> list[str]:
+    """The names the cases read and may take from the code: the candidate sends these along
+    when its code has loaded, instead of one request each. Only names, never values: what a
+    test expects stays in the judge. Builtins and modules still resolve in the judge first."""
+    import ast
+    import builtins
+
+    names = {entry_point} if entry_point else set()
+    for case in cases:
+        try:
+            tree = ast.parse(case)
+        except (SyntaxError, ValueError, RecursionError, MemoryError):
+            continue
+        names.update(n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load))
+    return sorted(n for n in names if not hasattr(builtins, n) and n not in sys.stdlib_module_names)
+
+
 def _inside(path: str, parent: str) -> bool:
     """`path` is `parent` or lies below it."""
     return path == parent or path.startswith(parent.rstrip("/") + "/")
@@ -757,7 +787,9 @@ class _Worker:
 
     _BLOBS = ("stdout", "stderr", "report", "judge_stderr", "setup_error")
 
-    def __init__(self, argv: list[str], setup: bytes, cwd: str):
+    def __init__(self, argv: list[str], setup: bytes, cwd: str,
+                 groups: tuple[_Cgroups, dict[str, str]] | None = None):
+        self._groups = groups
         self.proc = subprocess.Popen(
             argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             cwd=cwd, env=_ENV, start_new_session=True, bufsize=0,
@@ -768,6 +800,10 @@ class _Worker:
             self.proc.stdin.write(len(setup).to_bytes(8, "little") + setup)
         except BrokenPipeError:
             pass  # it died at once; the first request reports how
+
+    def oom_kills(self) -> int:
+        """Out-of-memory kills in this worker's memory group so far (0 without cgroups)."""
+        return self._groups[0].oom_kills(self._groups[1]) if self._groups else 0
 
     def request(self, tag: str, code: bytes, tests: bytes, timeout: float) -> tuple[dict | None, bool]:
         """Send one job (its code frame, then its tests frame), wait for its record;
@@ -852,6 +888,8 @@ class _Worker:
             pass
         self.proc.stdout.close()
         self.proc.stderr.close()
+        if self._groups is not None:
+            self._groups[0].destroy(self._groups[1])
 
     def stderr_tail(self) -> str:
         """What the launcher itself wrote to stderr (after `finish`: it has exited)."""
@@ -869,14 +907,27 @@ class _Workers:
     module docstring).
     """
 
-    def __init__(self, argv: list[str], setup: dict, reuse: bool, cwd: str):
-        self._argv, self._setup, self.reuse, self._cwd = argv, marshal.dumps(setup), reuse, cwd
+    def __init__(self, argv: list[str], setup: dict, reuse: bool, cwd: str,
+                 groups: tuple[_Cgroups, int, int] | None = None):
+        self._argv, self._setup, self.reuse, self._cwd = argv, setup, reuse, cwd
+        self._groups = groups  # (cgroups, pids.max, memory bytes) of each worker's own groups
         self._idle: list[_Worker] = []
         self._lock = threading.Lock()
         self._closed = False
 
     def _spawn(self) -> _Worker:
-        return _Worker(self._argv, self._setup, self._cwd)
+        """A worker in groups of its own (`full`): made here, removed when it finishes."""
+        if self._groups is None:
+            return _Worker(self._argv, marshal.dumps({**self._setup, "cgroup_procs": []}), self._cwd)
+        cgroups, max_pids, memory = self._groups
+        groups = cgroups.create(f"worker-{secrets.token_hex(6)}", max_pids, memory)
+        procs = [os.path.join(g, "cgroup.procs") for g in groups.values()]
+        try:
+            return _Worker(self._argv, marshal.dumps({**self._setup, "cgroup_procs": procs}), self._cwd,
+                           (cgroups, groups))
+        except BaseException:
+            cgroups.destroy(groups)
+            raise
 
     def warm(self, n: int) -> None:
         if not self.reuse:
