@@ -46,7 +46,6 @@ def bench_sandbox(n: int, backend: str, repeats: int = 3, concurrency: int | Non
             scorer = CodeTestsScorer(pool)
             await scorer.score(items[: min(n, concurrency)])  # warm-up (first runs pay page faults)
             rates = []
-            outs = []
             for _ in range(repeats):
                 t0 = time.perf_counter()
                 outs = await scorer.score(items)
@@ -61,9 +60,6 @@ def bench_sandbox(n: int, backend: str, repeats: int = 3, concurrency: int | Non
             "backend": backend, "n": n, "concurrency": concurrency,
             "isolation": pool.isolation.level, "fork_server": pool.isolation.fork_server,
             "startup_s": round(startup, 2),
-            # of the last batch: cases compared in this process vs judged inside the sandbox
-            "cases_compared_trusted": sum(o.cases_compared_trusted for o in outs),
-            "cases_in_sandbox": sum(o.cases_in_sandbox for o in outs),
             "samples_per_s": round(statistics.median(rates), 1),
             "samples_per_s_runs": [round(r, 1) for r in rates],
             "load_avg_1m": round(os.getloadavg()[0], 2),

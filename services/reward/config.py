@@ -33,7 +33,7 @@ class SandboxConfig(BaseModel):
     and refuses to start when that is weaker than this. `process`: rlimits, own session,
     scrubbed environment, isolated interpreter, temp cwd, unprivileged uid when started as
     root. `namespaces`: plus network, pid and mount namespaces (no network, no view of host
-    processes, private /tmp, hidden directories, read-only root filesystem). `full`: plus
+    processes, private /tmp, a read-only filesystem of only `visible_paths`). `full`: plus
     per-run cgroups (pids.max, memory limit) and an unprivileged uid."""
     cpu_seconds: int = Field(10, ge=1, le=3600)
     """CPU time of the run's main process (RLIMIT_CPU); over it the run is a timeout."""
@@ -52,9 +52,20 @@ class SandboxConfig(BaseModel):
     """Uid the code runs as when the service runs as root (65534: nobody)."""
     sandbox_gid: int = Field(65534, ge=1)
     """Gid the code runs as when the service runs as root (65534: nogroup)."""
-    hidden_paths: list[str] = ["/root", "/home", "/run", "/mnt", "/media", "/srv"]
-    """Directories replaced by an empty read-only tmpfs inside the mount namespace (the
-    interpreter's own prefix is put back read-only when it lies below one of them)."""
+    judge_uid: int = Field(65533, ge=1)
+    """Uid the tests run as when the service runs as root; not `sandbox_uid`, so the code
+    cannot signal or trace the process that judges it."""
+    judge_gid: int = Field(65534, ge=1)
+    """Gid the tests run as when the service runs as root."""
+    visible_paths: list[str] = ["/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"]
+    """The only host paths a run sees (namespace levels), read-only; the interpreter's own
+    prefix is added. Paths that do not exist are skipped; a symlink (a merged-/usr `/lib`)
+    stays a symlink. Everything else (home directories, the repository, run directories,
+    /etc, /opt) is not there."""
+    hidden_paths: list[str] = []
+    """Directories inside the visible paths replaced by an empty read-only tmpfs, beside the
+    ones always hidden (every site-packages and dist-packages directory of the interpreter,
+    and whatever the service imports from outside the standard library)."""
     python: str = ""
     """Interpreter for the runs; empty: the service's own (resolved past any virtualenv)."""
     work_root: str = ""
@@ -62,13 +73,20 @@ class SandboxConfig(BaseModel):
     output_tail_bytes: int = Field(4096, ge=0, le=1 << 20)
     """How much of the end of a run's stdout and stderr is kept in its result."""
 
-    @field_validator("hidden_paths")
+    @field_validator("hidden_paths", "visible_paths")
     @classmethod
     def _absolute(cls, paths: list[str]) -> list[str]:
         for p in paths:
             if not p.startswith("/") or p.rstrip("/") in ("", "/tmp", "/proc", "/dev"):
-                raise ValueError(f"hidden path {p!r} must be absolute and not /, /tmp, /proc or /dev")
+                raise ValueError(f"path {p!r} must be absolute and not /, /tmp, /proc or /dev")
         return paths
+
+    @model_validator(mode="after")
+    def _two_uids(self) -> "SandboxConfig":
+        if self.judge_uid == self.sandbox_uid:
+            raise ValueError("judge_uid must differ from sandbox_uid: the code must not run as "
+                             "the uid of the process that judges it")
+        return self
 
 
 class RegexRule(BaseModel):

@@ -11,16 +11,9 @@ and `build_scorers(config, pool)`, the one place that maps names to scorers (rew
 a scorer kind of their own, live in `reward_model.py`).
 Does not own: running code (`pool.py`, `sandbox.py`), request flow (`core.py`).
 
-Test cases of the shape `assert <call> == <literal>` (or `<literal> == <call>`) are not judged
-inside the sandbox: the call's value comes out strictly encoded (plain data of exact builtin
-types, see `strict.py`) and is compared with the literal here, so a returned object whose
-`__eq__` always says True, or a subclass of int or str that overrides it, fails instead of
-passing every case. A HumanEval-style `check(candidate)` block made only of such asserts is
-compared the same way, assert by assert, and still counts as one case. Any other case
-(several statements, `is`, `<`, a non-literal expected value, a block with a loop) runs
-inside the sandbox as before; each output counts how many cases went each way
-(`cases_compared_trusted`, `cases_in_sandbox`); the gRPC result has no field for them, so
-the service logs them per batch (debug level).
+Every test case is judged in a process of its own, apart from the code's (`sandbox.py`):
+the code can make its own answers wrong, but cannot make a test pass, read an expected
+value or replace the task's helpers.
 
 Failures are outputs, never exceptions: no code -> `no_code`, unparsable code ->
 `syntax_error`, sandbox outcomes -> `timeout`/`oom`/`crash`, a task without tests or a user
@@ -35,7 +28,6 @@ import ast
 import asyncio
 import importlib
 import inspect
-import logging
 import math
 import re
 import time
@@ -43,16 +35,14 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from . import strict
 from .config import PYTHON_SCORER_PREFIX, LengthRule, RegexRule, RewardConfig
 from .pool import SandboxPool
-from .sandbox import SandboxJob, SandboxResult, ValueCase
+from .sandbox import SandboxJob, SandboxResult
 from .types import CODE_PREFIX_KEY, ScoreInput, ScoreOutput, ScoreStatus, TaskSpec
 
 # A fence line, an optional language tag, the body, and the closing fence or the end of the
 # text (a completion cut off by max_tokens often never closes its block).
 _FENCE = re.compile(r"```[ \t]*([A-Za-z0-9_+.-]*)[^\n]*\n(.*?)(?:\n?```|\Z)", re.DOTALL)
-log = logging.getLogger(__name__)
 _PYTHON_TAGS = {"", "python", "py", "python3", "py3"}
 _DEFINES_CHECK = re.compile(r"^def\s+check\s*\(", re.MULTILINE)
 
@@ -110,146 +100,6 @@ def cases_for(task: TaskSpec) -> list[str]:
     return cases
 
 
-@dataclass(frozen=True)
-class Comparison:
-    """A case compared in this process: `expression`'s value in the sandbox == `expected`."""
-
-    expression: str
-    expected: object
-
-
-def comparison_of(case: str) -> Comparison | None:
-    """The trusted comparison a case asks for, or None when it has another shape.
-
-    The shape is `assert <call> == <literal>` (either side), one statement, where the
-    literal is plain data by `ast.literal_eval` (not `float('nan')`, not a complex number).
-    Parsed with `ast`, never evaluated here beyond `literal_eval`. An assert message is not
-    needed for the comparison and is dropped.
-    """
-    tree = _parse(case)
-    if tree is None or len(tree.body) != 1:
-        return None
-    return _assert_comparison(tree.body[0])
-
-
-def check_block_comparisons(block: str, entry_point: str) -> tuple[Comparison, ...] | None:
-    """A HumanEval-style block as trusted comparisons, or None when it has another shape.
-
-    The block may hold literal assignments (METADATA = {...}), docstrings and one
-    `def check(candidate):` whose body is only `assert candidate(...) == <literal>` (either
-    side; `assert True` lines are skipped). Each becomes `<entry_point>(...)` compared here;
-    the block, still one case, passes when all of them do. Anything else (a loop, a helper,
-    an import, `abs(candidate(x) - y) < 1e-6`) keeps the whole block inside the sandbox.
-    """
-    tree = _parse(block)
-    if tree is None or not entry_point.isidentifier():
-        return None
-    checks = []
-    for node in tree.body:
-        if isinstance(node, ast.FunctionDef) and node.name == "check":
-            checks.append(node)
-        elif not (_is_docstring(node) or _is_literal_assignment(node)):
-            return None
-    if len(checks) != 1:
-        return None
-    check = checks[0]
-    a = check.args
-    if (check.decorator_list or a.posonlyargs or a.vararg or a.kwonlyargs or a.kwarg or a.defaults
-            or [x.arg for x in a.args] != ["candidate"]):
-        return None
-    out = []
-    for node in check.body:
-        if _is_docstring(node):
-            continue
-        if isinstance(node, ast.Assert) and isinstance(node.test, ast.Constant) and node.test.value is True:
-            continue
-        if not isinstance(node, ast.Assert):
-            return None
-        node = _Rename("candidate", entry_point).visit(node)
-        c = _assert_comparison(node)
-        if c is None:
-            return None
-        out.append(c)
-    return tuple(out) or None
-
-
-def _parse(source: str) -> ast.Module | None:
-    try:
-        return ast.parse(source)
-    except (SyntaxError, ValueError, RecursionError, MemoryError, OverflowError):
-        return None
-
-
-def _assert_comparison(node: ast.stmt) -> Comparison | None:
-    if not isinstance(node, ast.Assert):
-        return None
-    test = node.test
-    if not (isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], ast.Eq)):
-        return None
-    for call, literal in ((test.left, test.comparators[0]), (test.comparators[0], test.left)):
-        if not isinstance(call, ast.Call):
-            continue
-        try:
-            expected = ast.literal_eval(literal)
-        except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
-            continue
-        if strict.is_plain(expected):
-            return Comparison(ast.unparse(call), expected)
-    return None
-
-
-def _is_docstring(node: ast.stmt) -> bool:
-    return isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)
-
-
-def _is_literal_assignment(node: ast.stmt) -> bool:
-    if not (isinstance(node, ast.Assign) and all(isinstance(t, ast.Name) for t in node.targets)):
-        return False
-    try:
-        ast.literal_eval(node.value)
-    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
-        return False
-    return True
-
-
-class _Rename(ast.NodeTransformer):
-    """`candidate` -> the entry point's name: what `check(<entry_point>)` would have passed."""
-
-    def __init__(self, old: str, new: str):
-        self.old, self.new = old, new
-
-    def visit_Name(self, node: ast.Name) -> ast.Name:
-        return ast.copy_location(ast.Name(self.new, node.ctx), node) if node.id == self.old else node
-
-
-def comparisons_for(task: TaskSpec) -> list[tuple[Comparison, ...] | None]:
-    """Per case of `cases_for(task)`, in the same order: the comparisons that decide it in
-    this process, or None when it is judged inside the sandbox."""
-    out: list[tuple[Comparison, ...] | None] = []
-    for case in task.test_cases:
-        c = comparison_of(case)
-        out.append((c,) if c else None)
-    if task.tests.strip():
-        defines_check = task.entry_point and _DEFINES_CHECK.search(task.tests)
-        out.append(check_block_comparisons(task.tests, task.entry_point) if defines_check else None)
-    return out
-
-
-def _first_difference(value: object, expected: object) -> str:
-    def short(v: object) -> str:
-        if isinstance(v, int) and not isinstance(v, bool) and v.bit_length() > 256:
-            # repr of an int past 4300 digits raises (sys.get_int_max_str_digits), and a
-            # generated function may well return one: describe it instead
-            return f"an int of about {int(v.bit_length() * 0.30103) + 1} digits"
-        try:
-            text = repr(v)
-        except Exception as e:  # plain data, but deeper or larger than repr allows
-            return f"a {type(v).__name__} that cannot be shown ({type(e).__name__})"
-        return text if len(text) <= 80 else text[:77] + "..."
-
-    return f"returned {short(value)}, expected {short(expected)}"
-
-
 def _output(item: ScoreInput, start: float, **fields) -> ScoreOutput:
     return ScoreOutput(id=item.id, seconds=time.perf_counter() - start, **fields)
 
@@ -272,12 +122,8 @@ class CodeTestsScorer(Scorer):
     def __init__(self, pool: SandboxPool):
         self._pool = pool
 
-    def prepare(
-        self, item: ScoreInput
-    ) -> tuple[SandboxJob, tuple[tuple[Comparison, ...] | None, ...]] | ScoreOutput:
-        """The sandbox job for an input and, per case, its trusted comparisons (None: judged
-        inside the sandbox; a check block may need several, each one value case of the job);
-        or the output when it never reaches the sandbox."""
+    def prepare(self, item: ScoreInput) -> SandboxJob | ScoreOutput:
+        """The sandbox job for an input, or the output when it never reaches the sandbox."""
         start = time.perf_counter()
         task = item.task
         cases = cases_for(task)
@@ -299,73 +145,21 @@ class CodeTestsScorer(Scorer):
                 return _output(item, start, reward=0.0, status="no_code", failed=len(cases),
                                error=f"no ```python block, and the text is not Python ({error})")
             return _output(item, start, reward=0.0, status="syntax_error", failed=len(cases), error=error)
-        comparisons = tuple(comparisons_for(task))
-        job_cases: list[str | ValueCase] = []
-        for case, compare in zip(cases, comparisons):
-            job_cases.extend([ValueCase(c.expression) for c in compare] if compare else [case])
-        return SandboxJob(program, tuple(job_cases)), comparisons
+        return SandboxJob(program, tuple(cases), prefix=prefix, entry_point=task.entry_point)
 
     async def score(self, items: Sequence[ScoreInput]) -> list[ScoreOutput]:
         prepared = [self.prepare(item) for item in items]
-        jobs = [p[0] for p in prepared if not isinstance(p, ScoreOutput)]
-        results = iter(await self._pool.run(jobs))
-        out: list[ScoreOutput] = []
-        for item, p in zip(items, prepared):
-            out.append(p if isinstance(p, ScoreOutput) else self._judged(item, next(results), p[1]))
-        trusted = sum(o.cases_compared_trusted for o in out)
-        log.debug("code_tests: %d samples, %d cases compared here, %d judged in the sandbox",
-                  len(out), trusted, sum(o.cases_in_sandbox for o in out))
-        return out
-
-    @classmethod
-    def _judged(cls, item: ScoreInput, r: SandboxResult,
-                comparisons: tuple[tuple[Comparison, ...] | None, ...]) -> ScoreOutput:
-        """`_to_output`, where judging one sample's values can never fail the whole request:
-        what it raises (a value too deep to compare, say) is that sample's scorer error."""
-        try:
-            return cls._to_output(item, r, comparisons)
-        except Exception as e:
-            log.warning("judging %s failed: %r", item.id, e)
-            return ScoreOutput(id=item.id, reward=0.0, passed=0, failed=len(comparisons),
-                               timed_out=r.timed_out, status="scorer_error",
-                               error=f"judging the returned values failed: {type(e).__name__}: {e}"[:300],
-                               seconds=r.seconds)
+        results = iter(await self._pool.run([p for p in prepared if isinstance(p, SandboxJob)]))
+        return [p if isinstance(p, ScoreOutput) else self._to_output(item, next(results))
+                for item, p in zip(items, prepared)]
 
     @staticmethod
-    def _to_output(
-        item: ScoreInput, r: SandboxResult, comparisons: tuple[tuple[Comparison, ...] | None, ...]
-    ) -> ScoreOutput:
-        total = len(comparisons)
-        n_trusted = sum(c is not None for c in comparisons)
-        passed, error = 0, r.error
-        if r.case_passed:
-            # The job's cases are the task's, with each compared case split into its value
-            # cases. The sandbox counts a value case as passed when it produced a plain value;
-            # whether that value is right is decided here. The first failing case, in case
-            # order, gives the error: for one that failed inside the sandbox (an assert, an
-            # exception, code that did not load) that is the sandbox's own first error.
-            error, j = "", 0
-            for i, compare in enumerate(comparisons):
-                ok, why = True, ""
-                for c in compare or (None,):
-                    v = r.values[j]
-                    if c is None or v is None or v.raised:
-                        sub_ok, sub_why = r.case_passed[j], r.error
-                    elif v.refused:
-                        sub_ok, sub_why = False, f"test case {i}: {c.expression}: {v.refused}"
-                    else:
-                        sub_ok = v.value == c.expected  # plain data on both sides: Python's own ==
-                        sub_why = f"test case {i}: {c.expression} {_first_difference(v.value, c.expected)}"
-                    if ok and not sub_ok:
-                        ok, why = False, sub_why
-                    j += 1
-                passed += ok
-                error = error or why
+    def _to_output(item: ScoreInput, r: SandboxResult) -> ScoreOutput:
+        total = r.passed + r.failed
         return ScoreOutput(
-            id=item.id, reward=passed / total if total else 0.0, passed=passed, failed=total - passed,
-            timed_out=r.timed_out, error=error, status=_SANDBOX_STATUS[r.status],
+            id=item.id, reward=r.passed / total if total else 0.0, passed=r.passed, failed=r.failed,
+            timed_out=r.timed_out, error=r.error, status=_SANDBOX_STATUS[r.status],
             seconds=r.seconds,  # the run itself; time queued behind other runs is not the sample's
-            cases_compared_trusted=n_trusted, cases_in_sandbox=total - n_trusted,
         )
 
 
@@ -460,7 +254,7 @@ class CompositeScorer(Scorer):
       that is not `ok` (e.g. `no_code`, `timeout` from code_tests). Those are verdicts on the
       sample, already priced into that part's reward (a sample with no code passes no test),
       so the other parts still count; the status says what happened.
-    `error` joins the parts' errors as `<part>: <error>`; `passed`/`failed`, the case counts
+    `error` joins the parts' errors as `<part>: <error>`; `passed`/`failed`
     and `timed_out` add up over the parts; `seconds` is the slowest part's (they run at once).
     """
 
@@ -489,8 +283,6 @@ class CompositeScorer(Scorer):
             error="; ".join(f"{name}: {o.error}" for name, o in zip(names, outs) if o.error),
             passed=sum(o.passed for o in outs), failed=sum(o.failed for o in outs),
             timed_out=any(o.timed_out for o in outs), seconds=seconds,
-            cases_compared_trusted=sum(o.cases_compared_trusted for o in outs),
-            cases_in_sandbox=sum(o.cases_in_sandbox for o in outs),
         )
 
 

@@ -54,12 +54,6 @@ class ScoreOutput:
     or the error of a scorer that failed."""
     status: ScoreStatus = "ok"
     seconds: float = 0.0
-    cases_compared_trusted: int = 0
-    """code_tests: cases whose value left the sandbox strictly encoded and was compared with
-    the expected value in the service (`assert f(x) == <literal>`). Not in the proto: a gRPC
-    client sees 0 (the service logs the counts)."""
-    cases_in_sandbox: int = 0
-    """code_tests: cases judged inside the sandbox (any other shape)."""
 
 
 def task_spec_from_code_task(task) -> TaskSpec:

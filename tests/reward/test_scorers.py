@@ -9,12 +9,10 @@ import pytest
 
 from services.reward.config import RegexRule, RewardConfig, SandboxConfig
 from services.reward.pool import LocalPool, SandboxPool
-from services.reward.sandbox import SandboxJob, SandboxResult, ValueCase
+from services.reward.sandbox import SandboxJob, SandboxResult
 from services.reward.scorers import (
-    CodeTestsScorer, Comparison, PythonScorer, RegexScorer, build_scorers, cases_for, check_block_comparisons,
-    comparison_of, extract_code,
+    CodeTestsScorer, PythonScorer, RegexScorer, build_scorers, cases_for, extract_code,
 )
-from services.reward.strict import Returned
 from services.reward.types import CODE_PREFIX_KEY, ScoreInput, TaskSpec
 
 from .conftest import LIMITS
@@ -93,9 +91,8 @@ async def test_reward_is_the_fraction_of_cases_passed(pool):
     right, third, raw, loop = await scorer.score(items)
     assert (right.id, right.reward, right.passed, right.failed, right.status) == ("right", 1.0, 3, 0, "ok")
     assert (third.reward, third.passed, third.failed, third.status) == (pytest.approx(1 / 3), 1, 2, "ok")
-    # `assert add(..) == <literal>` cases are compared outside the sandbox; the error says how
-    assert third.error == "test case 0: add(1, 2) returned 2, expected 3"
-    assert (third.cases_compared_trusted, third.cases_in_sandbox) == (3, 0)
+    # the tests' process says what came back
+    assert third.error == "test case 0: AssertionError: add(1, 2) returned 2, expected 3"
     assert (raw.reward, raw.status) == (1.0, "ok")
     assert (loop.reward, loop.status, loop.timed_out) == (0.0, "timeout", True)
 
@@ -134,217 +131,110 @@ async def test_humaneval_style_task_with_prefix(pool):
     assert (wrong.reward, wrong.passed, wrong.failed) == (0.0, 0, 1)
 
 
-# ---- trusted comparison of `assert f(x) == <literal>` ---------------------------------------
-
-
-def test_which_cases_are_compared_outside_the_sandbox():
-    assert comparison_of("assert add(1, 2) == 3") == Comparison("add(1, 2)", 3)
-    assert comparison_of("assert [1, -2.5] == f(x=[1, 2])") == Comparison("f(x=[1, 2])", [1, -2.5])
-    assert comparison_of("assert f('a') == {'a': (1, None)}, 'with a message'") == \
-        Comparison("f('a')", {"a": (1, None)})
-    assert comparison_of("assert f() == {1, 2}") == Comparison("f()", {1, 2})
-    for other in (
-        "assert f(1) != 3",                 # not ==
-        "assert f(1) is None",
-        "assert f(1) == g(2)",              # expected is not a literal
-        "assert f(1) == float('nan')",      # not a literal either: judged inside, nan != nan
-        "assert f(1) == 1j",                # a literal, but not plain data
-        "assert f(1) == 2 == 2",            # chained
-        "assert f",
-        "x = f(1)\nassert x == 2",          # two statements
-        "assert f(1) == 3 and f(2) == 4",
-        "assert f.x == 3",                  # not a call
-        "def check(candidate):\n    assert candidate(1) == 2\n",
-        "assert f(1 ==",                    # does not parse: the sandbox reports it
-    ):
-        assert comparison_of(other) is None, other
-
-
-def test_which_check_blocks_are_compared_outside_the_sandbox():
-    block = (
-        "METADATA = {'author': 'x'}\n\n"
-        "def check(candidate):\n"
-        "    'docstring'\n"
-        "    assert candidate([1, 2], 3) == 3\n"
-        "    assert True, 'debugging aid'\n"
-        "    assert [1] == candidate(candidate([], 0), 1), 'a message'\n"
-    )
-    assert check_block_comparisons(block, "f") == (
-        Comparison("f([1, 2], 3)", 3), Comparison("f(f([], 0), 1)", [1]),
-    )
-    loop = "def check(candidate):\n    for x in range(3):\n        assert candidate(x) == x\n"
-    close = "def check(candidate):\n    assert abs(candidate(1) - 0.5) < 1e-6\n"
-    helper = "import math\ndef check(candidate):\n    assert candidate(1) == 1\n"
-    other_arg = "def check(f):\n    assert f(1) == 1\n"
-    only_true = "def check(candidate):\n    assert True\n"
-    for other in (loop, close, helper, other_arg, only_true, "assert f(1) == 1"):
-        assert check_block_comparisons(other, "f") is None, other
+# ---- HumanEval and values across the boundary ---------------------------------------------
 
 
 @pytest.mark.timeout(120)
-async def test_every_humaneval_canonical_solution_still_passes(pool):
-    """The check blocks compared outside the sandbox (most of HumanEval) give the canonical
-    solutions the same full reward as running `check` inside did."""
+async def test_every_humaneval_canonical_solution_passes_and_every_empty_one_fails(pool):
+    """The tests run in their own process and call the code through proxies: every check
+    block of HumanEval (loops, helpers from the prompt such as `poly`, floats, exceptions)
+    still gives the canonical solutions full reward, and a body that returns None none."""
     from hotloop.tasks import load_tasks
     from services.reward.types import task_spec_from_code_task
 
     tasks = load_tasks("humaneval", "test")
-    items = [ScoreInput(t.task_id, t.prompt, t.solution, task_spec_from_code_task(t)) for t in tasks]
-    outs = await CodeTestsScorer(pool).score(items)
-    assert [o for o in outs if (o.status, o.reward) != ("ok", 1.0)] == []
-    assert sum(o.cases_compared_trusted for o in outs) >= 100  # 112 of 164 blocks today
-    assert sum(o.cases_compared_trusted + o.cases_in_sandbox for o in outs) == len(tasks)
+    specs = [task_spec_from_code_task(t) for t in tasks]
+    scorer = CodeTestsScorer(pool)
+    right = await scorer.score([ScoreInput(t.task_id, t.prompt, t.solution, s) for t, s in zip(tasks, specs)])
+    assert [(o.id, o.error) for o in right if (o.status, o.reward) != ("ok", 1.0)] == []
+    empty = await scorer.score([ScoreInput(t.task_id, t.prompt, "    return None\n", s) for t, s in zip(tasks, specs)])
+    assert [o.id for o in empty if o.reward > 0] == []
 
 
-async def test_an_object_equal_to_anything_fails_a_humaneval_check_block(pool):
+async def test_the_prompts_helpers_are_the_tasks_not_the_samples(pool):
+    """HumanEval/38's test encodes with the prompt's `encode_cyclic` and expects the sample's
+    `decode_cyclic` to invert it. A sample that redefines both as the identity would pass
+    if the tests took `encode_cyclic` from the sample."""
     from hotloop.tasks import load_tasks
     from services.reward.types import task_spec_from_code_task
 
-    task = load_tasks("humaneval", "test")[0]
-    spec = task_spec_from_code_task(task)
-    hack = EQ_HACKS["eq"] + f"def {task.entry_point}(*args):\n    return Yes()\n"
-    (out,) = await CodeTestsScorer(pool).score([ScoreInput("hack", task.prompt, f"```python\n{hack}```", spec)])
-    assert (out.reward, out.status, out.cases_compared_trusted) == (0.0, "ok", 1), out
-    assert "is not plain data" in out.error
-
-
-EQ_HACKS = {
-    "eq": "class Yes:\n    def __eq__(self, other):\n        return True\n",
-    # a subclass of int: hashes and prints like the int, equals anything
-    "int_subclass": "class Yes(int):\n    def __eq__(self, other):\n        return True\n"
-                    "    __hash__ = int.__hash__\n",
-    # the __ne__/__hash__ variant, as a str subclass, for `!=` and dict/set lookups too
-    "ne_hash": "class Yes(str):\n    def __eq__(self, other):\n        return True\n"
-               "    def __ne__(self, other):\n        return False\n"
-               "    def __hash__(self):\n        return 0\n",
-}
-
-
-@pytest.mark.parametrize("hack", sorted(EQ_HACKS))
-async def test_objects_that_equal_anything_do_not_pass(pool, hack):
-    code = EQ_HACKS[hack] + "def add(a, b):\n    return Yes()\n"
-    # Both orders of the comparison: `3 == Yes()` falls back to Yes.__eq__ inside Python too.
-    task = TaskSpec("add", entry_point="add", test_cases=ADD_TASK.test_cases + ("assert 5 == add(2, 3)",))
-    (out,) = await CodeTestsScorer(pool).score([ScoreInput("hack", "p", f"```python\n{code}```", task)])
-    assert (out.reward, out.passed, out.failed, out.status) == (0.0, 0, 4, "ok"), out
-    assert "is not plain data" in out.error and "Yes" in out.error
-    assert (out.cases_compared_trusted, out.cases_in_sandbox) == (4, 0)
-
-
-async def test_the_hack_is_real_where_a_case_is_judged_inside_the_sandbox(pool):
-    """The residual risk, kept visible: a case of another shape still asks the code's object."""
-    code = EQ_HACKS["eq"] + "def add(a, b):\n    return Yes()\n"
-    task = TaskSpec("add", entry_point="add", test_cases=("assert add(1, 2) == 3 and True",))
-    (out,) = await CodeTestsScorer(pool).score([ScoreInput("hack", "p", f"```python\n{code}```", task)])
-    assert (out.reward, out.cases_compared_trusted, out.cases_in_sandbox) == (1.0, 0, 1)
-
-
-async def test_a_forged_report_cannot_pass_cases_compared_outside(pool):
-    """The known residual risk (code reads the nonce from the harness frame and writes its
-    own report) still passes cases judged inside; compared cases need the right values,
-    which never enter the sandbox."""
-    forge = (
-        "import os, sys\n"
-        "nonce = sys._getframe(1).f_locals['nonce']\n"
-        "n = len(sys._getframe(1).f_locals['cases'])\n"
-        "fields = [nonce, 'result', '1' * n, '0'] + [\"=['T']\"] * n + ['']\n"
-        "os.write(3, ('\\t'.join(fields) + '\\n').encode())\n"
-        "os._exit(0)\n"
-    )
-    inside = TaskSpec("add", entry_point="add", test_cases=tuple(f"{c} and True" for c in ADD_TASK.test_cases))
-    forged_inside, forged_outside = await CodeTestsScorer(pool).score([
-        ScoreInput("inside", "p", f"```python\n{forge}```", inside),
-        ScoreInput("outside", "p", f"```python\n{forge}```", ADD_TASK),
+    task = next(t for t in load_tasks("humaneval", "test") if t.task_id == "HumanEval/38")
+    hack = "def encode_cyclic(s):\n    return s\n\ndef decode_cyclic(s):\n    return s\n"
+    right = f"```python\n{task.prefix}{task.solution}```"
+    (out, ok) = await CodeTestsScorer(pool).score([
+        ScoreInput("hack", task.prompt, f"```python\n{hack}```", task_spec_from_code_task(task)),
+        ScoreInput("right", task.prompt, right, task_spec_from_code_task(task)),
     ])
-    assert (forged_inside.reward, forged_inside.cases_in_sandbox) == (1.0, 3)  # the residual risk
-    assert (forged_outside.reward, forged_outside.cases_compared_trusted) == (0.0, 3), forged_outside
-    assert forged_outside.error == "test case 0: add(1, 2) returned True, expected 3"
-
-
-async def test_patched_builtins_do_not_change_the_strict_encoding(pool):
-    code = (
-        "import builtins\n"
-        "class Yes(int):\n    def __eq__(self, other):\n        return True\n"
-        "real_type = type\n"
-        "builtins.type = lambda x: int if real_type(x) is Yes else real_type(x)\n"
-        "builtins.repr = lambda x: '3'\n"
-        "def add(a, b):\n    return Yes(0)\n"
-    )
-    (out,) = await CodeTestsScorer(pool).score([ScoreInput("hack", "p", f"```python\n{code}```", ADD_TASK)])
-    assert (out.reward, out.passed) == (0.0, 0), out
+    assert (out.reward, ok.reward) == (0.0, 1.0), (out, ok)
 
 
 async def test_legit_solutions_and_plain_equality(pool):
     task = TaskSpec("f", entry_point="f", test_cases=(
-        "assert f(1) == [1, (2.0, 'x'), {'k': {3}}, b'\\x00', None, True]",
+        "assert f(1) == [1, (2.0, 'x'), {'k': {3}}, b'\\x00', None, True, 1j]",
         "assert f(2) == 1",        # returns True: 1 == True, as == says
         "assert f(3) == 0.0",      # returns -0.0
         "assert f(4) == 1e999",    # returns inf
-        "assert f(5) == 10 ** 30",  # returns a big int (a literal expression)
+        "assert f(5) == 10 ** 30",  # returns a big int
         "assert f(6) == (1, 2)",   # returns [1, 2]: a list is not a tuple, as == says
+        "assert f(7) != f(7)",     # returns nan: nan != nan
     ))
     code = (
         "def f(i):\n"
-        "    return {1: [1, (2.0, 'x'), {'k': {3}}, b'\\x00', None, True], 2: True, 3: -0.0,\n"
-        "            4: float('inf'), 5: 10 ** 30, 6: [1, 2]}[i]\n"
+        "    return {1: [1, (2.0, 'x'), {'k': {3}}, b'\\x00', None, True, 1j], 2: True, 3: -0.0,\n"
+        "            4: float('inf'), 5: 10 ** 30, 6: [1, 2], 7: float('nan')}[i]\n"
     )
     (out,) = await CodeTestsScorer(pool).score([ScoreInput("ok", "p", f"```python\n{code}```", task)])
-    assert (out.passed, out.failed, out.status) == (5, 1, "ok"), out
-    assert out.error == "test case 5: f(6) returned [1, 2], expected (1, 2)"
+    assert (out.passed, out.failed, out.status) == (6, 1, "ok"), out
+    assert out.error == "test case 5: AssertionError: f(6) returned [1, 2], expected (1, 2)"
 
 
-async def test_nan_follows_plain_equality(pool):
-    task = TaskSpec("f", entry_point="f", test_cases=(
-        "assert f() == 1.0",              # compared here: nan != 1.0
-        "assert f() == float('nan')",     # judged inside the sandbox: nan != nan there too
-        "assert [f()] == [f()] or True",  # another shape, passes inside
-        "assert g() == [1.5]",            # a list holding nan is not [1.5] either
-    ))
-    code = "def f():\n    return float('nan')\ndef g():\n    return [float('nan')]\n"
-    (out,) = await CodeTestsScorer(pool).score([ScoreInput("nan", "p", f"```python\n{code}```", task)])
-    assert (out.passed, out.failed) == (1, 3), out
-    assert out.error == "test case 0: f() returned nan, expected 1.0"
-    assert (out.cases_compared_trusted, out.cases_in_sandbox) == (2, 2)
-
-
-async def test_mixed_shapes_are_counted_both_ways(pool):
-    task = TaskSpec(
-        "add", entry_point="add",
-        test_cases=("assert add(1, 2) == 3", "assert add(1, 2) > 2", "x = add(2, 2)\nassert x == 4",
-                    "assert add(0, 0) == 0"),
-        tests="def check(candidate):\n    assert candidate(5, 5) == 10\n",
+async def test_the_codes_own_objects_work_through_proxies(pool):
+    """Classes, methods, attributes, iteration, exceptions and generators of the code, used
+    by tests as they would be in one process; only equality stays with the tests."""
+    code = (
+        "class Stack:\n"
+        "    def __init__(self):\n        self.items = []\n"
+        "    def push(self, x):\n        self.items.append(x)\n        return self\n"
+        "    def pop(self):\n"
+        "        if not self.items:\n            raise IndexError('empty')\n"
+        "        return self.items.pop()\n"
+        "    def __len__(self):\n        return len(self.items)\n"
+        "    def __iter__(self):\n        return iter(self.items)\n"
+        "    def __getitem__(self, i):\n        return self.items[i]\n"
+        "class Bad(ValueError):\n    pass\n"
+        "def count(n):\n    yield from range(n)\n"
+        "def check_positive(x):\n"
+        "    if x < 0:\n        raise Bad('negative')\n    return x\n"
     )
-    right, wrong = await CodeTestsScorer(pool).score([
-        ScoreInput("right", "p", "```python\ndef add(a, b):\n    return a + b\n```", task),
-        ScoreInput("wrong", "p", "```python\ndef add(a, b):\n    return a - b\n```", task),
-    ])
-    # cases 0, 3 and the check block (only `assert candidate(..) == <literal>`) compared here
-    assert (right.reward, right.cases_compared_trusted, right.cases_in_sandbox) == (1.0, 3, 2)
-    # a - b: case 0 differs, 1 and 2 fail inside, case 3 passes, the block's value differs
-    assert (wrong.passed, wrong.failed, wrong.cases_compared_trusted, wrong.cases_in_sandbox) == (1, 4, 3, 2)
-    assert wrong.error == "test case 0: add(1, 2) returned -1, expected 3"
+    task = TaskSpec("stack", test_cases=(
+        "s = Stack()\ns.push(1).push(2)\nassert len(s) == 2 and s.pop() == 2 and list(s) == [1]",
+        "s = Stack()\ntry:\n    s.pop()\n    raised = False\nexcept IndexError as e:\n    raised = 'empty' in str(e)\nassert raised",
+        "s = Stack()\ns.push(5)\nassert s.items == [5] and s[0] == 5 and s is s and s != Stack()",
+        "assert sum(count(4)) == 6 and list(count(3)) == [0, 1, 2]",
+        "try:\n    check_positive(-1)\n    ok = False\nexcept ValueError:\n    ok = True\nassert ok",
+        "s = Stack()\ns.label = 'x'\nassert s.label == 'x' and Stack.__name__ == 'Stack'",
+    ))
+    (out,) = await CodeTestsScorer(pool).score([ScoreInput("o", "p", f"```python\n{code}```", task)])
+    assert (out.passed, out.failed, out.status) == (6, 0, "ok"), out
 
 
-async def test_values_that_cannot_be_sent_strictly_fail_with_a_reason(pool):
+async def test_values_that_cannot_cross_fail_their_case_with_a_reason(pool):
     task = TaskSpec("f", entry_point="f", test_cases=(
         "assert f(0) == 0",   # too deep
         "assert f(1) == 0",   # too large
-        "assert f(2) == 0",   # raises: the sandbox's error
+        "assert f(2) == 0",   # raises
         "assert f(3) == 3",   # fine
     ))
     code = (
         "def f(i):\n"
         "    if i == 0:\n        v = []\n        for _ in range(200):\n            v = [v]\n        return v\n"
-        "    if i == 1:\n        return 'x' * (1 << 20)\n"
+        "    if i == 1:\n        return 'x' * (2 << 20)\n"
         "    if i == 2:\n        raise KeyError('nope')\n"
         "    return 3\n"
     )
     (out,) = await CodeTestsScorer(pool).score([ScoreInput("v", "p", f"```python\n{code}```", task)])
     assert (out.passed, out.failed) == (1, 3), out
-    assert out.error.startswith("test case 0: f(0): nested deeper than")
-    (run,) = await pool.run([SandboxJob(code, tuple(ValueCase(f"f({i})") for i in range(4)))])
-    assert "larger than" in run.values[1].refused and run.values[2].raised
-    assert "KeyError" in run.error and run.values[3] == Returned(3)
+    assert out.error.startswith("test case 0: CandidateFailure: the value cannot be sent: nested deeper than")
 
 
 # ---- rules and user functions -------------------------------------------------------------
@@ -399,8 +289,8 @@ def test_build_scorers_imports_before_making_the_pool():
 
 async def test_a_huge_or_deep_returned_value_fails_its_sample_not_the_request(pool):
     """An int past Python's 4300-digit repr limit once failed the whole Score call (the error
-    message repr'd it), ending a demo run; now it is described, and whatever else judging one
-    sample raises is that sample's scorer_error, with the other samples of the batch scored."""
+    message repr'd it), ending a demo run; the tests' process describes it instead, and the
+    other samples of the batch are scored."""
     task = TaskSpec("f", entry_point="f", test_cases=("assert f() == 3",))
     huge = "def f():\n    return 10 ** 5000\n"
     fine = "def f():\n    return 3\n"
@@ -409,5 +299,5 @@ async def test_a_huge_or_deep_returned_value_fails_its_sample_not_the_request(po
         ScoreInput("ok", "p", f"```python\n{fine}```", task),
     ])
     assert (big.reward, big.status) == (0.0, "ok"), big
-    assert big.error == "test case 0: f() returned an int of about 5001 digits, expected 3"
+    assert big.error == "test case 0: AssertionError: f() returned an int of about 5001 digits, expected 3"
     assert (ok.reward, ok.status) == (1.0, "ok")
