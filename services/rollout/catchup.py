@@ -144,11 +144,15 @@ class CatchUp:
             self._known = v
 
     def announced(self, info: Version, fetch_from: str) -> None:
-        """A `WeightsUpdated` arrived: remember it and where it can be fetched, and look now."""
+        """A `WeightsUpdated` arrived: remember it and where it can be fetched, and look now
+        if it is news. An announcement of what the replica holds already (the push reached
+        it first, or the KV read at start did) wakes nothing: only a reconnect or the poll
+        then looks at the KV again."""
         self._note(info)
         if fetch_from:
             self._announced_from = fetch_from
-        self._wake.set()
+        if info.version > self.replica.latest:
+            self._wake.set()
 
     def wake(self) -> None:
         """Look now (the bus connection came back)."""
@@ -158,6 +162,9 @@ class CatchUp:
     async def sync(self, timeout_s: float = FETCH_TIMEOUT_S) -> bool:
         """One attempt to hold the newest announced version; True when the replica holds it
         (or something newer). `timeout_s` bounds the KV read and each transfer."""
+        # Whatever woke us so far is covered by the read below; a wake from now on is news
+        # and makes the next `_sleep` return at once.
+        self._wake.clear()
         try:
             latest = await asyncio.wait_for(self._read_latest(), timeout_s)
         except (Unavailable, TimeoutError) as e:

@@ -188,6 +188,10 @@ async def test_a_missed_announcement_is_caught_when_the_bus_comes_back(rig, nats
     await trainer.publish(1)
     replica = Versions()
     catchup = CatchUp(replica, bus_latest(bus), fetch, trainer.address, poll_s=3600)
+    # v1's announcement reaches the server before this replica subscribes, so it never hears
+    # it (heard during the first look, it would wake the follower once more, which would
+    # look at the KV and find v2 before the reconnect does)
+    await trainer.bus.flush()
     await listen(catchup, bus)
     assert await catchup.start(timeout_s=30) and replica.latest == 1
     follower = asyncio.create_task(catchup.follow())
