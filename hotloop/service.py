@@ -1,8 +1,10 @@
 """The common `__main__` of every service: parse config, set up tracing, serve, shut down.
 
 Each service's `__main__.py` supplies only its section model and an async `build` that
-returns a started server; this module owns argument parsing, the port file the launcher
-waits for, signal handling and ordered shutdown.
+returns a started server; this module owns argument parsing, the process's Prometheus endpoint
+(`GET /metrics` on the section's `metrics_port`, serving `hotloop.metrics.registry()`, which
+`build` hands to the service's core), the port file the launcher waits for, signal handling
+and ordered shutdown.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from hotloop import config as hconfig
-from hotloop import telemetry
+from hotloop import metrics, telemetry
 
 
 @dataclass
@@ -38,7 +40,8 @@ def parse_args(name: str) -> argparse.Namespace:
     p.add_argument("--config", help="TOML config file")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config value, e.g. --set rollout.port=50051")
-    p.add_argument("--port-file", help="write {'port': N} here once serving (used by `hotloop up`)")
+    p.add_argument("--port-file", help="write {'port': N, 'metrics_port': M} here once serving "
+                                       "(used by `hotloop up`)")
     return p.parse_args()
 
 
@@ -56,13 +59,27 @@ async def _main(name, mesh, cfg, build, port_file) -> None:
     from hotloop.grpcutil import serve_until_signal
 
     telemetry.setup(name, mesh.telemetry, mesh.run_dir)
-    running = await build(mesh, cfg)
     log = logging.getLogger(name)
-    log.info("serving on %s:%d", getattr(cfg, "host", "127.0.0.1"), running.port)
+    host = getattr(cfg, "host", "127.0.0.1")
+    # Before `build`, so a taken metrics port stops the process before a model loads, and the
+    # process's own numbers (memory, CPU) are there while a slow start runs.
+    endpoint = _serve_metrics(name, cfg, host)
+    try:
+        running = await build(mesh, cfg)
+    except BaseException:
+        if endpoint is not None:
+            endpoint.close()
+        raise
+    log.info("serving on %s:%d", host, running.port)
+    if endpoint is not None:
+        log.info("metrics on http://%s:%d/metrics", host, endpoint.port)
     if port_file:
+        ports = {"port": running.port, "pid": os.getpid()}
+        if endpoint is not None:
+            ports["metrics_port"] = endpoint.port
         tmp = Path(port_file).with_suffix(".tmp")
         tmp.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(json.dumps({"port": running.port, "pid": os.getpid()}))
+        tmp.write_text(json.dumps(ports))
         tmp.rename(port_file)  # the launcher never reads a half-written file
 
     async def cleanup():
@@ -70,6 +87,8 @@ async def _main(name, mesh, cfg, build, port_file) -> None:
             res = fn()
             if asyncio.iscoroutine(res):
                 await res
+        if endpoint is not None:  # last: what the service did until it stopped stays readable
+            await asyncio.to_thread(endpoint.close)
         telemetry.shutdown()
 
     failed: list[str] = []
@@ -79,6 +98,17 @@ async def _main(name, mesh, cfg, build, port_file) -> None:
     log.info("stopped")
     if failed:
         raise SystemExit(f"{name}: {failed[0]}")
+
+
+def _serve_metrics(name: str, cfg: Any, host: str) -> metrics.Endpoint | None:
+    """The process's `/metrics` endpoint on the section's `metrics_port` (None for -1)."""
+    port = cfg.metrics_port if isinstance(cfg, hconfig.ServiceSection) else -1
+    if port < 0:
+        return None
+    try:
+        return metrics.serve(metrics.registry(), host, port)
+    except OSError as e:
+        raise SystemExit(f"{name}: cannot serve metrics on {host}:{port}: {e}") from None
 
 
 async def _watch(running: Running, failed: list[str], log) -> None:

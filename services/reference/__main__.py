@@ -11,12 +11,12 @@ from __future__ import annotations
 from pydantic import Field
 
 from hotloop import service
-from hotloop.config import MeshConfig
+from hotloop.config import MeshConfig, ServiceSection
 
 from .config import ReferenceConfig
 
 
-class ReferenceServiceConfig(ReferenceConfig):
+class ReferenceServiceConfig(ReferenceConfig, ServiceSection):
     """The `[reference]` section: the core's settings plus the listen address."""
 
     host: str = "127.0.0.1"

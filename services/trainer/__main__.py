@@ -18,13 +18,13 @@ from pydantic import Field
 
 from hotloop import config as hconfig
 from hotloop import service
-from hotloop.config import MeshConfig, Section
+from hotloop.config import MeshConfig, ServiceSection
 
 log = logging.getLogger("trainer")
 STOP_TIMEOUT_S = 10.0  # per stage of a stop: the loop's cancellation, then closing connections
 
 
-class TrainerServerConfig(Section):
+class TrainerServerConfig(ServiceSection):
     """The `[trainer_server]` section: where the online trainer's Status/FetchAdapter listen."""
 
     host: str = "127.0.0.1"
