@@ -114,6 +114,7 @@ async def test_the_runner_serves_the_process_registry_on_metrics_port(tmp_path):
     proc, ports = start_reward(tmp_path)
     try:
         assert ports["metrics_port"] > 0 and ports["metrics_port"] != ports["port"]
+        before = await scrape(ports["metrics_port"])
 
         async def one():
             yield reward_pb2.ScoreRequest(id="1", completion="```python\nx = 1\n```")
@@ -124,6 +125,9 @@ async def test_the_runner_serves_the_process_registry_on_metrics_port(tmp_path):
         after = await scrape(ports["metrics_port"])
     finally:
         stop(proc)
+    ok = {"scorer": "format", "status": "ok"}
+    assert after.value("hotloop_reward_samples_total", **ok) - before.value(
+        "hotloop_reward_samples_total", **ok) == 1
     assert after.value("process_resident_memory_bytes") > 0  # the process registry's own
 
 
