@@ -17,7 +17,7 @@ import logging
 from pydantic import Field
 
 from hotloop import config as hconfig
-from hotloop import service
+from hotloop import metrics, service
 from hotloop.config import MeshConfig, ServiceSection
 
 log = logging.getLogger("trainer")
@@ -51,7 +51,8 @@ async def build(mesh: MeshConfig, cfg: TrainerServerConfig) -> service.Running:
     pin_configured(trainer_cfg.cpus, "trainer")
     edge, omesh, run_dir = await open_online(mesh, job, trainer_cfg, f"{cfg.host}:{cfg.port}")
     loop = asyncio.create_task(online.run(job, trainer_cfg, models.resolve(mesh.model.name), omesh,
-                                          run_dir, on_step=online_status(edge.state)))
+                                          run_dir, on_step=online_status(edge.state),
+                                          metrics=online.OnlineMetrics(metrics.registry())))
 
     def check() -> None:
         if loop.done() and not loop.cancelled() and loop.exception() is not None:
