@@ -24,6 +24,9 @@ from hotloop import config as hconfig
 from hotloop import metrics, telemetry
 
 
+WATCH_INTERVAL_S = 2.0  # how often `Running.check` is polled
+
+
 @dataclass
 class Running:
     server: Any
@@ -31,7 +34,8 @@ class Running:
     health: Any
     cleanups: list[Callable[[], Any]] = field(default_factory=list)
     check: Callable[[], None] | None = None
-    """Raises `FatalError` when the service can no longer serve (polled every 2 s): the
+    """Raises `FatalError` when the service can no longer serve (polled every 2 s until the
+    service begins to stop; not while its cleanups take down what it checks): the
     process then stops with exit code 1, so `hotloop up` restarts it and says why."""
 
 
@@ -83,6 +87,9 @@ async def _main(name, mesh, cfg, build, port_file) -> None:
         tmp.rename(port_file)  # the launcher never reads a half-written file
 
     async def cleanup():
+        # Stopping is not a failure: the cleanups take down what `check` watches (the
+        # rollout's engine), and any await among them would let the watchdog see that.
+        watchdog.cancel()
         for fn in reversed(running.cleanups):
             res = fn()
             if asyncio.iscoroutine(res):
@@ -117,7 +124,7 @@ async def _watch(running: Running, failed: list[str], log) -> None:
     if running.check is None:
         return
     while True:
-        await asyncio.sleep(2.0)
+        await asyncio.sleep(WATCH_INTERVAL_S)
         try:
             running.check()
         except FatalError as e:
