@@ -29,6 +29,14 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_default=True)
 
 
+class ServiceSection(Section):
+    """Base of a service process's own section: what every service's runner reads from it."""
+
+    metrics_port: int = Field(0, ge=-1, le=65535)
+    """Port of the process's Prometheus endpoint (`GET /metrics` on the section's `host`);
+    0 picks a free one (the port file says which, as `metrics_port`); -1 serves none."""
+
+
 class ModelConfig(Section):
     name: str = "smollm2-135m-instruct"
     """Base model: a known name (`hotloop models list`), a local HF directory, or a hub id."""

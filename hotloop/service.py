@@ -1,8 +1,10 @@
 """The common `__main__` of every service: parse config, set up tracing, serve, shut down.
 
 Each service's `__main__.py` supplies only its section model and an async `build` that
-returns a started server; this module owns argument parsing, the port file the launcher
-waits for, signal handling and ordered shutdown.
+returns a started server; this module owns argument parsing, the process's Prometheus endpoint
+(`GET /metrics` on the section's `metrics_port`, serving `hotloop.metrics.registry()`, which
+`build` hands to the service's core), the port file the launcher waits for, signal handling
+and ordered shutdown.
 """
 
 from __future__ import annotations
@@ -19,7 +21,10 @@ from pathlib import Path
 from typing import Any
 
 from hotloop import config as hconfig
-from hotloop import telemetry
+from hotloop import metrics, telemetry
+
+
+WATCH_INTERVAL_S = 2.0  # how often `Running.check` is polled
 
 
 @dataclass
@@ -29,7 +34,8 @@ class Running:
     health: Any
     cleanups: list[Callable[[], Any]] = field(default_factory=list)
     check: Callable[[], None] | None = None
-    """Raises `FatalError` when the service can no longer serve (polled every 2 s): the
+    """Raises `FatalError` when the service can no longer serve (polled every 2 s until the
+    service begins to stop; not while its cleanups take down what it checks): the
     process then stops with exit code 1, so `hotloop up` restarts it and says why."""
 
 
@@ -38,7 +44,8 @@ def parse_args(name: str) -> argparse.Namespace:
     p.add_argument("--config", help="TOML config file")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config value, e.g. --set rollout.port=50051")
-    p.add_argument("--port-file", help="write {'port': N} here once serving (used by `hotloop up`)")
+    p.add_argument("--port-file", help="write {'port': N, 'metrics_port': M} here once serving "
+                                       "(used by `hotloop up`)")
     return p.parse_args()
 
 
@@ -56,20 +63,39 @@ async def _main(name, mesh, cfg, build, port_file) -> None:
     from hotloop.grpcutil import serve_until_signal
 
     telemetry.setup(name, mesh.telemetry, mesh.run_dir)
-    running = await build(mesh, cfg)
     log = logging.getLogger(name)
-    log.info("serving on %s:%d", getattr(cfg, "host", "127.0.0.1"), running.port)
+    host = getattr(cfg, "host", "127.0.0.1")
+    # Before `build`, so a taken metrics port stops the process before a model loads, and the
+    # process's own numbers (memory, CPU) are there while a slow start runs.
+    endpoint = _serve_metrics(name, cfg, host)
+    try:
+        running = await build(mesh, cfg)
+    except BaseException:
+        if endpoint is not None:
+            endpoint.close()
+        raise
+    log.info("serving on %s:%d", host, running.port)
+    if endpoint is not None:
+        log.info("metrics on http://%s:%d/metrics", host, endpoint.port)
     if port_file:
+        ports = {"port": running.port, "pid": os.getpid()}
+        if endpoint is not None:
+            ports["metrics_port"] = endpoint.port
         tmp = Path(port_file).with_suffix(".tmp")
         tmp.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(json.dumps({"port": running.port, "pid": os.getpid()}))
+        tmp.write_text(json.dumps(ports))
         tmp.rename(port_file)  # the launcher never reads a half-written file
 
     async def cleanup():
+        # Stopping is not a failure: the cleanups take down what `check` watches (the
+        # rollout's engine), and any await among them would let the watchdog see that.
+        watchdog.cancel()
         for fn in reversed(running.cleanups):
             res = fn()
             if asyncio.iscoroutine(res):
                 await res
+        if endpoint is not None:  # last: what the service did until it stopped stays readable
+            await asyncio.to_thread(endpoint.close)
         telemetry.shutdown()
 
     failed: list[str] = []
@@ -81,13 +107,24 @@ async def _main(name, mesh, cfg, build, port_file) -> None:
         raise SystemExit(f"{name}: {failed[0]}")
 
 
+def _serve_metrics(name: str, cfg: Any, host: str) -> metrics.Endpoint | None:
+    """The process's `/metrics` endpoint on the section's `metrics_port` (None for -1)."""
+    port = cfg.metrics_port if isinstance(cfg, hconfig.ServiceSection) else -1
+    if port < 0:
+        return None
+    try:
+        return metrics.serve(metrics.registry(), host, port)
+    except OSError as e:
+        raise SystemExit(f"{name}: cannot serve metrics on {host}:{port}: {e}") from None
+
+
 async def _watch(running: Running, failed: list[str], log) -> None:
     from hotloop.errors import FatalError
 
     if running.check is None:
         return
     while True:
-        await asyncio.sleep(2.0)
+        await asyncio.sleep(WATCH_INTERVAL_S)
         try:
             running.check()
         except FatalError as e:

@@ -7,7 +7,7 @@ import logging
 import os
 from pathlib import Path
 
-from hotloop import service
+from hotloop import metrics, service
 from hotloop.config import MeshConfig
 
 from .config import GatewayConfig
@@ -42,7 +42,7 @@ async def build(mesh: MeshConfig, cfg: GatewayConfig) -> service.Running:
                     cfg.health_interval_s, cfg.health_timeout_s, cfg.health_failures,
                     cfg.max_version_lag)
     core = GatewayCore(cfg, keys, router, BusEvents(bus, cfg.traffic_queue),
-                       cfg.served_model or mesh.model.name)
+                       cfg.served_model or mesh.model.name, registry=metrics.registry())
     await core.start()
     server, port, health = await serve(core, f"{cfg.host}:{cfg.port}")
     http = await serve_http(core, cfg.host, cfg.http_port)

@@ -13,10 +13,10 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from hotloop.bus import TRAFFIC_MAX_AGE_S
-from hotloop.config import Section
+from hotloop.config import ServiceSection
 
 
-class GatewayConfig(Section):
+class GatewayConfig(ServiceSection):
     host: str = "127.0.0.1"
     """Interface both servers listen on."""
     port: int = Field(0, ge=0, le=65535)

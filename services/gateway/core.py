@@ -11,6 +11,8 @@ Owns:
 - the traffic fork: each choice that finishes is queued for TRAFFIC without waiting;
 - readiness (`readiness()`): whether a request arriving now has a replica to go to, and why
   not; HTTP `/ready` and the Gateway service's gRPC health both report it;
+- its Prometheus metrics (`registry`): the counters of `Metrics` and the replica table, read
+  when scraped, and the time to a request's first token;
 - feedback: checked against the responses this gateway served (a bounded TTL map), else
   against TRAFFIC on the bus (so a restarted gateway still takes feedback on what it forked),
   then published to FEEDBACK and acknowledged only once JetStream stored it.
@@ -44,8 +46,10 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
 
 from opentelemetry import trace
+from prometheus_client import CollectorRegistry, Histogram
 
 from hotloop import telemetry
+from hotloop.metrics import LATENCY_BUCKETS, StateCollector, counter, gauge
 from hotloop.errors import (
     DeadlineExceeded,
     HotloopError,
@@ -89,6 +93,9 @@ class BadRequest(InvalidArgument):
 
 @dataclass
 class Metrics:
+    """What the gateway counts; `status()` reports it and `/metrics` exports it (as named in
+    `GatewayCore._metric_families`)."""
+
     requests: int = 0
     succeeded: int = 0
     unauthenticated: int = 0
@@ -159,7 +166,9 @@ class Readiness:
 
 class GatewayCore:
     def __init__(self, cfg: GatewayConfig, keys: KeyRing, router: Router, events: BusEvents,
-                 served_model: str):
+                 served_model: str, registry: CollectorRegistry | None = None):
+        """`registry`: where the metrics go (the process's, `hotloop.metrics.registry()`, in
+        a service; a private one by default)."""
         self.cfg = cfg
         self.keys = keys
         self.router = router
@@ -169,6 +178,13 @@ class GatewayCore:
         self.responses = ResponseIndex(cfg.response_ttl_s, cfg.max_remembered_responses)
         self._in_flight = 0
         self._tracer = telemetry.tracer("hotloop.gateway")
+        self.registry = registry if registry is not None else CollectorRegistry()
+        StateCollector(self._metric_families, self.registry)
+        self._first_token_s = Histogram(
+            "hotloop_gateway_time_to_first_token_seconds",
+            "Seconds from a generation request's arrival to the first message from a replica "
+            "(validation, routing, retries on another replica, the replica's queue and prefill).",
+            buckets=LATENCY_BUCKETS, registry=self.registry)
 
     async def start(self) -> None:
         await self.events.start()
@@ -248,6 +264,7 @@ class GatewayCore:
         errors of the replica and "no replica" arrive before anything is sent to the user).
         The caller must iterate the result to its end or `aclose()` it."""
         self.metrics.requests += 1
+        t0 = time.perf_counter()
         try:
             up = self._validate(req)
         except (InvalidArgument, NotFound):
@@ -288,6 +305,7 @@ class GatewayCore:
                 span.end()
                 raise
             else:
+                self._first_token_s.observe(time.perf_counter() - t0)
                 span.set_attribute("hotloop.replica", state.replica.address)
                 span.set_attribute("hotloop.policy_version", first.policy_version)
                 return Generation(self, req, up, rid, user, state, stream, first, deadline, span)
@@ -419,6 +437,80 @@ class GatewayCore:
                 for s in self.router.states
             ],
         }
+
+    def _metric_families(self):
+        """The gateway's state as Prometheus families, read when scraped (`hotloop.metrics`:
+        in the endpoint's thread, so only ints, `len` and copied lists are read)."""
+        m, t = self.metrics, self.events.counters
+        yield counter("hotloop_gateway_requests_total",
+                      "Generation requests received (HTTP and gRPC).", m.requests)
+        yield counter("hotloop_gateway_requests_succeeded_total",
+                      "Generation requests whose every choice finished.", m.succeeded)
+        yield counter(
+            "hotloop_gateway_request_errors_total",
+            "Requests refused or failed, by gRPC status code: invalid_argument (the gateway's or "
+            "the replica's validation), unavailable (no replica may serve, or it failed), "
+            "deadline_exceeded, cancelled (the client went away), unauthenticated (any call "
+            "with a missing or wrong key, feedback and status included).",
+            labels=["code"], samples=[
+                (["invalid_argument"], m.invalid), (["unavailable"], m.unavailable),
+                (["deadline_exceeded"], m.deadline_exceeded), (["cancelled"], m.cancelled),
+                (["unauthenticated"], m.unauthenticated)])
+        yield counter("hotloop_gateway_reroutes_total",
+                      "Requests a replica failed before their first token, sent to another.",
+                      m.rerouted)
+        yield counter("hotloop_gateway_completion_tokens_total", "Tokens generated for users.",
+                      m.completion_tokens)
+        yield counter("hotloop_gateway_feedback_total", "Feedback submitted, by outcome.",
+                      labels=["outcome"], samples=[
+                          (["accepted"], m.feedback_accepted), (["duplicate"], m.feedback_duplicate),
+                          (["rejected"], m.feedback_rejected)])
+        yield counter("hotloop_gateway_traffic_forked_total",
+                      "Finished choices queued for the TRAFFIC stream.", t.forked)
+        yield counter("hotloop_gateway_traffic_published_total",
+                      "Finished choices stored in the TRAFFIC stream.", t.published)
+        yield counter("hotloop_gateway_traffic_dropped_total",
+                      "Finished choices dropped because the traffic queue was full (feedback on "
+                      "them cannot be learned from).", t.dropped)
+        yield counter("hotloop_gateway_traffic_publish_errors_total",
+                      "Finished choices the bus did not store within its outage bound.",
+                      t.publish_errors)
+        yield gauge("hotloop_gateway_requests_in_flight", "Generation requests being answered.",
+                    self._in_flight)
+        yield gauge("hotloop_gateway_traffic_queued", "Finished choices waiting to be published.",
+                    self.events.queued)
+        yield gauge("hotloop_gateway_remembered_responses",
+                    "Served responses held in memory for feedback.", len(self.responses))
+        yield gauge("hotloop_gateway_ready",
+                    "1 when a request arriving now has a replica that may serve it (as /ready).",
+                    int(bool(self.router.servable())))
+        yield gauge("hotloop_gateway_newest_version",
+                    "The newest policy version any replica serves or knows announced.",
+                    self.router.newest)
+        states = self.router.states
+
+        def per_replica(family, name: str, doc: str, value) -> object:
+            return family(name, doc, labels=["address"],
+                          samples=[([s.replica.address], value(s)) for s in states])
+
+        yield per_replica(gauge, "hotloop_gateway_replica_healthy",
+                          "1 while the replica answers its health polls and requests.",
+                          lambda s: int(s.healthy))
+        yield per_replica(gauge, "hotloop_gateway_replica_may_serve",
+                          "1 while the replica gets users: healthy and within max_version_lag.",
+                          lambda s: int(self.router.may_serve(s)))
+        yield per_replica(gauge, "hotloop_gateway_replica_version",
+                          "The policy version the replica served at its last poll.",
+                          lambda s: s.version)
+        yield per_replica(gauge, "hotloop_gateway_replica_version_lag",
+                          "Versions the replica is behind the newest version seen.",
+                          self.router.lag)
+        yield per_replica(gauge, "hotloop_gateway_replica_requests_in_flight",
+                          "This gateway's requests on the replica now.", lambda s: s.in_flight)
+        yield per_replica(counter, "hotloop_gateway_replica_requests_served_total",
+                          "Requests the replica answered to their end.", lambda s: s.served)
+        yield per_replica(counter, "hotloop_gateway_replica_failures_total",
+                          "Requests the replica failed.", lambda s: s.failures)
 
     def servable_replicas(self) -> list[str]:
         """Addresses of the replicas a user request may go to now (healthy, and within

@@ -26,7 +26,8 @@ from typing import Any, Literal
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client.exposition import choose_encoder
 from pydantic import BaseModel, ConfigDict
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -419,19 +420,6 @@ async def _respond(g: Generation, api: _Api, stream: bool, include_usage: bool):
     return await _whole(g, api)
 
 
-def _prometheus(status: dict) -> str:
-    lines = []
-    for name, value in status["counters"].items():
-        lines += [f"# TYPE hotloop_gateway_{name}_total counter", f"hotloop_gateway_{name}_total {value}"]
-    lines += ["# TYPE hotloop_gateway_in_flight gauge", f"hotloop_gateway_in_flight {status['in_flight']}",
-              "# TYPE hotloop_gateway_traffic_queued gauge",
-              f"hotloop_gateway_traffic_queued {status['traffic_queued']}",
-              "# TYPE hotloop_gateway_replica_healthy gauge"]
-    for r in status["replicas"]:
-        lines.append(f'hotloop_gateway_replica_healthy{{address="{r["address"]}"}} {int(r["healthy"])}')
-    return "\n".join(lines) + "\n"
-
-
 # ---- the app ---------------------------------------------------------------------------
 def build_app(core: GatewayCore) -> FastAPI:
     app = FastAPI(title="hotloop gateway", docs_url=None, redoc_url=None, openapi_url=None)
@@ -469,9 +457,12 @@ def build_app(core: GatewayCore) -> FastAPI:
         return JSONResponse({"status": "ready" if r.ready else "not_ready", "reason": r.reason},
                             status_code=200 if r.ready else 503)
 
-    @app.get("/metrics", response_class=PlainTextResponse)
-    async def metrics():
-        return _prometheus(core.status())
+    @app.get("/metrics")
+    async def metrics(request: Request):
+        # the registry the process's metrics endpoint serves (hotloop.service), also here so
+        # a scraper that reaches only the HTTP port sees the same numbers
+        encode, content_type = choose_encoder(request.headers.get("accept"))
+        return Response(encode(core.registry), media_type=content_type)
 
     @app.get("/v1/hotloop/status")
     async def status(key: str = Depends(user)):

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from hotloop import service
-from hotloop.config import MeshConfig
+from hotloop import metrics, service
+from hotloop.config import MeshConfig, ServiceSection
 
 from .config import ReferenceConfig
 
 
-class ReferenceServiceConfig(ReferenceConfig):
+class ReferenceServiceConfig(ReferenceConfig, ServiceSection):
     """The `[reference]` section: the core's settings plus the listen address."""
 
     host: str = "127.0.0.1"
@@ -39,7 +39,8 @@ async def build(mesh: MeshConfig, cfg: ReferenceServiceConfig) -> service.Runnin
             f"{mesh.model.name!r}: the reference must be the trainer's base model"
         )
     cfg = cfg.model_copy(update={"model": mesh.model.name})
-    core = ReferenceCore(cfg, model_dir=models.resolve(mesh.model.name))
+    core = ReferenceCore(cfg, model_dir=models.resolve(mesh.model.name),
+                         registry=metrics.registry())
     server, port, health = await serve(core, f"{cfg.host}:{cfg.port}")
     return service.Running(server, port, health)
 

@@ -4,7 +4,8 @@ Owns: the request/result dataclasses, the backend interface and the one factory 
 backend, the torch backend (HF model, no adapter, eval, inference mode, the shared
 completion-only chunked computation from `hotloop.logprobs`, micro-batched by a padded-token
 budget), and the async path for a bidirectional stream: take whatever requests are waiting,
-up to the token budget, score them off the event loop, yield results in arrival order.
+up to the token budget, score them off the event loop, yield results in arrival order; and the
+service's Prometheus metrics (requests, tokens scored, batch seconds).
 
 Does not own: gRPC (server.py converts protos; `InvalidRequest`, a `hotloop.errors`
 InvalidArgument, becomes INVALID_ARGUMENT there), the trainer's policy, or deciding which model
@@ -23,11 +24,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import time
+
 import torch
+from prometheus_client import CollectorRegistry, Counter, Histogram
 from transformers import AutoModelForCausalLM
 
 from hotloop.errors import InvalidArgument
 from hotloop.logprobs import can_share_prompts, score_pairs
+from hotloop.metrics import LATENCY_BUCKETS
 from hotloop.models import resolve
 from services.reference.config import ReferenceConfig
 
@@ -144,6 +149,24 @@ def make_backend(cfg: ReferenceConfig, model_dir: Path | None = None) -> Referen
 _END = object()
 
 
+class ReferenceMetrics:
+    """The reference service's Prometheus metrics, on `registry` (a private one by default).
+    Updated once per batch, outside the forward pass."""
+
+    def __init__(self, registry: CollectorRegistry | None = None):
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self.requests = Counter(
+            "hotloop_reference_requests", "Requests, by result: scored, or refused (every "
+            "request of a batch that held one the model cannot score: it fails as a whole).",
+            ["result"], registry=self.registry)
+        self.tokens = Counter(
+            "hotloop_reference_tokens", "Tokens of scored requests, by kind (prompt, completion; "
+            "a completion token gets a logprob).", ["kind"], registry=self.registry)
+        self.batch_seconds = Histogram(
+            "hotloop_reference_batch_seconds", "Seconds the model took for one batch.",
+            buckets=LATENCY_BUCKETS, registry=self.registry)
+
+
 class ReferenceCore:
     """Frozen base-model logprobs, as plain calls (tests, colocated) or a request stream."""
 
@@ -152,7 +175,9 @@ class ReferenceCore:
         cfg: ReferenceConfig,
         backend: ReferenceBackend | None = None,
         model_dir: Path | None = None,
+        registry: CollectorRegistry | None = None,
     ) -> None:
+        """`registry`: where the metrics go (the process's in a service)."""
         from hotloop.hardware import describe, resolve_device, resolve_dtype
 
         # `auto` becomes a concrete device and dtype once, here, so the backend, Status and
@@ -162,15 +187,19 @@ class ReferenceCore:
         log.info(describe("reference", cfg.dtype, dtype) + f"; device {device}")
         self.cfg = cfg = cfg.model_copy(update={"dtype": dtype, "device": device})
         self.backend = backend if backend is not None else make_backend(cfg, model_dir)
+        self.metrics = ReferenceMetrics(registry)
 
     def logprobs(self, requests: Sequence[LogprobsRequest]) -> list[LogprobsResult]:
         """Score requests; results come back in request order. A request the backend cannot
         score fails the call with `InvalidRequest` naming that request's id."""
         if not requests:
             return []
+        m = self.metrics
+        t0 = time.perf_counter()
         try:
             rows = self.backend.score([(r.prompt_ids, r.completion_ids) for r in requests])
         except ValueError as e:
+            m.requests.labels("refused").inc(len(requests))
             # The backend contract: ValueError means "this input cannot be scored". Name the
             # request by its id, which a caller on a stream can match; a batch index is internal.
             index = getattr(e, "index", None)
@@ -180,6 +209,10 @@ class ReferenceCore:
                 who = f"a batch of {len(requests)} request(s)"
             reason = e.args[0] if e.args else str(e)
             raise InvalidRequest(f"{who}: {reason}", index) from e
+        m.batch_seconds.observe(time.perf_counter() - t0)
+        m.requests.labels("scored").inc(len(requests))
+        m.tokens.labels("prompt").inc(sum(len(r.prompt_ids) for r in requests))
+        m.tokens.labels("completion").inc(sum(len(r.completion_ids) for r in requests))
         return [LogprobsResult(id=r.id, logprobs=row) for r, row in zip(requests, rows)]
 
     async def stream(

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from hotloop import service
+from hotloop import metrics, service
 from hotloop.config import MeshConfig
 
 from .config import RewardConfig
@@ -14,7 +14,7 @@ async def build(mesh: MeshConfig, cfg: RewardConfig) -> service.Running:
 
     # Detects the sandbox isolation (and starts Ray for the ray backend); a host that cannot
     # give the configured isolation stops the service here with IsolationUnavailable.
-    core = RewardCore.from_config(cfg)
+    core = RewardCore.from_config(cfg, metrics.registry())
     server, port, health = await serve(core, f"{cfg.host}:{cfg.port}")
     return service.Running(server, port, health, [core.close])
 

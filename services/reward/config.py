@@ -14,7 +14,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from hotloop.config import Section
+from hotloop.config import ServiceSection
 
 IsolationLevel = Literal["process", "namespaces", "full"]
 ISOLATION_ORDER: tuple[IsolationLevel, ...] = ("process", "namespaces", "full")
@@ -183,7 +183,7 @@ def _default_rules() -> dict[str, RegexRule]:
     return {"format": RegexRule(pattern=r"```(?:python|py|python3)[ \t]*\n.*?```")}
 
 
-class RewardConfig(Section):
+class RewardConfig(ServiceSection):
     host: str = "127.0.0.1"
     """Interface to listen on."""
     port: int = Field(0, ge=0, le=65535)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-from hotloop import models, service
+from hotloop import metrics, models, service
 from hotloop.config import MeshConfig
 
 from .config import RolloutConfig
@@ -52,7 +52,7 @@ async def build(mesh: MeshConfig, cfg: RolloutConfig) -> service.Running:
         cfg, model_dir, base_model=mesh.model.name, dtype=mesh.model.dtype,
         max_model_len=mesh.model.max_model_len,
         storage_dir=storage or Path(mesh.run_dir) / f"rollout-{cfg.port or 'auto'}" / "adapters",
-        on_loaded=announce,
+        on_loaded=announce, registry=metrics.registry(),
     )
     await core.start()
 
@@ -61,6 +61,7 @@ async def build(mesh: MeshConfig, cfg: RolloutConfig) -> service.Running:
     if bus is not None:
         catchup = CatchUp(core, bus_latest(bus), fetch, mesh.endpoints.trainer,
                           poll_s=cfg.catchup_poll_s, retry_max_s=cfg.catchup_retry_max_s)
+        metrics.StateCollector(catchup.metric_families, metrics.registry())
         await listen(catchup, bus)
         await catchup.start(cfg.catchup_timeout_s)
 

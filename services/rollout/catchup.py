@@ -9,7 +9,8 @@ version that went live on at least one replica (KV "latest", then `WeightsUpdate
 Owns: the newest version this replica knows the mesh announced (`known_latest`), one attempt
 to reach it (`sync`: read the KV; if it is ahead of the replica, fetch the archive from a
 trainer, check that it is the announced one, and load it through the core), the bounded wait at
-start-up (`start`) and the background loop afterwards (`follow`).
+start-up (`start`), the background loop afterwards (`follow`), and its metrics
+(`metric_families`: the announced version, whether the replica is behind, attempts by result).
 
 When it looks: at start-up before the replica serves; on each `WeightsUpdated` (it subscribes:
 reacting at once, and the announcement names a trainer); each time the bus connection comes
@@ -36,6 +37,7 @@ from typing import Protocol
 
 from hotloop.adapters import Version, version_from_proto
 from hotloop.errors import FailedPrecondition, HotloopError, Unavailable
+from hotloop.metrics import counter, gauge
 
 log = logging.getLogger(__name__)
 
@@ -124,6 +126,8 @@ class CatchUp:
         self._wake = asyncio.Event()
         self.error = ""
         """Why the last attempt did not reach `known_latest`; empty when current."""
+        self.loaded = 0  # versions it loaded
+        self.failed = 0  # attempts to fetch and load that failed (each source tried counts)
 
     # ---- what is known -----------------------------------------------------------------
     @property
@@ -191,10 +195,13 @@ class CatchUp:
                 if self.replica.latest >= target.version:  # a push got there first
                     self.error = ""
                     return True
+                self.failed += 1
                 errors.append(f"{address}: {e}")
             except HotloopError as e:  # unreachable, not in its store, or refused by the core
+                self.failed += 1
                 errors.append(f"{address}: {e}")
             else:
+                self.loaded += 1
                 self.error = ""
                 return True
         self.error = "; ".join(errors)
@@ -214,6 +221,18 @@ class CatchUp:
             await chunks.aclose()
         log.info("caught up to v%d (sha %s) from the trainer at %s",
                  target.version, target.sha256[:12], address)
+
+    def metric_families(self):
+        """Prometheus families read when scraped (`hotloop.metrics.StateCollector`)."""
+        yield gauge("hotloop_rollout_known_latest_version",
+                    "The newest version this replica knows the mesh announced.", self.known_latest)
+        yield gauge("hotloop_rollout_behind",
+                    "1 while the replica serves an older version than was announced.",
+                    int(self.behind))
+        yield counter("hotloop_rollout_catchup_fetches_total",
+                      "Versions catch-up fetched from a trainer, by result (loaded, failed).",
+                      labels=["result"], samples=[(["loaded"], self.loaded),
+                                                  (["failed"], self.failed)])
 
     # ---- when to look ------------------------------------------------------------------
     async def start(self, timeout_s: float) -> bool:

@@ -6,10 +6,10 @@ from typing import Literal
 
 from pydantic import Field
 
-from hotloop.config import Section
+from hotloop.config import ServiceSection
 
 
-class RolloutConfig(Section):
+class RolloutConfig(ServiceSection):
     host: str = "127.0.0.1"
     """Interface to listen on."""
     port: int = Field(0, ge=0, le=65535)

@@ -32,7 +32,12 @@ Two ways to make a version live, chosen once by `make_updater` (the only branch 
 - `LoraUpdater`: each version is a vLLM LoRA slot. Any held version can be pinned per request
   and a swap needs no drain, but on the CPU backend generation is several times slower.
 
-Does not own: gRPC (server.py), the bus (an `on_loaded` callback announces versions).
+Also owns the rollout's Prometheus metrics (`RolloutMetrics`): requests and generated tokens,
+pushes and swaps by result with their seconds, and the state read when scraped (the served
+version, versions held, requests running, users waiting for a first token).
+
+Does not own: gRPC (server.py), the bus (an `on_loaded` callback announces versions), catching
+up (catchup.py, which reports its own state).
 """
 
 from __future__ import annotations
@@ -49,9 +54,12 @@ from contextlib import aclosing, asynccontextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
 from hotloop import adapters
 from hotloop.adapters import Version
 from hotloop.errors import FailedPrecondition, FatalError, InvalidArgument, NotFound
+from hotloop.metrics import LATENCY_BUCKETS, StateCollector, gauge, info
 
 from .config import RolloutConfig
 
@@ -363,6 +371,44 @@ class UserLoad:
             self._watchers.discard(ev)
 
 
+class RolloutMetrics:
+    """What the rollout counts as it happens; `RolloutCore` adds what it reads when scraped."""
+
+    def __init__(self, registry: CollectorRegistry):
+        self.requests = Counter(
+            "hotloop_rollout_requests", "Generate calls admitted (past validation).",
+            registry=registry)
+        self.tokens = Counter(
+            "hotloop_rollout_generated_tokens", "Tokens sampled and sent to callers.",
+            registry=registry)
+        self.pushes = Counter(
+            "hotloop_rollout_pushes", "Versions pushed or fetched by catch-up, by result: "
+            "loaded, already_present (the same content again), invalid_argument (size, sha256, "
+            "shapes, rank or values), failed_precondition (another base model, older than the "
+            "latest, a drain that timed out), cancelled (the pusher went away), error.",
+            ["result"], registry=registry)
+        self.push_seconds = Histogram(
+            "hotloop_rollout_push_seconds", "Seconds from a loaded push's header to its version "
+            "serving (receive, verify, load, swap).", buckets=LATENCY_BUCKETS, registry=registry)
+        self.swaps = Counter(
+            "hotloop_rollout_swaps", "Versions made live, by how (inflight, drain; slot in lora "
+            "mode) and result (ok, failed).", ["swap", "result"], registry=registry)
+        self.swap_seconds = Histogram(
+            "hotloop_rollout_swap_seconds", "Seconds admission was closed to make a version live "
+            "(inflight: pause, swap, resume; drain: the drain too; slot: loading the slot).",
+            ["swap"], buckets=LATENCY_BUCKETS, registry=registry)
+
+
+def _push_result(e: BaseException) -> str:
+    if isinstance(e, InvalidArgument):
+        return "invalid_argument"
+    if isinstance(e, FailedPrecondition):
+        return "failed_precondition"
+    if isinstance(e, asyncio.CancelledError):
+        return "cancelled"
+    return "error"
+
+
 @dataclass
 class _Held:
     version: Version
@@ -380,7 +426,10 @@ class RolloutCore:
         max_model_len: int = 2048,
         storage_dir: Path | None = None,
         on_loaded: Callable[[Version, float], Awaitable[None]] | None = None,
+        registry: CollectorRegistry | None = None,
     ):
+        """`registry`: where the metrics go (the process's in a service; a private one by
+        default)."""
         self.cfg = cfg
         self.model_dir = Path(model_dir)
         self.base_model = base_model
@@ -407,6 +456,9 @@ class RolloutCore:
         self.honor_seeds = True
         self._warned_priority = False
         self.users = UserLoad()  # priority-0 (users') Generate calls: in flight, waiting
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self.metrics = RolloutMetrics(self.registry)
+        StateCollector(self._metric_families, self.registry)
 
     # ---- lifecycle ------------------------------------------------------------------
     async def start(self) -> None:
@@ -501,6 +553,24 @@ class RolloutCore:
 
     def running(self) -> int:
         return sum(h.in_flight for h in self._held.values())
+
+    def _metric_families(self):
+        """Read when scraped, in the endpoint's thread: a copy of the table, never the dict."""
+        held = list(self._held.values())
+        yield gauge("hotloop_rollout_version", "The version new requests are admitted on.",
+                    self._latest)
+        yield gauge("hotloop_rollout_versions_held", "Versions held (the base model included).",
+                    len(held))
+        yield gauge("hotloop_rollout_requests_running", "Generate calls admitted and not finished.",
+                    sum(h.in_flight for h in held))
+        yield gauge("hotloop_rollout_user_requests_running",
+                    "Priority-0 (users') Generate calls in flight.", self.users.foreground)
+        yield gauge("hotloop_rollout_user_requests_waiting",
+                    "Priority-0 (users') Generate calls still waiting for their first token.",
+                    self.users.waiting)
+        yield info("hotloop_rollout_engine", "How this replica serves versions.", {
+            "update_mode": self.mode, "swap": self.swap or "slot", "engine": self.engine_name,
+            "dtype": self.dtype})
 
     # ---- admission and the version rule -----------------------------------------------
     @asynccontextmanager
@@ -606,6 +676,7 @@ class RolloutCore:
                 self._warned_priority = True
             priority = 0
         kind = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
+        self.metrics.requests.inc()
         foreground, first = req.priority == 0, False
         if foreground:
             self.users.begin()
@@ -671,6 +742,7 @@ class RolloutCore:
                         sent[key] = sent.get(key, 0) + len(c.token_ids)
                         spans = self._spans(version, out.request_id, c, sent[key])
                         top, texts = _top_logprobs(c, s.top_logprobs)
+                        self.metrics.tokens.inc(len(c.token_ids))  # deltas, or the whole once
                         yield CompletionOut(
                             prompt_index=i,
                             sample_index=c.index,
@@ -722,6 +794,20 @@ class RolloutCore:
     ) -> PushResult:
         """Receive, verify and load a version; make it latest. On any failure the replica
         keeps serving what it served and holds nothing of the failed push."""
+        t0 = time.perf_counter()
+        try:
+            result = await self._push(info, chunks, make_latest)
+        except BaseException as e:
+            self.metrics.pushes.labels(_push_result(e)).inc()
+            raise
+        if result.already_present:
+            self.metrics.pushes.labels("already_present").inc()
+        else:
+            self.metrics.pushes.labels("loaded").inc()
+            self.metrics.push_seconds.observe(time.perf_counter() - t0)
+        return result
+
+    async def _push(self, info: Version, chunks: AsyncIterator[bytes], make_latest: bool) -> PushResult:
         t0 = time.perf_counter()
         if info.version <= 0:
             raise InvalidArgument("version must be a positive integer")
@@ -792,6 +878,17 @@ class RolloutCore:
         return result
 
     async def _make_live(self, version: int) -> None:
+        how = self.swap or "slot"
+        t0 = time.perf_counter()
+        try:
+            await self._go_live(version)
+        except BaseException:
+            self.metrics.swaps.labels(how, "failed").inc()
+            raise
+        self.metrics.swaps.labels(how, "ok").inc()
+        self.metrics.swap_seconds.labels(how).observe(time.perf_counter() - t0)
+
+    async def _go_live(self, version: int) -> None:
         if self.swap == "inflight":
             await self._swap_inflight(version)
             return

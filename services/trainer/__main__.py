@@ -17,14 +17,14 @@ import logging
 from pydantic import Field
 
 from hotloop import config as hconfig
-from hotloop import service
-from hotloop.config import MeshConfig, Section
+from hotloop import metrics, service
+from hotloop.config import MeshConfig, ServiceSection
 
 log = logging.getLogger("trainer")
 STOP_TIMEOUT_S = 10.0  # per stage of a stop: the loop's cancellation, then closing connections
 
 
-class TrainerServerConfig(Section):
+class TrainerServerConfig(ServiceSection):
     """The `[trainer_server]` section: where the online trainer's Status/FetchAdapter listen."""
 
     host: str = "127.0.0.1"
@@ -51,7 +51,8 @@ async def build(mesh: MeshConfig, cfg: TrainerServerConfig) -> service.Running:
     pin_configured(trainer_cfg.cpus, "trainer")
     edge, omesh, run_dir = await open_online(mesh, job, trainer_cfg, f"{cfg.host}:{cfg.port}")
     loop = asyncio.create_task(online.run(job, trainer_cfg, models.resolve(mesh.model.name), omesh,
-                                          run_dir, on_step=online_status(edge.state)))
+                                          run_dir, on_step=online_status(edge.state),
+                                          metrics=online.OnlineMetrics(metrics.registry())))
 
     def check() -> None:
         if loop.done() and not loop.cancelled() and loop.exception() is not None:

@@ -43,6 +43,10 @@ it is announced, the replicas that were away catch up from the store (`publish_t
 one replica's restart does not stop training. A non-finite loss publishes nothing and
 dead-letters its batch, since retraining it would fail the same way.
 
+Metrics: `OnlineMetrics` holds the loop's `Counters` (read into Prometheus when scraped, as
+they are written to metrics.jsonl) and observes each update's seconds, per stage and whole, and
+each trained feedback's loop: from its arrival at the gateway to its version serving.
+
 Does not own: the services it talks to, the policy's update math (policy.py, algorithms.py),
 or the process around it (job.py, __main__.py).
 """
@@ -62,12 +66,16 @@ from pathlib import Path
 from typing import Any
 
 from opentelemetry import trace
+from prometheus_client import CollectorRegistry
+from prometheus_client import Counter as PromCounter
+from prometheus_client import Histogram
 
 from hotloop import telemetry
 from hotloop.aio import raise_if_cancelled
 from hotloop.bus import FEEDBACK, Bus, BusError, PullConsumer, Received
 from hotloop.clients import ReferenceClient, RolloutClient
 from hotloop.errors import Unavailable
+from hotloop.metrics import STEP_BUCKETS, StateCollector, counter, gauge
 from hotloop.proto.v1 import bus_pb2, common_pb2
 
 from .config import OnlineConfig, TrainerConfig
@@ -109,6 +117,78 @@ class Counters:
 
     def count(self, table: dict[str, int], key: str) -> None:
         table[key] = table.get(key, 0) + 1
+
+
+DROP_REASONS = ("stale_version", "stale_age")  # acked unused
+DEAD_REASONS = ("malformed", "missing_traffic", "bad_traffic", "not_finite")  # dead-lettered
+
+
+class OnlineMetrics:
+    """The online trainer's Prometheus metrics, on `registry` (a private one by default).
+
+    `counters` is the loop's own count (`run` uses this object's), read when scraped; steps,
+    stage seconds, published versions and the loop latency are observed as they happen, once
+    per update or per trained feedback, never inside the training step."""
+
+    def __init__(self, registry: CollectorRegistry | None = None):
+        self.registry = reg = registry if registry is not None else CollectorRegistry()
+        self.counters = Counters()
+        self.version = 0  # the last version published
+        self.queue: asyncio.Queue | None = None  # set by `run`: fetched, not yet in a batch
+        self.held: dict | None = None  # set by `run`: fetched, not yet acked
+        self.steps = PromCounter(
+            "hotloop_trainer_steps", "Updates of the online loop, by result: published, or "
+            "skipped (a non-finite loss or gradient: nothing published, the batch dead-lettered).",
+            ["result"], registry=reg)
+        self.step_seconds = Histogram(
+            "hotloop_trainer_step_seconds", "Seconds of one update, from its first feedback "
+            "taken off the queue (the batch window included) to its checkpoint.",
+            buckets=STEP_BUCKETS, registry=reg)
+        self.stage_seconds = Histogram(
+            "hotloop_trainer_stage_seconds", "Seconds of each stage of an update: consume, "
+            "join, reference, train, pack, publish, commit.", ["stage"],
+            buckets=STEP_BUCKETS, registry=reg)
+        self.loop_seconds = Histogram(
+            "hotloop_trainer_loop_seconds", "Seconds from a trained feedback's arrival at the "
+            "gateway to the version trained on it serving on the replicas (the gateway's clock "
+            "against the trainer's).", buckets=STEP_BUCKETS, registry=reg)
+        self.published = PromCounter(
+            "hotloop_trainer_versions_published", "Versions the loop published (at start, the "
+            "restored or initial policy above the mesh's latest, too).", registry=reg)
+        StateCollector(self._metric_families, reg)
+
+    def _metric_families(self):
+        """Read when scraped, in the endpoint's thread: ints, `len`, and copies of the dicts."""
+        c = self.counters
+        yield gauge("hotloop_trainer_version", "The last version this trainer published.",
+                    self.version)
+        yield counter("hotloop_trainer_feedback_received_total",
+                      "Feedback fetched from the FEEDBACK stream (a redelivery counts once).",
+                      c.received)
+        yield counter("hotloop_trainer_feedback_trained_total",
+                      "Feedback trained into a published version.", c.trained)
+        yield counter("hotloop_trainer_feedback_already_trained_total",
+                      "Feedback redelivered after a restart that the checkpoint had trained: "
+                      "acked without training.", c.already_trained)
+        yield counter("hotloop_trainer_feedback_redelivered_total",
+                      "Feedback redelivered while still held (ack_wait shorter than a step).",
+                      c.redelivered)
+        yield counter("hotloop_trainer_feedback_dropped_total",
+                      "Feedback acked without training, by reason (too stale to train on).",
+                      labels=["reason"],
+                      samples=[([r], n) for r, n in {**dict.fromkeys(DROP_REASONS, 0),
+                                                     **dict(c.dropped)}.items()])
+        yield counter("hotloop_trainer_feedback_dead_lettered_total",
+                      "Feedback that can never train, sent to the dead-letter subject, by reason.",
+                      labels=["reason"],
+                      samples=[([r], n) for r, n in {**dict.fromkeys(DEAD_REASONS, 0),
+                                                     **dict(c.dead_lettered)}.items()])
+        yield counter("hotloop_trainer_intake_queue_full_total",
+                      "Times the intake found its queue full and stopped fetching.", c.queue_full)
+        yield gauge("hotloop_trainer_feedback_queued", "Feedback fetched, waiting for a batch.",
+                    self.queue.qsize() if self.queue is not None else 0)
+        yield gauge("hotloop_trainer_feedback_held", "Feedback fetched and not yet acked.",
+                    len(self.held) if self.held is not None else 0)
 
 
 @dataclass
@@ -266,9 +346,10 @@ async def mesh_latest(mesh: OnlineMesh) -> int:
 
 
 async def run(job: OnlineConfig, trainer_cfg: TrainerConfig, model_dir: Path, mesh: OnlineMesh,
-              run_dir: Path, on_step=None, policy=None) -> dict:
+              run_dir: Path, on_step=None, policy=None, metrics: OnlineMetrics | None = None) -> dict:
     """Train from feedback until `job.max_steps` updates (0: until cancelled); returns a summary
     (counters, last version). `policy`: an already built `LoraPolicy` (tests), else built here.
+    `metrics`: where the loop counts (the service's registry), else a private one.
     """
     import torch
 
@@ -288,7 +369,8 @@ async def run(job: OnlineConfig, trainer_cfg: TrainerConfig, model_dir: Path, me
         policy = LoraPolicy(trainer_cfg, model_dir)
     policy.algorithm = make_online_algorithm(policy.cfg, is_cap=job.is_cap)
     baseline = EmaBaseline(job.baseline_ema)
-    counters = Counters()
+    metrics = metrics if metrics is not None else OnlineMetrics()
+    counters = metrics.counters
     trained: set[int] = set()  # stream sequences trained into the checkpointed policy
     version = 0
     ckpt_root = run_dir / "checkpoints"
@@ -303,6 +385,7 @@ async def run(job: OnlineConfig, trainer_cfg: TrainerConfig, model_dir: Path, me
         # run): publish this policy above them, so serving and staleness refer to it.
         version = seen + 1
         await publish(policy, mesh, run_dir, version)
+        metrics.published.inc()
         log.info("published the %s policy as version %d", "restored" if ckpt else "initial", version)
     elif version:
         # Replicas that restarted while no trainer was up serve older weights and may know no
@@ -316,6 +399,7 @@ async def run(job: OnlineConfig, trainer_cfg: TrainerConfig, model_dir: Path, me
         ack_wait_s=job.ack_wait_s, max_ack_pending=job.max_queue + in_flight)
     queue: asyncio.Queue[Pending] = asyncio.Queue(maxsize=job.max_queue)
     held: dict[int, Pending] = {}
+    metrics.version, metrics.queue, metrics.held = version, queue, held
     intaker = Intake(consumer, queue, held, trained, counters, job.batch_size)
     intake = asyncio.create_task(intaker.run(), name="intake")
     metrics_file = open(run_dir / "metrics.jsonl", "a")
@@ -366,6 +450,7 @@ async def run(job: OnlineConfig, trainer_cfg: TrainerConfig, model_dir: Path, me
             raise_if_cancelled()
             first = await _take(queue, intake, None)  # idle until feedback arrives: not a stage
             secs: dict[str, float] = {}
+            t_step = time.perf_counter()
             parent = telemetry.extract_context(first.msg.headers)
             with _tracer.start_as_current_span("online.step", context=parent) as root:
                 t = time.perf_counter()
@@ -444,6 +529,7 @@ async def run(job: OnlineConfig, trainer_cfg: TrainerConfig, model_dir: Path, me
                     log.warning("update skipped (%s): its %d feedback are dead-lettered", m.skip_reason, len(rows))
                     for p, _, _ in rows:
                         await settle(p, "not_finite", f"training skipped: {m.skip_reason}", dead=True)
+                    metrics.steps.labels("skipped").inc()
                     continue
 
                 version += 1
@@ -453,8 +539,14 @@ async def run(job: OnlineConfig, trainer_cfg: TrainerConfig, model_dir: Path, me
                 secs["pack"] = time.perf_counter() - t
                 t = time.perf_counter()
                 await publish_tolerant(mesh, version, adapter)  # opens the "publish" span
+                served_at = time.time()  # the version serves on the replicas that took it
                 shutil.rmtree(adapter)  # the publisher's store keeps the archive
                 secs["publish"] = time.perf_counter() - t
+                metrics.version = version
+                metrics.published.inc()
+                for _, fb, _ in rows:
+                    if fb.received_at > 0:  # 0: a gateway that did not say
+                        metrics.loop_seconds.observe(max(0.0, served_at - fb.received_at))
 
                 for p, _, _ in rows:
                     trained.add(p.seq)
@@ -465,6 +557,10 @@ async def run(job: OnlineConfig, trainer_cfg: TrainerConfig, model_dir: Path, me
                 if updates % job.checkpoint_interval == 0:
                     await commit()
                 secs["commit"] = time.perf_counter() - t
+                metrics.steps.labels("published").inc()
+                metrics.step_seconds.observe(time.perf_counter() - t_step)
+                for stage, seconds in secs.items():
+                    metrics.stage_seconds.labels(stage).observe(seconds)
 
             rec = OnlineStepRecord(
                 step=policy.step, version=version, feedback=len(rows), seqs=[p.seq for p, _, _ in rows],

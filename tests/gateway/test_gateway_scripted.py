@@ -16,6 +16,7 @@ import pytest_asyncio
 
 from hotloop import bus as hbus
 from hotloop.proto.v1 import bus_pb2, common_pb2, gateway_pb2
+from tests.scrape import parse
 
 from .conftest import ANON_KEY, KEY, OTHER_KEY, start_gateway
 from .fake_rollout import PROMPT_IDS, WORDS, start_fake
@@ -332,7 +333,8 @@ async def test_status_and_metrics(rig):
         m = (await http.get(f"http://127.0.0.1:{gw.http.port}/metrics")).text
     assert s["replicas"][0]["healthy"] and s["counters"]["traffic_published"] > 0
     assert s["counters"]["unauthenticated"] > 0
-    assert "hotloop_gateway_traffic_dropped_total 0" in m
+    assert parse(m).value("hotloop_gateway_traffic_dropped_total") == 0
+    assert parse(m).value("hotloop_gateway_request_errors_total", code="unauthenticated") > 0
     assert KEY not in json.dumps(s) + m
 
 

@@ -128,6 +128,35 @@ async def test_a_bad_request_mid_stream_ends_that_stream_after_earlier_results(c
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "late-bad" in e.value.details()
 
 
+async def test_metrics_count_requests_tokens_and_batches(core, stub) -> None:
+    from hotloop import metrics
+    from tests.scrape import scrape
+
+    endpoint = metrics.serve(core.metrics.registry)
+    try:
+        before = await scrape(endpoint.port)
+        reqs = requests(12)
+        await call(stub, reqs)
+        with pytest.raises(grpc.aio.AioRpcError):
+            await call(stub, [LogprobsRequest("bad", [], [1])])
+        after = await scrape(endpoint.port)
+    finally:
+        endpoint.close()
+
+    def delta(sample: str, **labels) -> float:
+        return after.value(sample, **labels) - before.value(sample, **labels)
+
+    assert delta("hotloop_reference_requests_total", result="scored") == 12
+    assert delta("hotloop_reference_requests_total", result="refused") == 1
+    assert delta("hotloop_reference_tokens_total", kind="prompt") == sum(len(r.prompt_ids) for r in reqs)
+    assert delta("hotloop_reference_tokens_total", kind="completion") == sum(
+        len(r.completion_ids) for r in reqs)
+    # how the stream batches depends on arrival timing; each scored batch is observed once
+    assert 1 <= delta("hotloop_reference_batch_seconds_count") <= 12
+    assert delta("hotloop_reference_batch_seconds_sum") > 0
+    assert after.type_of("hotloop_reference_batch_seconds") == "histogram"
+
+
 async def test_main_builds_on_the_mesh_model_and_refuses_another(tiny_model: Path) -> None:
     from services.reference.__main__ import ReferenceServiceConfig, build
 

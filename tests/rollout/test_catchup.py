@@ -228,3 +228,35 @@ async def test_trainer_client_fetches_a_stored_version_and_names_what_is_missing
             await dead.fetch_adapter(1, timeout_s=5)
     finally:
         await dead.close()
+
+
+async def test_metrics_say_what_was_announced_whether_it_is_behind_and_what_was_fetched(rig):
+    from prometheus_client import CollectorRegistry
+
+    from hotloop import metrics
+    from tests.scrape import scrape
+
+    trainer, bus, fetch = rig
+    await trainer.serve()
+    await trainer.publish(1)
+    replica = Versions()
+    catchup = CatchUp(replica, bus_latest(bus), fetch, trainer.address)
+    reg = CollectorRegistry()
+    metrics.StateCollector(catchup.metric_families, reg)
+    endpoint = metrics.serve(reg)
+    try:
+        assert await catchup.start(timeout_s=30)
+        current = await scrape(endpoint.port)
+        await trainer.stop_serving()
+        await trainer.publish(2)  # announced; the store that has it cannot be reached
+        assert not await catchup.sync(timeout_s=5)
+        behind = await scrape(endpoint.port)
+    finally:
+        endpoint.close()
+    assert current.value("hotloop_rollout_known_latest_version") == 1
+    assert current.value("hotloop_rollout_behind") == 0
+    assert current.value("hotloop_rollout_catchup_fetches_total", result="loaded") == 1
+    assert current.value("hotloop_rollout_catchup_fetches_total", result="failed") == 0
+    assert behind.value("hotloop_rollout_known_latest_version") == 2
+    assert behind.value("hotloop_rollout_behind") == 1
+    assert behind.value("hotloop_rollout_catchup_fetches_total", result="failed") == 1

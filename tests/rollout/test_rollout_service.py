@@ -207,3 +207,54 @@ async def test_hot_push_serves_new_version_and_in_flight_finish_on_theirs(rollou
 
 async def _collect(call):
     return [c async for c in call]
+
+
+async def test_metrics_count_requests_tokens_pushes_and_swaps(rollout, adapter_factory):
+    from hotloop import metrics
+    from tests.scrape import scrape
+
+    core, stub = rollout
+    endpoint = metrics.serve(core.registry)
+    try:
+        before = await scrape(endpoint.port)
+        whole = await generate(stub, [text_prompt("def add(a, b):"), text_prompt("hi")], n=2, max_tokens=8)
+        stream = stub.Generate(rollout_pb2.GenerateRequest(
+            prompts=[text_prompt("for i in range(10):")], stream=True,
+            sampling=common_pb2.SamplingParams(max_tokens=32, temperature=0)))
+        first = await anext(aiter(stream))
+        during = await scrape(endpoint.port)
+        deltas = [first] + [c async for c in stream]
+
+        v = core.latest + 1
+        data = adapters.pack(adapter_factory(seed=3))
+        await push(stub, data, v)
+        assert (await push(stub, data, v)).already_present
+        for kw in (dict(sha="0" * 64), dict(base="another-model")):
+            with pytest.raises(grpc.aio.AioRpcError):
+                await push(stub, data, v + 1, **kw)
+        after = await scrape(endpoint.port)
+    finally:
+        endpoint.close()
+
+    def delta(sample: str, **labels) -> float:
+        return after.value(sample, **labels) - before.value(sample, **labels)
+
+    assert delta("hotloop_rollout_requests_total") == 2
+    assert delta("hotloop_rollout_generated_tokens_total") == (
+        sum(len(c.token_ids) for c in whole) + sum(len(c.token_ids) for c in deltas))
+    # while the stream ran: one call admitted, a user's, past its first token
+    assert during.value("hotloop_rollout_requests_running") == 1
+    assert during.value("hotloop_rollout_user_requests_running") == 1
+    assert during.value("hotloop_rollout_user_requests_waiting") == 0
+    assert after.value("hotloop_rollout_requests_running") == 0
+
+    assert delta("hotloop_rollout_pushes_total", result="loaded") == 1
+    assert delta("hotloop_rollout_pushes_total", result="already_present") == 1
+    assert delta("hotloop_rollout_pushes_total", result="invalid_argument") == 1
+    assert delta("hotloop_rollout_pushes_total", result="failed_precondition") == 1
+    assert delta("hotloop_rollout_push_seconds_count") == 1
+    assert delta("hotloop_rollout_swaps_total", swap="slot", result="ok") == 1  # lora mode
+    assert delta("hotloop_rollout_swap_seconds_count", swap="slot") == 1
+    assert after.value("hotloop_rollout_version") == v == core.latest
+    assert after.value("hotloop_rollout_versions_held") == len(core.versions())
+    assert after.value("hotloop_rollout_engine_info", update_mode="lora", swap="slot") == 1

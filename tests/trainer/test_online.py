@@ -277,6 +277,47 @@ async def test_malformed_and_unjoinable_feedback_is_dead_lettered_with_reasons(
     assert info.num_ack_pending == 0 and info.num_pending == 0
 
 
+async def test_metrics_count_feedback_steps_versions_and_the_loop(
+        gateway, nats_server, rollout, tmp_path, make_cfg, tiny_model):
+    from hotloop import metrics
+    from tests.scrape import scrape
+
+    await gateway.serve("ok")
+    await gateway.feedback("ok", 1.0)
+    await gateway.feedback("never-served", 1.0)  # dead-lettered: no traffic record
+    mesh = await make_mesh(nats_server.url, rollout, tmp_path)
+    republish = await online.mesh_latest(mesh) > 0  # the policy goes above the mesh's latest first
+    om = online.OnlineMetrics()
+    endpoint = metrics.serve(om.registry)
+    try:
+        summary = await asyncio.wait_for(online.run(
+            job(tmp_path, batch_size=2, batch_window_s=5), make_cfg(), tiny_model, mesh,
+            tmp_path / "run", metrics=om), 120)
+        got = await scrape(endpoint.port)
+    finally:
+        endpoint.close()
+        await close_mesh(mesh)
+    assert summary["updates"] == 1
+    assert got.value("hotloop_trainer_steps_total", result="published") == 1
+    assert got.value("hotloop_trainer_steps_total", result="skipped") == 0
+    assert got.value("hotloop_trainer_versions_published_total") == 1 + republish
+    assert got.value("hotloop_trainer_version") == summary["version"] > 0
+    assert got.value("hotloop_trainer_feedback_received_total") == 2
+    assert got.value("hotloop_trainer_feedback_trained_total") == 1
+    assert got.value("hotloop_trainer_feedback_dead_lettered_total", reason="missing_traffic") == 1
+    assert got.value("hotloop_trainer_feedback_dead_lettered_total", reason="malformed") == 0
+    assert got.labels("hotloop_trainer_feedback_dropped_total", "reason") == {"stale_version", "stale_age"}
+    assert got.value("hotloop_trainer_feedback_held") == 0 and got.value("hotloop_trainer_feedback_queued") == 0
+    # one update, one trained feedback: one step, each stage once, one loop from the gateway
+    assert got.value("hotloop_trainer_step_seconds_count") == 1
+    assert got.value("hotloop_trainer_stage_seconds_count", stage="train") == 1
+    assert got.value("hotloop_trainer_stage_seconds_sum", stage="train") > 0
+    assert got.value("hotloop_trainer_loop_seconds_count") == 1
+    assert got.value("hotloop_trainer_loop_seconds_sum") >= got.value("hotloop_trainer_stage_seconds_sum",
+                                                                       stage="train")
+    assert got.type_of("hotloop_trainer_loop_seconds") == "histogram"
+
+
 def _kill_current_task():
     """Cancel the task running the loop, at this exact point (a kill between two stages)."""
     asyncio.current_task().cancel()
