@@ -7,18 +7,23 @@ model next to its code (`services/<name>/config.py`) and loads it with `load_sec
 Precedence, lowest first: field defaults < TOML file < environment < `--set key=value`.
 Environment keys are `HOTLOOP__<SECTION>__<FIELD>` (double underscores separate levels),
 e.g. `HOTLOOP__ROLLOUT__PORT=50051`. CLI overrides use dotted paths: `--set rollout.port=50051`.
-Values are parsed as JSON when they parse (numbers, booleans, lists), else taken as strings.
+Lists, tables and null are read as JSON; any other value is text that the field's own type
+parses (`3` for a number, `true` for a flag, `3` for a string stays "3").
+Every problem of every section is reported at once (`ConfigError`), naming the file, variable
+or `--set` that gave the value, the section and the key, and the nearest valid key for a typo.
 """
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
 import tomllib
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 ENV_PREFIX = "HOTLOOP__"
 
@@ -101,55 +106,231 @@ class MeshConfig(Section):
 S = TypeVar("S", bound=BaseModel)
 
 
+class ConfigError(ValueError):
+    """Every problem of a configuration at once, each naming its source, section and key.
+
+    `str()` is what a user reads: one line per problem, no traceback needed. Commands print it
+    and exit with status 2."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = problems
+        super().__init__(self._text())
+
+    def _text(self) -> str:
+        head = "1 configuration error" if len(self.problems) == 1 else f"{len(self.problems)} configuration errors"
+        return head + ":\n" + "\n".join(f"  - {p}" for p in self.problems)
+
+
+class ConfigTree(dict):
+    """The merged configuration, and where each value came from: `sources["grpo.seed"]` is
+    the file, the environment variable or the `--set` that gave it (the last one wins)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.sources: dict[str, str] = {}
+
+    def source(self, dotted: str) -> str:
+        """Where `dotted` came from: its own source, the nearest enclosing key's, or (for a
+        section given only through keys below it) the first of those keys'."""
+        parts = dotted.split(".")
+        for n in range(len(parts), 0, -1):
+            found = self.sources.get(".".join(parts[:n]))
+            if found:
+                return found
+        below = next((src for key, src in self.sources.items() if key.startswith(dotted + ".")), "")
+        return below or "defaults"
+
+
 def _parse_value(raw: str) -> Any:
-    try:
-        return json.loads(raw)
-    except json.JSONDecodeError:
-        return raw
+    """Lists, tables and null from JSON; everything else stays text for the field's own type
+    to parse (pydantic reads "3" as an int field's 3, and a string field keeps "3")."""
+    text = raw.strip()
+    if text == "null" or text[:1] in ("[", "{"):
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError:
+            pass
+    return raw
 
 
-def _set_path(tree: dict, dotted: str, value: Any) -> None:
+def _set_path(tree: ConfigTree, dotted: str, value: Any, source: str) -> str | None:
+    """Set `dotted` to `value`; the problem, if the path runs through a value."""
     parts = dotted.split(".")
-    node = tree
-    for p in parts[:-1]:
+    node: dict = tree
+    for i, p in enumerate(parts[:-1]):
         node = node.setdefault(p, {})
         if not isinstance(node, dict):
-            raise ValueError(f"cannot set {dotted!r}: {p!r} is not a section")
+            return f"{source}: cannot set {dotted!r}: {'.'.join(parts[:i + 1])!r} is a value, not a section"
     node[parts[-1]] = value
+    _record(tree, dotted, value, source)
+    return None
+
+
+def _record(tree: ConfigTree, dotted: str, value: Any, source: str) -> None:
+    tree.sources[dotted] = source
+    if isinstance(value, dict):
+        for k, v in value.items():
+            _record(tree, f"{dotted}.{k}", v, source)
 
 
 def raw_config(
     path: str | os.PathLike | None = None,
     overrides: list[str] | None = None,
     environ: dict[str, str] | None = None,
-) -> dict:
-    """Merge the file, the environment and the overrides into one nested dict."""
-    tree: dict = {}
+) -> ConfigTree:
+    """Merge the file, the environment and the overrides into one nested dict, remembering
+    each value's source. A missing or malformed file, or a malformed override, is a
+    `ConfigError` (all of them at once)."""
+    tree = ConfigTree()
+    problems: list[str] = []
     if path:
         p = Path(path)
-        if not p.exists():
-            raise FileNotFoundError(f"config file {p} does not exist")
-        with open(p, "rb") as f:
-            tree = tomllib.load(f)
+        try:
+            with open(p, "rb") as f:
+                loaded = tomllib.load(f)
+        except FileNotFoundError:
+            problems.append(f"{p}: the config file does not exist")
+        except tomllib.TOMLDecodeError as e:
+            problems.append(f"{p}: not valid TOML: {e}")
+        except OSError as e:
+            problems.append(f"{p}: cannot be read: {e.strerror}")
+        else:
+            tree.update(loaded)
+            for k, v in loaded.items():
+                _record(tree, k, v, str(p))
     env = os.environ if environ is None else environ
     for key, raw in sorted(env.items()):
         if key.startswith(ENV_PREFIX):
-            _set_path(tree, key[len(ENV_PREFIX) :].lower().replace("__", "."), _parse_value(raw))
+            dotted = key[len(ENV_PREFIX) :].lower().replace("__", ".")
+            problem = _set_path(tree, dotted, _parse_value(raw), f"environment {key}")
+            problems += [problem] if problem else []
     for item in overrides or []:
         if "=" not in item:
-            raise ValueError(f"override {item!r} is not key=value")
+            problems.append(f"--set {item}: an override is key=value, e.g. --set rollout.port=50051")
+            continue
         k, v = item.split("=", 1)
-        _set_path(tree, k.strip(), _parse_value(v))
+        problem = _set_path(tree, k.strip(), _parse_value(v), f"--set {item}")
+        problems += [problem] if problem else []
+    if problems:
+        raise ConfigError(problems)
     return tree
 
 
-def load_mesh(tree: dict) -> MeshConfig:
+def _fields_at(model: type[BaseModel], path: tuple) -> list[str]:
+    """The field names a key at `path` (below `model`) could have meant."""
+    for part in path:
+        field = model.model_fields.get(str(part))
+        annotation = field.annotation if field is not None else None
+        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+            return []
+        model = annotation
+    return list(model.model_fields)
+
+
+def _paths(model: type[BaseModel], prefix: str = "", depth: int = 3) -> list[str]:
+    """Every field of `model` as a dotted path (nested sections included)."""
+    out = []
+    for name, field in model.model_fields.items():
+        out.append(prefix + name)
+        ann = field.annotation
+        if depth > 1 and isinstance(ann, type) and issubclass(ann, BaseModel):
+            out += _paths(ann, f"{prefix}{name}.", depth - 1)
+    return out
+
+
+def _unknown_key(section: str, model: type[BaseModel], loc: tuple, others: Mapping[str, type[BaseModel]]) -> str:
+    """`unknown key` with the nearest valid key: in the same place, else anywhere."""
+    name = str(loc[-1])
+    near = difflib.get_close_matches(name, _fields_at(model, loc[:-1]), n=1)
+    if near:
+        return f"unknown key; did you mean {near[0]!r}?"
+    elsewhere = {f"[{sec}] {path}": path.rsplit(".", 1)[-1]
+                 for sec, m in others.items() for path in _paths(m)}
+    hits = [where for where, leaf in elsewhere.items() if difflib.get_close_matches(name, [leaf], n=1, cutoff=0.8)]
+    if hits:
+        return f"unknown key; did you mean {hits[0]}?"
+    return f"unknown key (the keys of [{section}] are documented in {model.__module__.replace('.', '/')}.py)"
+
+
+def _problems(tree: ConfigTree, section: str, model: type[BaseModel], errors: list[dict],
+              others: Mapping[str, type[BaseModel]] = {}) -> list[str]:
+    """Pydantic's errors of one section, each as `<source>: [section] key: what is wrong`."""
+    out = []
+    for e in errors:
+        loc = tuple(e["loc"])
+        key = ".".join(str(x) for x in loc)
+        where = f"[{section}] {key}" if key else f"[{section}]"
+        source = tree.source(f"{section}.{key}" if key else section)
+        if e["type"] == "extra_forbidden":
+            out.append(f"{source}: {where}: {_unknown_key(section, model, loc, others)}")
+        elif e["type"] == "missing":
+            out.append(f"{source}: {where}: required, and not given")
+        else:
+            got = e.get("input")
+            shown = "" if isinstance(got, dict) else f" (got {got!r})"
+            out.append(f"{source}: {where}: {e['msg']}{shown}")
+    return out
+
+
+def load_sections(
+    tree: ConfigTree, sections: Mapping[str, type[BaseModel]], *, only_known: bool = True
+) -> tuple[MeshConfig, dict[str, BaseModel]]:
+    """The shared sections and each of `sections`, validated together: every problem of
+    every section is reported at once (`ConfigError`). With `only_known`, a top-level section
+    that is neither shared nor in `sections` is a problem too (a typo such as `[trainr]`)."""
+    problems: list[str] = []
     shared = {k: v for k, v in tree.items() if k in MeshConfig.model_fields}
-    return MeshConfig.model_validate(shared)
+    shared_sections = {k: f.annotation for k, f in MeshConfig.model_fields.items()
+                       if isinstance(f.annotation, type) and issubclass(f.annotation, BaseModel)}
+    everything = {**shared_sections, **sections}
+    mesh = None
+    try:
+        mesh = MeshConfig.model_validate(shared)
+    except ValidationError as e:
+        for err in e.errors(include_url=False):
+            name = str(err["loc"][0])
+            if name in shared_sections:
+                problems += _problems(tree, name, shared_sections[name], [{**err, "loc": err["loc"][1:]}],
+                                      everything)
+            else:  # a top-level value such as run_dir
+                problems.append(f"{tree.source(name)}: {name}: {err['msg']} (got {err.get('input')!r})")
+    loaded: dict[str, BaseModel] = {}
+    for name, model in sections.items():
+        try:
+            loaded[name] = model.model_validate(tree.get(name, {}))
+        except ValidationError as e:
+            problems += _problems(tree, name, model, e.errors(include_url=False), everything)
+    if only_known:
+        known = set(MeshConfig.model_fields) | set(sections)
+        for name, value in tree.items():
+            if name in known:
+                continue
+            near = difflib.get_close_matches(name, sorted(known), n=1)
+            kind = "section" if isinstance(value, dict) else "key"
+            hint = f"; did you mean [{near[0]}]?" if near else f"; known sections: {', '.join(sorted(known))}"
+            problems.append(f"{tree.source(name)}: unknown {kind} {name!r}{hint}")
+    if problems:
+        raise ConfigError(problems)
+    assert mesh is not None
+    return mesh, loaded
+
+
+def load_mesh(tree: dict) -> MeshConfig:
+    """The shared sections alone (other sections of the file are not looked at)."""
+    return load_sections(_as_tree(tree), {}, only_known=False)[0]
 
 
 def load_section(tree: dict, name: str, model: type[S]) -> S:
-    return model.model_validate(tree.get(name, {}))
+    """One section alone; its problems as a `ConfigError`."""
+    tree = _as_tree(tree)
+    try:
+        return model.model_validate(tree.get(name, {}))
+    except ValidationError as e:
+        raise ConfigError(_problems(tree, name, model, e.errors(include_url=False))) from None
+
+
+def _as_tree(tree: dict) -> ConfigTree:
+    return tree if isinstance(tree, ConfigTree) else ConfigTree(tree)
 
 
 def load(
@@ -158,6 +339,8 @@ def load(
     path: str | os.PathLike | None = None,
     overrides: list[str] | None = None,
 ) -> tuple[MeshConfig, S]:
-    """Load the shared sections and one service's section from all sources."""
+    """Load the shared sections and one service's section from all sources (the other
+    sections of the file belong to other processes and are not checked here)."""
     tree = raw_config(path, overrides)
-    return load_mesh(tree), load_section(tree, section, model)
+    mesh, loaded = load_sections(tree, {section: model}, only_known=False)
+    return mesh, loaded[section]  # type: ignore[return-value]

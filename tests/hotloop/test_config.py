@@ -1,9 +1,9 @@
 from pathlib import Path
 
 import pytest
-from pydantic import ValidationError
 
 from hotloop import config
+from hotloop.config import ConfigError, ModelConfig, TelemetryConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -16,18 +16,67 @@ def test_layering_file_env_cli(tmp_path):
     mesh = config.load_mesh(tree)
     assert mesh.model.name == "from-env"  # env beats file
     assert mesh.model.max_model_len == 512  # file beats default
-    assert tree["rollout"]["port"] == 3  # CLI beats env
+    assert tree["rollout"]["port"] == "3"  # CLI beats env (text, for the field to parse)
+    assert tree.sources["rollout.port"] == "--set rollout.port=3"
+    assert tree.sources["model.name"] == "environment HOTLOOP__MODEL__NAME"
+    assert tree.sources["model.max_model_len"] == str(f)
 
 
 def test_unknown_keys_and_bad_values_are_errors(tmp_path):
-    with pytest.raises(ValidationError):
+    with pytest.raises(ConfigError, match=r"--set model.nmae=x: \[model\] nmae: unknown key; did you mean 'name'\?"):
         config.load_mesh(config.raw_config(None, ["model.nmae=x"], environ={}))
-    with pytest.raises(ValidationError):
+    with pytest.raises(ConfigError, match=r"\[model\] max_model_len: .*greater than or equal to 64 \(got '1'\)"):
         config.load_mesh(config.raw_config(None, ["model.max_model_len=1"], environ={}))
-    with pytest.raises(ValueError, match="key=value"):
+    with pytest.raises(ConfigError, match="key=value"):
         config.raw_config(None, ["model.name"], environ={})
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(ConfigError, match="missing.toml: the config file does not exist"):
         config.raw_config(tmp_path / "missing.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[model\nname = 1\n")
+    with pytest.raises(ConfigError, match="bad.toml: not valid TOML"):
+        config.raw_config(bad)
+
+
+def test_every_problem_at_once_each_with_its_source_section_and_key(tmp_path):
+    """One run of `hotloop up` or `train` with a bad file and a bad --set reports all of it,
+    each line naming where the value came from."""
+    f = tmp_path / "c.toml"
+    f.write_text('[model]\ndtpe = "float32"\n[telemetry]\nexporter = "zipkin"\n[telemtry]\nx = 1\n')
+    tree = config.raw_config(f, ["model.max_model_len=abc"], environ={"HOTLOOP__NATS__CONNECT_TIMEOUT_S": "-1"})
+    with pytest.raises(ConfigError) as e:
+        config.load_sections(tree, {"extra": TelemetryConfig})
+    problems = sorted(e.value.problems)
+    assert len(problems) == 5, problems
+    assert f"{f}: [model] dtpe: unknown key; did you mean 'dtype'?" in problems
+    assert any(p.startswith(f"{f}: [telemetry] exporter: Input should be") for p in problems)
+    assert f"{f}: unknown section 'telemtry'; did you mean [telemetry]?" in problems
+    assert any(p.startswith("--set model.max_model_len=abc: [model] max_model_len:") for p in problems)
+    assert any(p.startswith("environment HOTLOOP__NATS__CONNECT_TIMEOUT_S: [nats] connect_timeout_s:")
+               for p in problems)
+    assert str(e.value).startswith("5 configuration errors:\n  - ")
+
+
+def test_a_typo_finds_the_key_in_another_section():
+    tree = config.raw_config(None, ["extra.max_model_length=9"], environ={})
+    with pytest.raises(ConfigError, match=r"did you mean \[model\] max_model_len\?"):
+        config.load_sections(tree, {"extra": TelemetryConfig})
+
+
+def test_a_service_checks_only_its_own_section():
+    """Other processes' sections are theirs to check; a service's loader ignores them."""
+    tree = config.raw_config(None, ["someone_else.x=1", "extra.jsonl_path=p"], environ={})
+    mesh, loaded = config.load_sections(tree, {"extra": TelemetryConfig}, only_known=False)
+    assert loaded["extra"].jsonl_path == "p" and isinstance(mesh.model, ModelConfig)
+
+
+def test_values_keep_their_text_for_their_own_type():
+    tree = config.raw_config(None, ["nats.url=3", "model.max_model_len=512", "telemetry.otlp_endpoint=null"],
+                             environ={})
+    assert (tree["nats"]["url"], tree["model"]["max_model_len"]) == ("3", "512")
+    with pytest.raises(ConfigError, match=r"\[telemetry\] otlp_endpoint: Input should be a valid string \(got None\)"):
+        config.load_mesh(tree)
+    mesh = config.load_mesh(config.raw_config(None, ["nats.url=3", "model.max_model_len=512"], environ={}))
+    assert (mesh.nats.url, mesh.model.max_model_len) == ("3", 512)
 
 
 def test_json_values_parse():
