@@ -1,7 +1,8 @@
 """The `hotloop` command line.
 
-Only argparse is imported at module level: every command imports what it needs when it runs,
-so `hotloop --help` is instant (torch, vLLM, peft and Ray take seconds to import).
+Only argparse is imported at module level: every command imports the module that runs it
+(`apps.*`, `benchmarks.*`) inside its function, so `hotloop --help` is instant (torch, vLLM,
+peft and Ray take seconds to import). Those are plain imports, so the layering test sees them.
 """
 
 from __future__ import annotations
@@ -41,7 +42,8 @@ def cmd_models(args) -> int:
 
 def cmd_up(args) -> int:
     from hotloop import config
-    from hotloop.launcher import ALL_SERVICES, Mesh, available
+
+    from apps.launcher import ALL_SERVICES, Mesh, available
 
     mesh_cfg = config.load_mesh(config.raw_config(args.config, args.set))
     # Explicitly named services must all exist; the default is every one that does.
@@ -64,7 +66,7 @@ def cmd_up(args) -> int:
 
 
 def cmd_serve(args) -> int:
-    from hotloop.launcher import available
+    from apps.launcher import available
 
     if not available(args.service):
         print(f"service {args.service!r} is not available", file=sys.stderr)
@@ -73,64 +75,67 @@ def cmd_serve(args) -> int:
     return 0  # not reached
 
 
-def _module_main(module: str, fn: str, args) -> int:
-    """Run a command body that lives next to the service it drives. Reached by module name,
-    so nothing in hotloop/ imports services/, and `hotloop --help` imports neither."""
-    import importlib
-
-    return getattr(importlib.import_module(module), fn)(args)
-
-
-# `hotloop bench <name>` bodies that live next to their service.
-SERVICE_BENCHES = {
-    "rollout": "services.rollout.bench",
-    "hot-update": "services.rollout.bench",
-    "sandbox": "services.reward.bench",
-    "threads": "services.trainer.bench_threads",
-    "joint": "services.trainer.bench_joint",
-    "train-step": "services.trainer.bench_trainstep",
-    "grpo": "services.trainer.bench_grpo",
-}
+def bench_main(name: str):
+    """The `main(args)` of `hotloop bench <name>`, its module imported only when asked for."""
+    if name == "rollout":
+        from benchmarks.rollout import main
+    elif name == "hot-update":
+        from benchmarks.rollout import main
+    elif name == "sandbox":
+        from benchmarks.sandbox import main
+    elif name == "threads":
+        from benchmarks.threads import main
+    elif name == "joint":
+        from benchmarks.joint import main
+    elif name == "train-step":
+        from benchmarks.train_step import main
+    elif name == "grpo":
+        from benchmarks.grpo import main
+    elif name == "update-loop":
+        from apps.online_demo import bench_update_loop as main
+    else:
+        raise KeyError(f"no benchmark named {name!r}")
+    return main
 
 
 def cmd_bench(args) -> int:
-    return _module_main(SERVICE_BENCHES[args.bench], "main", args)
+    return bench_main(args.bench)(args)
 
 
 def cmd_train(args) -> int:
-    return _module_main("services.trainer.commands", "train", args)
+    from apps.train import train
+
+    return train(args)
 
 
 def cmd_eval(args) -> int:
-    return _module_main("services.trainer.commands", "evaluate", args)
+    from apps.train import evaluate
+
+    return evaluate(args)
 
 
 def cmd_trace(args) -> int:
-    from hotloop.tracebudget import main as trace_main
+    from apps.tracebudget import main
 
-    return trace_main(args)
+    return main(args)
 
 
 def cmd_demo(args) -> int:
-    return _module_main("services.trainer.demo", "main", args)
+    from apps.demo import main
+
+    return main(args)
 
 
 def cmd_simulate(args) -> int:
-    from hotloop.simulate import main as simulate_main
+    from apps.simulate import main
 
-    return simulate_main(args)
+    return main(args)
 
 
 def cmd_demo_online(args) -> int:
-    from hotloop.online_demo import main as demo_online_main
+    from apps.online_demo import main
 
-    return demo_online_main(args)
-
-
-def cmd_bench_update_loop(args) -> int:
-    from hotloop.online_demo import bench_update_loop
-
-    return bench_update_loop(args)
+    return main(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -236,7 +241,6 @@ def build_parser() -> argparse.ArgumentParser:
     bu.add_argument("--loop-timeout-s", type=float, default=60.0, help="count a feedback lost after this")
     bu.add_argument("--out-dir", default="runs", help="the run's files go under OUT_DIR/update-loop-<time>")
     bu.add_argument("--json", help="write results here")
-    bu.set_defaults(fn=cmd_bench_update_loop)
     b.set_defaults(fn=cmd_bench)
 
     t = sub.add_parser("train", help="run a training job against a running mesh")

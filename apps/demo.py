@@ -12,14 +12,14 @@ import signal
 import time
 from pathlib import Path
 
-from .commands import load_job_configs
-from .job import run_job
+from apps.train import load_job_configs
+from services.trainer.job import run_job
 
-DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "demo.toml"
+DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "demo.toml"
 
 
 def main(args) -> int:
-    from hotloop.launcher import Mesh
+    from apps.launcher import Mesh
     from hotloop.service import run_interruptible
 
     logging.basicConfig(level=os.environ.get("HOTLOOP_LOG_LEVEL", "WARNING"))

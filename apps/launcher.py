@@ -36,7 +36,7 @@ from pydantic import Field
 
 from hotloop import config as hconfig
 from hotloop.config import MeshConfig, Section
-from hotloop.natsserver import NatsServer
+from apps.natsserver import NatsServer
 
 # Start order: the trainer job and the gateway need the others' endpoints.
 ALL_SERVICES = ["reference", "reward", "rollout", "gateway"]

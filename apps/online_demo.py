@@ -2,7 +2,7 @@
 measured end to end, from the users' side.
 
 Owns:
-- starting the mesh with the gateway and the online trainer (`hotloop.launcher`, the trainer
+- starting the mesh with the gateway and the online trainer (`apps.launcher`, the trainer
   role; `hotloop train online` as a subprocess where the role is not built), and stopping all
   of it on every exit, Ctrl-C and SIGTERM included;
 - the demo's phases: an idle phase (users only, no feedback: idle TTFT/ITL and the base rate
@@ -14,7 +14,7 @@ Owns:
 - the reports: `runs/<id>/online-report.{md,json}` and `online.png`; the bench's JSON and the
   stage budget of each loop from the OTLP JSON-lines traces.
 
-Does not own: the services, the hidden preference and the users (`hotloop.simulate`). Imports
+Does not own: the services, the hidden preference and the users (`apps.simulate`). Imports
 nothing from `services/`: everything is reached through processes, HTTP and NATS.
 """
 
@@ -33,7 +33,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hotloop.simulate import (
+from apps.simulate import (
     Brevity,
     Record,
     SimConfig,
@@ -44,7 +44,7 @@ from hotloop.simulate import (
     percentile,
     summarize,
 )
-from hotloop.tracebudget import read_trace_spans
+from apps.tracebudget import read_trace_spans
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "online.toml"
 TRAINER_RUN = "trainer"  # the trainer's metrics and checkpoints: runs/<id>/trainer/
@@ -59,7 +59,7 @@ log = logging.getLogger(__name__)
 class Stack:
     """A running mesh plus, where the trainer role is not built, `hotloop train online`."""
 
-    mesh: object  # hotloop.launcher.Mesh
+    mesh: object  # apps.launcher.Mesh
     trainer: subprocess.Popen | None
     out: Path  # runs/<id>
     target: Target
@@ -74,7 +74,7 @@ class Stack:
 
     def dead(self) -> str | None:
         """Which process of the stack died, with its log's last lines; None while all run."""
-        from hotloop.launcher import tail_log
+        from apps.launcher import tail_log
 
         procs = [(p.name, p.popen, p.log_path) for p in self.mesh.procs]
         if self.trainer is not None:
@@ -88,7 +88,7 @@ class Stack:
     def stop(self) -> str | None:
         """Stop everything; returns why a process had failed on its own (it can report a
         fatal error and still be shutting down when the demo ends), else None."""
-        from hotloop.launcher import tail_log
+        from apps.launcher import tail_log
 
         procs = [(p.name, p.popen, p.log_path) for p in self.mesh.procs]
         if self.trainer is not None:
@@ -114,7 +114,7 @@ def start_stack(config_path: str, overrides: list[str], out: Path, quiet: bool =
     online trainer, with the mesh's files under `out/mesh` and the trainer's under
     `out/trainer`. Raises if any of them does not come up (and stops what did)."""
     from hotloop import config
-    from hotloop.launcher import Mesh, die_with_parent, available
+    from apps.launcher import Mesh, die_with_parent, available
 
     out = out.resolve()
     overrides = [*overrides, f"run_dir={out / 'mesh'}", f"online.out_dir={out}",
@@ -129,12 +129,12 @@ def start_stack(config_path: str, overrides: list[str], out: Path, quiet: bool =
     try:
         if not role:
             log_path = out / "mesh" / "logs" / "trainer.log"
-            cmd = [sys.executable, "-m", "hotloop.cli", "train", "online", "--config", config_path,
+            cmd = [sys.executable, "-m", "apps.cli", "train", "online", "--config", config_path,
                    "--run-dir", str(out / "mesh")] + [a for o in overrides for a in ("--set", o)]
             with open(log_path, "ab") as f:
                 trainer = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT,
                                            start_new_session=True, preexec_fn=die_with_parent)
-        from hotloop.simulate import find_target
+        from apps.simulate import find_target
 
         return Stack(mesh, trainer, out, find_target(out / "mesh"))
     except BaseException:

@@ -3,11 +3,11 @@ synchronous against asynchronous, on the demo configuration in one run; `--peer 
 TRL's GRPOTrainer on the same configuration.
 
 Owns:
-- the run: the mesh (NATS, reference, reward, rollout; `hotloop.launcher.Mesh`), then in this
+- the run: the mesh (NATS, reference, reward, rollout; `apps.launcher.Mesh`), then in this
   process `--steps` steps of the synchronous recipe (`grpo.run`, `max_staleness = 0`) and as
   many of the asynchronous one (`grpo_async.run`), each from a fresh policy on the same tasks,
   with no evaluation; then the mesh stops and, with `--peer trl`, TRL's GRPOTrainer runs a few
-  steps in a process of its own (bench_grpo_trl.py) on the machine alone, as hotloop had it;
+  steps in a process of its own (grpo_trl.py) on the machine alone, as hotloop had it;
 - the figures, with their methods in the JSON: samples/s from the median wall time of a step
   after the first (the first carries start-up and, asynchronous, the pipeline's fill; the
   whole-run rate is reported beside it); seconds per stage (medians); the idle share from CPU
@@ -23,7 +23,7 @@ overlap in the asynchronous run. Threads that spin while waiting (OpenMP) count 
 this under-states idleness rather than over-stating it. The machine-wide share (all processes)
 is reported beside it, since other work on a shared machine takes cores the run could not use.
 
-Does not own: the recipes, the services, TRL's side (bench_grpo_trl.py). The summarizing
+Does not own: the recipes, the services, TRL's side (grpo_trl.py). The summarizing
 functions are pure, for tests.
 """
 
@@ -42,7 +42,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG = REPO / "configs" / "demo.toml"
 MESH_SERVICES = ["reference", "reward", "rollout"]
 CPU_SAMPLE_S = 0.5
@@ -320,8 +320,8 @@ class Bench:
     async def run(self, mesh_cfg, trainer_cfg, job, model_dir: Path) -> None:
         from hotloop.clients import RewardClient, RolloutClient
 
-        from . import grpo, grpo_async
-        from .job import open_edge
+        from services.trainer import grpo, grpo_async
+        from services.trainer.job import open_edge
 
         ep = mesh_cfg.endpoints
         edge = await open_edge(mesh_cfg, trainer_cfg, self.out / "trainer", "grpo")
@@ -345,7 +345,7 @@ def run_peer(out: Path, model_dir: Path, steps: int, threads: int | None, reward
     figure, or why there is none."""
     path = out / "peer-trl.json"
     log_path = out / "peer-trl.log"
-    cmd = [sys.executable, "-m", "services.trainer.bench_grpo_trl", "--model", str(model_dir),
+    cmd = [sys.executable, "-m", "benchmarks.grpo_trl", "--model", str(model_dir),
            "--steps", str(steps), "--reward", reward, "--json", str(path)] \
         + (["--threads", str(threads)] if threads else []) \
         + [a for s in stop for a in ("--stop", s)]
@@ -366,7 +366,7 @@ def run_peer(out: Path, model_dir: Path, steps: int, threads: int | None, reward
             last = len(lines)
     finally:
         stop_process(popen)
-    from .bench_grpo_trl import INSTALL_HINT, MISSING_TRL
+    from benchmarks.grpo_trl import INSTALL_HINT, MISSING_TRL
 
     if popen.returncode == MISSING_TRL:
         say(f"peer: {INSTALL_HINT}")
@@ -418,10 +418,10 @@ def main(args) -> int:
 
     from hotloop import config, models, telemetry
     from hotloop.config import TelemetryConfig
-    from hotloop.launcher import Mesh
+    from apps.launcher import Mesh
     from hotloop.service import run_interruptible
 
-    from .commands import load_job_configs
+    from apps.train import load_job_configs
 
     logging.basicConfig(level=os.environ.get("HOTLOOP_LOG_LEVEL", "WARNING"))
     if args.steps < 2:

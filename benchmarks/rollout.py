@@ -3,7 +3,7 @@ in the same run.
 
 Owns the rollout benchmark (HF `generate` per prompt and batched vs vLLM with and without a
 fresh adapter) and the hot-update benchmark (push-to-first-token of new versions while requests
-are in flight). The sandbox benchmark is services/reward/bench.py. Machines here are noisy:
+are in flight). The sandbox benchmark is benchmarks/sandbox.py. Machines here are noisy:
 every figure is a median over repeats, and only ratios from one run are comparable.
 """
 

@@ -1,6 +1,6 @@
 """Sandbox throughput: scored samples per second through a pool, local or Ray.
 
-`python -m services.reward.bench [n] [local|ray|both]`. Each sample is a built-in task's
+`python -m benchmarks.sandbox [n] [local|ray|both]`. Each sample is a built-in task's
 reference solution in a ```python block, scored by `code_tests` (extraction, parse, sandbox
 run with the default limits and the strongest isolation the host allows). The pool's start-up
 (isolation probe; Ray start) is timed separately and not counted.
@@ -26,10 +26,10 @@ def bench_sandbox(n: int, backend: str, repeats: int = 3, concurrency: int | Non
     """
     from hotloop.tasks.builtin import reference_tasks
 
-    from .config import RewardConfig
-    from .pool import make_pool
-    from .scorers import CodeTestsScorer
-    from .types import ScoreInput, task_spec_from_code_task
+    from services.reward.config import RewardConfig
+    from services.reward.pool import make_pool
+    from services.reward.scorers import CodeTestsScorer
+    from services.reward.types import ScoreInput, task_spec_from_code_task
 
     concurrency = concurrency or RewardConfig().concurrency
     tasks = reference_tasks()

@@ -3,7 +3,7 @@ import sys
 
 
 def test_help_imports_nothing_heavy():
-    code = ("import sys, hotloop.cli as c\n"
+    code = ("import sys, apps.cli as c\n"
             "try:\n    c.main(['--help'])\nexcept SystemExit:\n    pass\n"
             "heavy = [m for m in ('torch', 'vllm', 'peft', 'ray', 'transformers') if m in sys.modules]\n"
             "print('HEAVY', heavy)")
@@ -13,6 +13,20 @@ def test_help_imports_nothing_heavy():
 
 
 def test_unknown_command_fails_clearly():
-    r = subprocess.run([sys.executable, "-m", "hotloop.cli", "frobnicate"], capture_output=True, text=True)
+    r = subprocess.run([sys.executable, "-m", "apps.cli", "frobnicate"], capture_output=True, text=True)
     assert r.returncode == 2
     assert "invalid choice" in r.stderr
+
+
+def test_every_bench_command_has_a_module_and_a_help():
+    from apps.cli import bench_main, build_parser
+
+    bench = next(a for a in build_parser()._subparsers._group_actions[0].choices["bench"]._actions
+                 if a.dest == "bench")
+    assert set(bench.choices) >= {"rollout", "hot-update", "sandbox", "threads", "joint",
+                                  "train-step", "grpo", "update-loop"}
+    for name in bench.choices:
+        assert callable(bench_main(name)), name
+        r = subprocess.run([sys.executable, "-m", "apps.cli", "bench", name, "--help"],
+                           capture_output=True, text=True)
+        assert r.returncode == 0 and f"hotloop bench {name}" in r.stdout, (name, r.stderr)

@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from hotloop.online_demo import LoopTracker, loop_stages, target_share
-from hotloop.tracebudget import read_trace_spans, ttft_hops
-from hotloop.simulate import Record, VersionClock
+from apps.online_demo import LoopTracker, loop_stages, target_share
+from apps.tracebudget import read_trace_spans, ttft_hops
+from apps.simulate import Record, VersionClock
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_target_is_three_times_the_base_rate_capped_at_point_eight():
@@ -106,8 +106,8 @@ def test_ttft_hops_split_a_users_first_token_along_its_trace(tmp_path):
     assert ttft_hops(read_trace_spans([tmp_path / "t.jsonl"]), [sent]) == {}
 
 def test_a_run_stopped_before_any_answer_still_writes_its_report(tmp_path):
-    from hotloop.online_demo import DemoState, write_demo_report
-    from hotloop.simulate import Brevity
+    from apps.online_demo import DemoState, write_demo_report
+    from apps.simulate import Brevity
 
     state = DemoState("early", tmp_path, Brevity(), window=40, interrupted=True)
     report = write_demo_report(state)
@@ -153,7 +153,7 @@ def _left_behind(marker: str) -> list[str]:
 @pytest.mark.slow
 def test_demo_online_writes_its_report_and_leaves_nothing_running(tiny_model, tmp_path):
     out = tmp_path / "runs"
-    cmd = [sys.executable, "-m", "hotloop.cli", "demo-online", "--config", str(_config(tmp_path, tiny_model)),
+    cmd = [sys.executable, "-m", "apps.cli", "demo-online", "--config", str(_config(tmp_path, tiny_model)),
            "--idle-s", "6", "--train-s", "20", "--no-stop", "--users", "2", "--max-tokens", "16",
            "--max-words", "8", "--window", "8", "--progress", "5", "--out-dir", str(out),
            "--run-id", "t", "--quiet"]
@@ -187,7 +187,7 @@ def test_demo_online_writes_its_report_and_leaves_nothing_running(tiny_model, tm
 @pytest.mark.slow
 def test_demo_online_stops_everything_on_sigterm(tiny_model, tmp_path):
     out = tmp_path / "runs"
-    cmd = [sys.executable, "-m", "hotloop.cli", "demo-online", "--config", str(_config(tmp_path, tiny_model)),
+    cmd = [sys.executable, "-m", "apps.cli", "demo-online", "--config", str(_config(tmp_path, tiny_model)),
            "--idle-s", "6", "--train-s", "600", "--users", "2", "--max-tokens", "16",
            "--out-dir", str(out), "--run-id", "t", "--quiet", "--progress", "2"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO)
@@ -217,7 +217,7 @@ def test_demo_online_stops_everything_on_sigterm(tiny_model, tmp_path):
 def test_bench_update_loop_times_each_loop_and_its_stages(tiny_model, tmp_path):
     out = tmp_path / "runs"
     result = tmp_path / "loop.json"
-    cmd = [sys.executable, "-m", "hotloop.cli", "bench", "update-loop", "--config",
+    cmd = [sys.executable, "-m", "apps.cli", "bench", "update-loop", "--config",
            str(_config(tmp_path, tiny_model)), "--loops", "3", "--max-tokens", "16",
            "--out-dir", str(out), "--json", str(result)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400, cwd=REPO)

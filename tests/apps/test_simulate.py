@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from hotloop.simulate import (
+from apps.simulate import (
     PROMPTS,
     Brevity,
     RateLimiter,
@@ -117,8 +117,8 @@ def test_simulated_users_through_a_real_gateway(tiny_model, tmp_path):
     """A short bounded run: every request streams through the gateway and gets a record with
     its response id and version; every feedback is accepted; no request fails."""
     from hotloop import config
-    from hotloop.launcher import Mesh
-    from hotloop.simulate import SimConfig, Simulation, find_target
+    from apps.launcher import Mesh
+    from apps.simulate import SimConfig, Simulation, find_target
 
     cfg_path = tmp_path / "sim.toml"
     cfg_path.write_text(f"""

@@ -5,8 +5,8 @@ from pathlib import Path
 
 import yaml
 
-from hotloop.cli import SERVICES
-from hotloop.launcher import OPT_IN_SERVICES
+from apps.cli import SERVICES
+from apps.launcher import OPT_IN_SERVICES
 
 ROOT = Path(__file__).resolve().parents[2]
 
