@@ -80,7 +80,7 @@ def bench_main(name: str):
     if name == "rollout":
         from benchmarks.rollout import main
     elif name == "hot-update":
-        from benchmarks.rollout import main
+        from benchmarks.hot_update import main
     elif name == "sandbox":
         from benchmarks.sandbox import main
     elif name == "threads":
@@ -92,7 +92,7 @@ def bench_main(name: str):
     elif name == "grpo":
         from benchmarks.grpo import main
     elif name == "update-loop":
-        from apps.online_demo import bench_update_loop as main
+        from benchmarks.update_loop import main
     else:
         raise KeyError(f"no benchmark named {name!r}")
     return main

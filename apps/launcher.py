@@ -36,7 +36,9 @@ from pydantic import Field
 
 from hotloop import config as hconfig
 from hotloop.config import MeshConfig, Section
+
 from apps.natsserver import NatsServer
+from apps.processes import die_with_parent, tail_log
 
 # Start order: the trainer job and the gateway need the others' endpoints.
 ALL_SERVICES = ["reference", "reward", "rollout", "gateway"]
@@ -114,8 +116,6 @@ class Proc:
         return self.service or self.name
 
 
-
-
 @dataclass
 class MeshInfo:
     """What a client needs to reach a running mesh (written to mesh.json)."""
@@ -168,55 +168,6 @@ def available(name: str) -> bool:
     import importlib.util
 
     return importlib.util.find_spec(f"services.{name}.__main__") is not None
-
-
-def die_with_parent() -> None:
-    """In the child, before exec: get SIGTERM when the launcher dies, even by SIGKILL, so a
-    killed `hotloop up` or demo never leaves services (and their vLLM engines) running.
-    Services run in their own session so that Ctrl-C reaches only the launcher, which stops
-    them in order."""
-    import ctypes
-
-    PR_SET_PDEATHSIG = 1
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    except OSError:  # not glibc Linux: the launcher's own stop() remains the only guard
-        pass
-
-
-def tail_log(path: Path, lines: int = 25) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return "(no log)"
-
-
-def available(name: str) -> bool:
-    """Whether `services/<name>` exists as a runnable service in this checkout."""
-    import importlib.util
-
-    return importlib.util.find_spec(f"services.{name}.__main__") is not None
-
-
-def die_with_parent() -> None:
-    """In the child, before exec: get SIGTERM when the launcher dies, even by SIGKILL, so a
-    killed `hotloop up` or demo never leaves services (and their vLLM engines) running.
-    Services run in their own session so that Ctrl-C reaches only the launcher, which stops
-    them in order."""
-    import ctypes
-
-    PR_SET_PDEATHSIG = 1
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    except OSError:  # not glibc Linux: the launcher's own stop() remains the only guard
-        pass
-
-
-def tail_log(path: Path, lines: int = 25) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return "(no log)"
 
 
 class Mesh:

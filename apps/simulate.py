@@ -332,6 +332,18 @@ class Simulation:
                     self._out.flush()
         return summarize(self.records)
 
+    async def halt(self, run: asyncio.Task) -> None:
+        """Stop the users, wait for `run` (the task of this simulation's `run()`) to end and
+        close the records file. For a caller that is ending anyway: what the task raised is
+        not raised again (its records say what failed)."""
+        self.stop()
+        run.cancel()  # no-op once it has ended
+        try:
+            await run
+        except (asyncio.CancelledError, Exception):
+            pass
+        self.close()
+
     def close(self) -> None:
         if self._out:
             self._out.close()

@@ -16,6 +16,8 @@ import statistics
 import sys
 import time
 
+from benchmarks.common import report
+
 
 def bench_sandbox(n: int, backend: str, repeats: int = 3, concurrency: int | None = None) -> dict:
     """Median scored samples/s over `repeats` batches of `n` samples.
@@ -70,14 +72,8 @@ def bench_sandbox(n: int, backend: str, repeats: int = 3, concurrency: int | Non
 
 def main(args) -> int:
     """`hotloop bench sandbox`: local process pool and Ray actors, in one run."""
-    result = {"local": bench_sandbox(args.samples, "local"), "ray": bench_sandbox(args.samples, "ray")}
-    print(json.dumps(result, indent=2))
-    if args.json:
-        from pathlib import Path
-
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=2))
-        print(f"wrote {args.json}")
+    report({"local": bench_sandbox(args.samples, "local"), "ray": bench_sandbox(args.samples, "ray")},
+           args.json)
     return 0
 
 
