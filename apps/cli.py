@@ -98,44 +98,30 @@ def bench_main(name: str):
     return main
 
 
-def cmd_bench(args) -> int:
-    return bench_main(args.bench)(args)
+def command_main(command: str, bench: str = ""):
+    """The `main(args)` of `hotloop <command>` where its body is a module of its own (the
+    others are above), imported only when asked for."""
+    if command == "bench":
+        return bench_main(bench)
+    if command == "train":
+        from apps.train import train as main
+    elif command == "eval":
+        from apps.train import evaluate as main
+    elif command == "trace":
+        from apps.tracebudget import main
+    elif command == "demo":
+        from apps.demo import main
+    elif command == "simulate":
+        from apps.simulate import main
+    elif command == "demo-online":
+        from apps.online_demo import main
+    else:
+        raise KeyError(f"no command named {command!r}")
+    return main
 
 
-def cmd_train(args) -> int:
-    from apps.train import train
-
-    return train(args)
-
-
-def cmd_eval(args) -> int:
-    from apps.train import evaluate
-
-    return evaluate(args)
-
-
-def cmd_trace(args) -> int:
-    from apps.tracebudget import main
-
-    return main(args)
-
-
-def cmd_demo(args) -> int:
-    from apps.demo import main
-
-    return main(args)
-
-
-def cmd_simulate(args) -> int:
-    from apps.simulate import main
-
-    return main(args)
-
-
-def cmd_demo_online(args) -> int:
-    from apps.online_demo import main
-
-    return main(args)
+def run_module(args) -> int:
+    return command_main(args.command, getattr(args, "bench", ""))(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -241,22 +227,22 @@ def build_parser() -> argparse.ArgumentParser:
     bu.add_argument("--loop-timeout-s", type=float, default=60.0, help="count a feedback lost after this")
     bu.add_argument("--out-dir", default="runs", help="the run's files go under OUT_DIR/update-loop-<time>")
     bu.add_argument("--json", help="write results here")
-    b.set_defaults(fn=cmd_bench)
+    b.set_defaults(fn=run_module)
 
     t = sub.add_parser("train", help="run a training job against a running mesh")
     tsub = t.add_subparsers(dest="algorithm", required=True)
     tg = tsub.add_parser("grpo", help="GRPO on LoRA")
     _config_args(tg)
     tg.add_argument("--run-dir", help="mesh run directory (default: from config)")
-    tg.set_defaults(fn=cmd_train)
+    tg.set_defaults(fn=run_module)
     tp = tsub.add_parser("ppo", help="PPO on LoRA with a critic, GAE and a KL-penalised reward ([ppo])")
     _config_args(tp)
     tp.add_argument("--run-dir", help="mesh run directory (default: from config)")
-    tp.set_defaults(fn=cmd_train)
+    tp.set_defaults(fn=run_module)
     to = tsub.add_parser("online", help="learn from user feedback on the bus ([online]); runs until Ctrl-C")
     _config_args(to)
     to.add_argument("--run-dir", help="mesh run directory (default: from config)")
-    to.set_defaults(fn=cmd_train)
+    to.set_defaults(fn=run_module)
 
     e = sub.add_parser("eval", help="pass@k of a policy version on held-out tasks or HumanEval")
     _config_args(e)
@@ -266,18 +252,18 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--samples", type=int, default=4, help="samples per task")
     e.add_argument("--limit", type=int, default=0, help="first N tasks only")
     e.add_argument("--k", type=int, action="append", help="report pass@k (repeatable)")
-    e.set_defaults(fn=cmd_eval)
+    e.set_defaults(fn=run_module)
 
     tr = sub.add_parser("trace", help="turn traces into a latency budget")
     trs = tr.add_subparsers(dest="action", required=True)
     tb = trs.add_parser("budget", help="time and share per stage from JSON-lines trace files")
     tb.add_argument("paths", nargs="+", help="trace .jsonl files or directories")
     tb.add_argument("--root", default="", help="span name of the loop (default: the longest roots)")
-    tr.set_defaults(fn=cmd_trace)
+    tr.set_defaults(fn=run_module)
 
     d = sub.add_parser("demo", help="start the mesh and run the GRPO demo, then write a report")
     _config_args(d)
-    d.set_defaults(fn=cmd_demo)
+    d.set_defaults(fn=run_module)
 
     sim = sub.add_parser("simulate", help="simulated users against a running gateway")
     simsub = sim.add_subparsers(dest="what", required=True)
@@ -296,7 +282,7 @@ def build_parser() -> argparse.ArgumentParser:
     su.add_argument("--seed", type=int, default=0)
     su.add_argument("--progress", type=float, default=5.0, help="seconds between progress lines (0: none)")
     su.add_argument("--out", default="runs/simulate/requests.jsonl", help="per-request JSONL (appended)")
-    sim.set_defaults(fn=cmd_simulate)
+    sim.set_defaults(fn=run_module)
 
     do = sub.add_parser("demo-online", help="users, gateway and the online trainer: the share of answers "
                         "matching a hidden preference rises; writes runs/<id>/online-report.md")
@@ -312,7 +298,7 @@ def build_parser() -> argparse.ArgumentParser:
     do.add_argument("--out-dir", default="runs")
     do.add_argument("--run-id", default="", help="default: online-<time>")
     do.add_argument("--quiet", action="store_true", help="no mesh start-up lines")
-    do.set_defaults(fn=cmd_demo_online)
+    do.set_defaults(fn=run_module)
     return p
 
 

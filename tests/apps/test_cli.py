@@ -18,6 +18,22 @@ def test_unknown_command_fails_clearly():
     assert "invalid choice" in r.stderr
 
 
+def test_every_command_has_a_body():
+    from apps.cli import command_main, build_parser, run_module
+
+    def fns(parser):  # the `fn` of a parser, else of each of its subcommands
+        if parser.get_default("fn") is not None:
+            return [parser.get_default("fn")]
+        subs = parser._subparsers._group_actions[0].choices.values() if parser._subparsers else []
+        return [f for sub in subs for f in fns(sub)]
+
+    commands = build_parser()._subparsers._group_actions[0].choices
+    for name, sub in commands.items():
+        assert fns(sub) and all(callable(f) for f in fns(sub)), name
+        if run_module in fns(sub) and name != "bench":
+            assert callable(command_main(name)), name
+
+
 def test_every_bench_command_has_a_module_and_a_help():
     from apps.cli import bench_main, build_parser
 
