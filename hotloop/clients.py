@@ -2,9 +2,13 @@
 
 Owns: the caller's side of the contracts in protos/ (proto types stop here), bounded retries
 on UNAVAILABLE (channel service config plus a tenacity retry around whole streaming calls,
-which gRPC's own retry cannot replay), and clear errors when a service stays down.
-Does not own: what the services do. The training loop, `hotloop eval` and the benchmarks
-call services only through these classes.
+which gRPC's own retry cannot replay), and clear errors when a service stays down. The one
+rollout client (`RolloutClient`: Generate, PushAdapter, Status, WatchLoad) and its result type
+(`Completion`) serve the trainer's recipes, the gateway (`services/gateway/upstream.py`), the
+publisher (`services/trainer/publisher.py`), `hotloop eval` and the benchmarks.
+Does not own: what the services do, nor a caller's own retry policy: a caller that retries on
+its own schedule (the gateway on another replica, the publisher around a whole push) opens a
+`direct_channel` and passes `retry=False`.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from hotloop import grpcutil
-from hotloop.adapters import Version, version_from_proto
+from hotloop.adapters import Version, version_from_proto, version_to_proto
 from hotloop.errors import HotloopError, InvalidArgument, NotFound, Unavailable
 from hotloop.proto.v1 import common_pb2, reference_pb2, reference_pb2_grpc, reward_pb2, reward_pb2_grpc
 from hotloop.proto.v1 import rollout_pb2, rollout_pb2_grpc, trainer_pb2, trainer_pb2_grpc
@@ -26,6 +30,30 @@ RETRY_ATTEMPTS = 4
 # training rollouts that share the engine with users (PPO's joint serving) ask for this.
 USER_PRIORITY = 0
 TRAINING_PRIORITY = 1
+
+
+def direct_channel(address: str, reconnect_backoff_ms: tuple[int, int],
+                   min_reconnect_backoff_ms: int | None = None) -> grpc.aio.Channel:
+    """A channel without gRPC's retry policy, for a caller that retries on its own schedule or
+    must not replay a call (a stream that produced tokens; a push of many MiB, which gRPC
+    buffers for a replay only up to a small limit).
+
+    `reconnect_backoff_ms`: (first, longest) wait between connects to a lost server. A channel
+    that failed to connect fails every call at once until its backoff (1 s, x1.6 per failure,
+    up to 120 s by default) runs out, so with the defaults a caller's retry, or a health
+    probe, would not really try to connect for up to two minutes after the server came back.
+    `min_reconnect_backoff_ms`: gRPC's floor on a connect attempt (default 20 s), for callers
+    whose retries are shorter than that."""
+    options = [
+        ("grpc.max_receive_message_length", grpcutil.MAX_MESSAGE_BYTES),
+        ("grpc.max_send_message_length", grpcutil.MAX_MESSAGE_BYTES),
+        ("grpc.enable_retries", 0),
+        ("grpc.initial_reconnect_backoff_ms", reconnect_backoff_ms[0]),
+        ("grpc.max_reconnect_backoff_ms", reconnect_backoff_ms[1]),
+    ]
+    if min_reconnect_backoff_ms is not None:
+        options.append(("grpc.min_reconnect_backoff_ms", min_reconnect_backoff_ms))
+    return grpc.aio.insecure_channel(address, options=options)
 
 
 async def _call(what: str, address: str, fn):
@@ -70,7 +98,8 @@ async def _unavailable_named(what: str, address: str, call) -> AsyncIterator:
 class Completion:
     """A whole completion, or (`RolloutClient.stream`) one delta of a sample: then `text`,
     `token_ids`, `logprobs`, `top_logprobs` and `token_texts` are what is new, `final` marks
-    the last delta and `version_spans` is the full list so far."""
+    the last delta and `version_spans` is the full list so far. `num_prompt_tokens` is set on
+    every message; `prompt_token_ids` (when asked for) on a sample's first."""
 
     prompt_index: int
     sample_index: int
@@ -95,27 +124,32 @@ def _completion(c: rollout_pb2.Completion) -> Completion:
         c.prompt_index, c.sample_index, c.text, list(c.token_ids), list(c.logprobs),
         c.finish_reason, c.policy_version, list(c.prompt_token_ids),
         version_spans=[(s.version, s.first_token) for s in c.version_spans],
-        final=c.final, num_prompt_tokens=c.num_prompt_tokens,
+        # A replica without stream support sends whole completions; their finish_reason marks
+        # them as the last message of their sample even where `final` is not set.
+        final=c.final or bool(c.finish_reason), num_prompt_tokens=c.num_prompt_tokens,
         top_logprobs=[list(zip(t.token_ids, t.logprobs, t.tokens)) for t in c.top_logprobs],
         token_texts=list(c.token_texts),
     )
 
 
-def _chat_prompts(chats: Sequence[Sequence[dict[str, str]]]) -> list[common_pb2.Prompt]:
+def _prompts(chats: Sequence[Sequence[dict[str, str]]] | None,
+             texts: Sequence[str] | None) -> list[common_pb2.Prompt]:
+    if texts is not None:
+        return [common_pb2.Prompt(text=t) for t in texts]
     return [
         common_pb2.Prompt(chat=common_pb2.ChatMessages(messages=[
             common_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in chat]))
-        for chat in chats
+        for chat in chats or ()
     ]
 
 
 def _request(chats, n, max_tokens, temperature, top_p, seed, pin_version, return_prompt_ids,
-             priority, top_logprobs: int = 0, stop: Sequence[str] = (),
+             priority, top_logprobs: int = 0, stop: Sequence[str] = (), texts=None,
              **extra) -> rollout_pb2.GenerateRequest:
     """The Generate request of `generate`, `generate_each` (whole completions) and `stream`
-    (`extra`: request_id, stream)."""
+    (`extra`: request_id, stream). `texts`: raw prompts instead of `chats`."""
     return rollout_pb2.GenerateRequest(
-        prompts=_chat_prompts(chats),
+        prompts=_prompts(chats, texts),
         sampling=common_pb2.SamplingParams(
             n=n, max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
             top_logprobs=top_logprobs, stop=list(stop),
