@@ -49,8 +49,8 @@ async def _hot_update_one(args, mode: str, swap: str) -> dict:
     probe request, that says it came from the new version (version_spans)."""
     import grpc
 
-    from hotloop import adapters, grpcutil, models
-    from hotloop.proto.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
+    from hotloop import adapters, models
+    from hotloop.clients import RolloutClient
     from services.rollout.config import RolloutConfig
     from services.rollout.core import GenerateInput, PromptIn, RolloutCore, Sampling
     from services.rollout.server import serve
@@ -66,8 +66,7 @@ async def _hot_update_one(args, mode: str, swap: str) -> dict:
     label = f"{core.mode}{'/' + core.swap if core.swap else ''}"
     print(f"[{label}] engine ({core.dtype}) up in {time.perf_counter() - t0:.0f} s", flush=True)
     server, port, _ = await serve(core, "127.0.0.1:0", token)
-    ch = grpcutil.channel(f"127.0.0.1:{port}")
-    stub = rollout_pb2_grpc.RolloutStub(ch)
+    client = RolloutClient(f"127.0.0.1:{port}")
     archives = []
     for i in range(min(args.pushes, 4)):  # distinct adapters, reused round-robin
         d = make_bench_adapter(model_dir, tmp / f"a{i}", args.rank, seed=i)
@@ -92,19 +91,16 @@ async def _hot_update_one(args, mode: str, swap: str) -> dict:
     served = {"n": 0, "crossed": 0}
     first_seen: dict[int, float] = {}  # version -> when its first token reached a client
 
-    def seen(spans) -> None:
+    def seen(spans: list[tuple[int, int]]) -> None:
         now = time.perf_counter()
-        for s in spans:
-            first_seen.setdefault(s.version, now)
+        for version, _ in spans:
+            first_seen.setdefault(version, now)
 
     async def user_traffic(seed: int) -> None:
+        chat = [{"role": "user", "content": CODE_PROMPTS[seed % 8]}]
         while not stop.is_set():
-            req = rollout_pb2.GenerateRequest(
-                prompts=[common_pb2.Prompt(chat=common_pb2.ChatMessages(messages=[
-                    common_pb2.ChatMessage(role="user", content=CODE_PROMPTS[seed % 8])]))],
-                sampling=common_pb2.SamplingParams(n=2, max_tokens=64), stream=True)
             try:
-                async for m in stub.Generate(req):
+                async for m in client.stream([chat], n=2, max_tokens=64):
                     seen(m.version_spans)
                     served["crossed"] += m.final and len(m.version_spans) > 1
                 served["n"] += 1
@@ -115,31 +111,18 @@ async def _hot_update_one(args, mode: str, swap: str) -> dict:
     users = [asyncio.create_task(user_traffic(i)) for i in range(3)]
     await asyncio.sleep(1.0)
     latencies, swaps = [], []
-    probe = rollout_pb2.GenerateRequest(
-        prompts=[common_pb2.Prompt(text="def f(x):")],
-        sampling=common_pb2.SamplingParams(max_tokens=1, temperature=0))
     try:
         for i in range(args.pushes):
             v = i + 1
             data = archives[i % len(archives)]
             sent = {}
-
-            def messages():
-                info = common_pb2.VersionInfo(version=v, sha256=adapters.sha256(data), bytes=len(data),
-                                              base_model=args.model)
-                yield rollout_pb2.AdapterChunk(header=rollout_pb2.AdapterHeader(info=info, make_latest=True))
-                for off in range(0, len(data), grpcutil.CHUNK_BYTES):
-                    yield rollout_pb2.AdapterChunk(data=data[off: off + grpcutil.CHUNK_BYTES])
-                sent["t"] = time.perf_counter()
-
-            async def do_push():
-                return await stub.PushAdapter(messages(), metadata=grpcutil.bearer(token))
-
-            push = asyncio.create_task(do_push())
+            info = adapters.Version(v, adapters.sha256(data), len(data), args.model)
+            push = asyncio.create_task(client.push_adapter(
+                info, data, token, on_sent=lambda: sent.setdefault("t", time.perf_counter())))
             # Probe until the new version has produced a token somewhere: in a user's stream
             # (in flight across the swap, or admitted after it) or in the probe (max_tokens=1).
             while v not in first_seen:
-                async for c in stub.Generate(probe):
+                async for c in client.stream(None, texts=["def f(x):"], max_tokens=1, temperature=0):
                     seen(c.version_spans)
             latencies.append((first_seen[v] - sent["t"]) * 1e3)
             await push
@@ -151,7 +134,7 @@ async def _hot_update_one(args, mode: str, swap: str) -> dict:
         stop.set()
         await asyncio.gather(*users)
         after_rate = statistics.median([await tokens_per_s() for _ in range(3)])
-        await ch.close()
+        await client.close()
         await server.stop(0)
         await core.stop()
 
