@@ -35,14 +35,14 @@ def test_every_command_has_a_body():
 
 
 def test_every_bench_command_has_a_module_and_a_help():
-    from apps.cli import bench_main, build_parser
+    from apps.cli import build_parser, command_main
 
     bench = next(a for a in build_parser()._subparsers._group_actions[0].choices["bench"]._actions
                  if a.dest == "bench")
     assert set(bench.choices) >= {"rollout", "hot-update", "sandbox", "threads", "joint",
                                   "train-step", "grpo", "update-loop"}
     for name in bench.choices:
-        assert callable(bench_main(name)), name
+        assert callable(command_main("bench", name)), name
         r = subprocess.run([sys.executable, "-m", "apps.cli", "bench", name, "--help"],
                            capture_output=True, text=True)
         assert r.returncode == 0 and f"hotloop bench {name}" in r.stdout, (name, r.stderr)
