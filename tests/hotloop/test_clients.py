@@ -180,13 +180,16 @@ async def test_stream_sends_raw_prompts_with_a_deadline_and_marks_a_finished_mes
     try:
         got = [c async for c in client.stream(None, texts=["def f(x):"], max_tokens=4, stop=["\n"],
                                               priority=USER_PRIORITY, request_id="r1", timeout_s=30)]
+        [_ async for _ in client.stream([[{"role": "user", "content": "hi"}]])]  # no deadline
     finally:
         await client.close()
         await fake.server.stop(0)
-    (req,) = fake.requests
+    req, chat = fake.requests
     assert [p.text for p in req.prompts] == ["def f(x):"] and list(req.sampling.stop) == ["\n"]
     assert req.stream and req.request_id == "r1" and req.sampling.max_tokens == 4
-    assert 0 < fake.time_remaining[0] <= 30
+    assert [m.content for m in chat.prompts[0].chat.messages] == ["hi"]
+    # the deadline travels with the call (its exact remainder depends on the clocks)
+    assert fake.time_remaining[0] is not None and fake.time_remaining[1] is None
     assert [(c.text, c.final, c.policy_version) for c in got] == [("x", True, 3)]
 
 
