@@ -2,21 +2,26 @@
 
 Owns: the caller's side of the contracts in protos/ (proto types stop here), bounded retries
 on UNAVAILABLE (channel service config plus a tenacity retry around whole streaming calls,
-which gRPC's own retry cannot replay), and clear errors when a service stays down.
-Does not own: what the services do. The training loop, `hotloop eval` and the benchmarks
-call services only through these classes.
+which gRPC's own retry cannot replay), and clear errors when a service stays down. The one
+rollout client (`RolloutClient`: Generate, PushAdapter, Status, WatchLoad) and its result type
+(`Completion`) serve the trainer's recipes, the gateway (`services/gateway/upstream.py`), the
+publisher (`services/trainer/publisher.py`), `hotloop eval` and the benchmarks.
+Does not own: what the services do, nor a caller's own retry policy: a caller that retries on
+its own schedule (the gateway on another replica, the publisher around a whole push) opens a
+`direct_channel` and passes `retry=False`.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import NamedTuple
 from dataclasses import dataclass, field
 
 import grpc
 
 from hotloop import grpcutil
-from hotloop.adapters import Version, version_from_proto
+from hotloop.adapters import Version, version_from_proto, version_to_proto
+from hotloop.completion import Completion
 from hotloop.errors import HotloopError, InvalidArgument, NotFound, Unavailable
 from hotloop.proto.v1 import common_pb2, reference_pb2, reference_pb2_grpc, reward_pb2, reward_pb2_grpc
 from hotloop.proto.v1 import rollout_pb2, rollout_pb2_grpc, trainer_pb2, trainer_pb2_grpc
@@ -26,6 +31,30 @@ RETRY_ATTEMPTS = 4
 # training rollouts that share the engine with users (PPO's joint serving) ask for this.
 USER_PRIORITY = 0
 TRAINING_PRIORITY = 1
+
+
+def direct_channel(address: str, reconnect_backoff_ms: tuple[int, int],
+                   min_reconnect_backoff_ms: int | None = None) -> grpc.aio.Channel:
+    """A channel without gRPC's retry policy, for a caller that retries on its own schedule or
+    must not replay a call (a stream that produced tokens; a push of many MiB, which gRPC
+    buffers for a replay only up to a small limit).
+
+    `reconnect_backoff_ms`: (first, longest) wait between connects to a lost server. A channel
+    that failed to connect fails every call at once until its backoff (1 s, x1.6 per failure,
+    up to 120 s by default) runs out, so with the defaults a caller's retry, or a health
+    probe, would not really try to connect for up to two minutes after the server came back.
+    `min_reconnect_backoff_ms`: gRPC's floor on a connect attempt (default 20 s), for callers
+    whose retries are shorter than that."""
+    options = [
+        ("grpc.max_receive_message_length", grpcutil.MAX_MESSAGE_BYTES),
+        ("grpc.max_send_message_length", grpcutil.MAX_MESSAGE_BYTES),
+        ("grpc.enable_retries", 0),
+        ("grpc.initial_reconnect_backoff_ms", reconnect_backoff_ms[0]),
+        ("grpc.max_reconnect_backoff_ms", reconnect_backoff_ms[1]),
+    ]
+    if min_reconnect_backoff_ms is not None:
+        options.append(("grpc.min_reconnect_backoff_ms", min_reconnect_backoff_ms))
+    return grpc.aio.insecure_channel(address, options=options)
 
 
 async def _call(what: str, address: str, fn):
@@ -66,56 +95,44 @@ async def _unavailable_named(what: str, address: str, call) -> AsyncIterator:
 
 
 # ---- rollout ------------------------------------------------------------------------------
-@dataclass
-class Completion:
-    """A whole completion, or (`RolloutClient.stream`) one delta of a sample: then `text`,
-    `token_ids`, `logprobs`, `top_logprobs` and `token_texts` are what is new, `final` marks
-    the last delta and `version_spans` is the full list so far."""
-
-    prompt_index: int
-    sample_index: int
-    text: str
-    token_ids: list[int]
-    logprobs: list[float]
-    finish_reason: str
-    policy_version: int
-    prompt_token_ids: list[int] = field(default_factory=list)
-    # (version, first token index), ascending: more than one only when an in-flight weight
-    # update landed mid-completion; tokens from first_token on came from that version.
-    version_spans: list[tuple[int, int]] = field(default_factory=list)
-    final: bool = True
-    num_prompt_tokens: int = 0
-    # When top_logprobs > 0: per token, [(token id, logprob, text)] most likely first.
-    top_logprobs: list[list[tuple[int, float, str]]] = field(default_factory=list)
-    token_texts: list[str] = field(default_factory=list)
-
-
 def _completion(c: rollout_pb2.Completion) -> Completion:
     return Completion(
         c.prompt_index, c.sample_index, c.text, list(c.token_ids), list(c.logprobs),
         c.finish_reason, c.policy_version, list(c.prompt_token_ids),
         version_spans=[(s.version, s.first_token) for s in c.version_spans],
-        final=c.final, num_prompt_tokens=c.num_prompt_tokens,
+        # A replica without stream support sends whole completions; their finish_reason marks
+        # them as the last message of their sample even where `final` is not set.
+        final=c.final or bool(c.finish_reason), num_prompt_tokens=c.num_prompt_tokens,
         top_logprobs=[list(zip(t.token_ids, t.logprobs, t.tokens)) for t in c.top_logprobs],
         token_texts=list(c.token_texts),
     )
 
 
-def _chat_prompts(chats: Sequence[Sequence[dict[str, str]]]) -> list[common_pb2.Prompt]:
+def _prompts(chats: Sequence[Sequence[dict[str, str]]] | None,
+             texts: Sequence[str] | None) -> list[common_pb2.Prompt]:
+    if texts is not None:
+        return [common_pb2.Prompt(text=t) for t in texts]
     return [
         common_pb2.Prompt(chat=common_pb2.ChatMessages(messages=[
             common_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in chat]))
-        for chat in chats
+        for chat in chats or ()
     ]
 
 
-def _request(chats, n, max_tokens, temperature, top_p, seed, pin_version, return_prompt_ids,
-             priority, top_logprobs: int = 0, stop: Sequence[str] = (),
+def _request(chats: Sequence[Sequence[dict[str, str]]] | None, n: int = 1, max_tokens: int = 128,
+             temperature: float = 1.0, top_p: float = 1.0, seed: int | None = None,
+             pin_version: int = 0, return_prompt_ids: bool = True, priority: int = 0,
+             stop: Sequence[str] = (), top_logprobs: int = 0, texts: Sequence[str] | None = None,
              **extra) -> rollout_pb2.GenerateRequest:
-    """The Generate request of `generate`, `generate_each` (whole completions) and `stream`
-    (`extra`: request_id, stream)."""
+    """One Generate request. `generate` and `generate_each` take these sampling arguments and
+    defaults; `stream` adds `request_id` and `stream` (`extra`).
+
+    `priority`: lower is admitted first where the engine schedules by priority (users come at
+    0; training that must yield to them asks for `TRAINING_PRIORITY`). `stop`: strings that
+    end a completion (left out of its text; its token ids and logprobs keep every sampled
+    token). `texts`: raw prompts instead of `chats`."""
     return rollout_pb2.GenerateRequest(
-        prompts=_chat_prompts(chats),
+        prompts=_prompts(chats, texts),
         sampling=common_pb2.SamplingParams(
             n=n, max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
             top_logprobs=top_logprobs, stop=list(stop),
@@ -136,43 +153,47 @@ class Load(NamedTuple):
     board_nonce: int = 0
 
 
-class RolloutClient:
-    def __init__(self, address: str):
-        self.address = address
-        self.channel = grpcutil.channel(address)
-        self.stub = rollout_pb2_grpc.RolloutStub(self.channel)
+@dataclass(frozen=True)
+class Pushed:
+    """A replica's answer to `RolloutClient.push_adapter`."""
 
-    async def generate(
-        self,
-        chats: Sequence[Sequence[dict[str, str]]],
-        n: int = 1,
-        max_tokens: int = 128,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        seed: int | None = None,
-        pin_version: int = 0,
-        return_prompt_ids: bool = True,
-        priority: int = 0,
-        stop: Sequence[str] = (),
-    ) -> list[Completion]:
-        """Sample `n` completions per chat; returned sorted by (prompt, sample). `priority`:
-        lower is admitted first where the engine schedules by priority (users come at 0;
-        training that must yield to them asks for `TRAINING_PRIORITY`). `stop`: strings that
-        end a completion (left out of its text; its token ids and logprobs keep every
-        sampled token)."""
-        req = _request(chats, n, max_tokens, temperature, top_p, seed, pin_version,
-                       return_prompt_ids, priority, stop=stop)
+    loaded: Version  # what the replica now holds under that number
+    verify_ms: float  # as the replica measured them
+    load_ms: float
+    already_present: bool  # it held this version already (a retried push)
+
+
+class RolloutClient:
+    def __init__(self, address: str, channel: grpc.aio.Channel | None = None, retry: bool = True):
+        """`channel`: None opens one that retries UNAVAILABLE in its service config
+        (`grpcutil.channel`); a caller with its own retry policy passes a `direct_channel`.
+        `retry`: `generate` and `status` retry UNAVAILABLE a bounded number of times (tenacity)
+        and then raise `Unavailable`; with False every call is made once and a failure
+        surfaces as grpc.aio.AioRpcError, for the caller to judge by its code."""
+        self.address = address
+        self.channel = channel if channel is not None else grpcutil.channel(address)
+        self.stub = rollout_pb2_grpc.RolloutStub(self.channel)
+        self.retry = retry
+
+    async def _unary(self, fn):
+        return await (_call("rollout", self.address, fn) if self.retry else fn())
+
+    async def generate(self, chats: Sequence[Sequence[dict[str, str]]], **sampling) -> list[Completion]:
+        """Sample completions of each chat, returned sorted by (prompt, sample). `sampling`:
+        `n`, `max_tokens`, `temperature`, `top_p`, `seed`, `pin_version`,
+        `return_prompt_ids`, `priority`, `stop`, with `_request`'s defaults (one sample of
+        128 tokens at temperature 1, prompt ids returned)."""
+        req = _request(chats, **sampling)
 
         async def run():
             return [c async for c in self.stub.Generate(req)]
 
-        out = await _call("rollout", self.address, run)
-        comps = [_completion(c) for c in out]
+        comps = [_completion(c) for c in await self._unary(run)]
         return sorted(comps, key=lambda c: (c.prompt_index, c.sample_index))
 
     async def stream(
         self,
-        chats: Sequence[Sequence[dict[str, str]]],
+        chats: Sequence[Sequence[dict[str, str]]] | None,
         n: int = 1,
         max_tokens: int = 128,
         temperature: float = 1.0,
@@ -183,53 +204,70 @@ class RolloutClient:
         pin_version: int = 0,
         return_prompt_ids: bool = False,
         request_id: str = "",
+        stop: Sequence[str] = (),
+        texts: Sequence[str] | None = None,
+        timeout_s: float | None = None,
     ) -> AsyncIterator[Completion]:
         """Token deltas as the engine produces them, interleaved across (prompt, sample).
+        `texts`: raw prompts instead of `chats`; `timeout_s` bounds the whole call.
 
         Not retried: a stream that has produced tokens cannot be replayed transparently (a
         failure surfaces as grpc.aio.AioRpcError). Leaving the loop early (break, or
         cancelling the consuming task) cancels the call, which aborts its engine requests.
         """
         req = _request(chats, n, max_tokens, temperature, top_p, seed, pin_version,
-                       return_prompt_ids, priority, top_logprobs, request_id=request_id, stream=True)
-        call = self.stub.Generate(req)
+                       return_prompt_ids, priority, stop, top_logprobs, texts,
+                       request_id=request_id, stream=True)
+        call = self.stub.Generate(req, timeout=timeout_s)
         try:
             async for c in call:
                 yield _completion(c)
         finally:
             call.cancel()  # no-op once the call has finished
 
-    async def generate_each(
-        self,
-        chats: Sequence[Sequence[dict[str, str]]],
-        n: int = 1,
-        max_tokens: int = 128,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        seed: int | None = None,
-        pin_version: int = 0,
-        return_prompt_ids: bool = True,
-        priority: int = 0,
-        stop: Sequence[str] = (),
-    ) -> AsyncIterator[Completion]:
-        """`generate`, but each whole completion as soon as the engine finishes it (a prompt's
-        `n` samples arrive together), in finishing order, so a caller can score the first
-        while the rest still generate.
+    async def generate_each(self, chats: Sequence[Sequence[dict[str, str]]],
+                            **sampling) -> AsyncIterator[Completion]:
+        """`generate` (the same `sampling`), but each whole completion as soon as the engine
+        finishes it (a prompt's `n` samples arrive together), in finishing order, so a caller
+        can score the first while the rest still generate.
 
         Not retried: results already handed out cannot be replayed (a failure surfaces as
         `Unavailable` or grpc.aio.AioRpcError). Leaving the loop early cancels the call."""
-        req = _request(chats, n, max_tokens, temperature, top_p, seed, pin_version,
-                       return_prompt_ids, priority, stop=stop)
-        call = self.stub.Generate(req)
+        call = self.stub.Generate(_request(chats, **sampling))
         try:
             async for c in _unavailable_named("rollout", self.address, call):
                 yield _completion(c)
         finally:
             call.cancel()  # no-op once the call has finished
 
-    async def status(self) -> rollout_pb2.RolloutStatus:
-        return await _call("rollout", self.address,
-                           lambda: self.stub.Status(rollout_pb2.StatusRequest(), timeout=10))
+    async def push_adapter(self, info: Version, data: bytes, admin_token: str, *,
+                           make_latest: bool = True, timeout_s: float | None = None,
+                           on_sent: Callable[[], None] | None = None) -> Pushed:
+        """Push a packed adapter (`hotloop.adapters.pack`) as version `info`: its header, then
+        `grpcutil.CHUNK_BYTES` chunks, with the admin bearer token. `timeout_s` bounds the
+        push, the replica's verify and load included; `on_sent` is called once the last chunk
+        is handed to gRPC (a benchmark times from there).
+
+        Never retried here, whatever `retry` says: gRPC buffers a streamed request for a
+        replay only up to a small limit, and whether to push again depends on why the replica
+        refused (the publisher retries whole pushes on UNAVAILABLE). Failures surface as
+        grpc.aio.AioRpcError."""
+        header = rollout_pb2.AdapterHeader(info=version_to_proto(info), make_latest=make_latest)
+
+        def messages() -> Iterator[rollout_pb2.AdapterChunk]:
+            yield rollout_pb2.AdapterChunk(header=header)
+            for i in range(0, len(data), grpcutil.CHUNK_BYTES):
+                yield rollout_pb2.AdapterChunk(data=data[i : i + grpcutil.CHUNK_BYTES])
+            if on_sent is not None:
+                on_sent()
+
+        resp = await self.stub.PushAdapter(messages(), metadata=grpcutil.bearer(admin_token),
+                                           timeout=timeout_s)
+        return Pushed(version_from_proto(resp.loaded), resp.verify_ms, resp.load_ms,
+                      resp.already_present)
+
+    async def status(self, timeout_s: float = 10.0) -> rollout_pb2.RolloutStatus:
+        return await self._unary(lambda: self.stub.Status(rollout_pb2.StatusRequest(), timeout=timeout_s))
 
     async def watch_load(self) -> AsyncIterator[Load]:
         """Users' requests in flight and those waiting for a first token: now, then at every
@@ -398,14 +436,7 @@ class TrainerClient:
 
     def __init__(self, address: str):
         self.address = address
-        self.channel = grpc.aio.insecure_channel(address, options=[
-            ("grpc.max_receive_message_length", grpcutil.MAX_MESSAGE_BYTES),
-            ("grpc.max_send_message_length", grpcutil.MAX_MESSAGE_BYTES),
-            ("grpc.enable_retries", 0),
-            ("grpc.initial_reconnect_backoff_ms", 100),
-            ("grpc.min_reconnect_backoff_ms", 100),
-            ("grpc.max_reconnect_backoff_ms", 1000),
-        ])
+        self.channel = direct_channel(address, (100, 1000), min_reconnect_backoff_ms=100)
         self.stub = trainer_pb2_grpc.TrainerStub(self.channel)
 
     def _error(self, e: grpc.aio.AioRpcError) -> HotloopError:

@@ -55,7 +55,7 @@ def adapter_factory(tiny_model, tmp_path_factory):
 
 @pytest.fixture
 def nats_server(tmp_path):
-    from hotloop.natsserver import NatsServer
+    from apps.natsserver import NatsServer
 
     with NatsServer(tmp_path / "nats") as server:
         yield server

@@ -17,8 +17,8 @@ pytestmark = pytest.mark.slow
 def test_async_grpo_job_through_the_mesh(tiny_model, tmp_path, monkeypatch):
     from hotloop import config
     from hotloop.clients import RolloutClient
-    from hotloop.launcher import Mesh
-    from services.trainer.commands import load_job_configs
+    from apps.launcher import Mesh
+    from apps.train import load_job_configs
     from services.trainer.job import run_job
 
     cfg_path = tmp_path / "e2e.toml"

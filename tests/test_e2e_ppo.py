@@ -19,9 +19,9 @@ def test_ppo_job_beside_users_through_the_colocated_mesh(tiny_model, tmp_path, m
     import openai
 
     from hotloop import config
-    from hotloop.cli import PROFILES
-    from hotloop.launcher import Mesh
-    from services.trainer.commands import load_ppo_configs
+    from apps.cli import PROFILES
+    from apps.launcher import Mesh
+    from apps.train import load_ppo_configs
 
     cfg_path = tmp_path / "ppo.toml"
     cfg_path.write_text(f"""

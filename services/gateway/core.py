@@ -64,13 +64,13 @@ from .events import BusEvents
 from .keys import KeyRing
 from .routing import ReplicaState, Router
 from .types import (
+    Completion,
     Delta,
     FeedbackIn,
     FeedbackResult,
     GenerateIn,
     ServedChoice,
     TokenLogprob,
-    UpstreamDelta,
     UpstreamRequest,
     Usage,
 )
@@ -534,8 +534,8 @@ class Generation:
     """
 
     def __init__(self, core: GatewayCore, req: GenerateIn, up: UpstreamRequest, response_id: str,
-                 user: str, state: ReplicaState, stream: AsyncIterator[UpstreamDelta],
-                 first: UpstreamDelta, deadline: float, span):
+                 user: str, state: ReplicaState, stream: AsyncIterator[Completion],
+                 first: Completion, deadline: float, span):
         self.response_id = response_id
         self.created = int(time.time())
         self.model = core.served_model
@@ -566,7 +566,7 @@ class Generation:
 
     async def _run(self) -> AsyncIterator[Delta]:
         try:
-            pending: UpstreamDelta | None = self._first
+            pending: Completion | None = self._first
             while True:
                 if pending is None:
                     try:
@@ -599,7 +599,7 @@ class Generation:
         finally:
             await self.aclose()
 
-    def _absorb(self, up: UpstreamDelta) -> Delta | None:
+    def _absorb(self, up: Completion) -> Delta | None:
         if up.prompt_token_ids:
             self._prompt_ids[up.prompt_index] = up.prompt_token_ids
         if up.num_prompt_tokens:
@@ -619,7 +619,7 @@ class Generation:
             k = self._req.top_logprobs
             texts = up.token_texts or ([up.text] if len(up.token_ids) == 1 else [""] * len(up.token_ids))
             tops = up.top_logprobs or [[] for _ in up.token_ids]
-            logprobs = [TokenLogprob(t, lp, list(top[:k]))
+            logprobs = [TokenLogprob(t, lp, [(alt, alt_lp) for _, alt_lp, alt in top[:k]])
                         for t, lp, top in zip(texts, up.logprobs, tops)]
         finish = ""
         if up.final:

@@ -1,5 +1,6 @@
 """Plain data of the gateway: what the edges hand to the core and what it hands back, and the
-narrow interface to a rollout replica. No protos, no HTTP types."""
+narrow interface to a rollout replica (which answers in `hotloop.completion.Completion`, the
+rollout's one result type). No protos, no HTTP types."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Literal
+
+from hotloop.completion import Completion
 
 
 @dataclass(frozen=True)
@@ -45,25 +48,6 @@ class UpstreamRequest:
     top_logprobs: int
     request_id: str
     timeout_s: float
-
-
-@dataclass
-class UpstreamDelta:
-    """One rollout message: what is new for one (prompt, sample) since its previous message."""
-
-    prompt_index: int
-    sample_index: int
-    text: str
-    token_ids: list[int]
-    logprobs: list[float]
-    finish_reason: str
-    final: bool
-    policy_version: int
-    version_spans: list[tuple[int, int]]  # (version, first_token), the full list so far
-    prompt_token_ids: list[int] = field(default_factory=list)
-    num_prompt_tokens: int = 0
-    top_logprobs: list[list[tuple[str, float]]] = field(default_factory=list)
-    token_texts: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -134,7 +118,7 @@ class Replica(ABC):
     address: str
 
     @abstractmethod
-    def generate(self, req: UpstreamRequest) -> AsyncIterator[UpstreamDelta]: ...
+    def generate(self, req: UpstreamRequest) -> AsyncIterator[Completion]: ...
 
     @abstractmethod
     async def probe(self, timeout_s: float) -> ReplicaStatus | None:

@@ -104,6 +104,19 @@ def _output(item: ScoreInput, start: float, **fields) -> ScoreOutput:
     return ScoreOutput(id=item.id, seconds=time.perf_counter() - start, **fields)
 
 
+def _by_rule(items: Sequence[ScoreInput], miss: Callable[[str], str], hit_reward: float,
+             miss_reward: float) -> list[ScoreOutput]:
+    """One pass/fail rule per completion: `miss(text)` is "" when it passes, else why not (the
+    output's error)."""
+    out = []
+    for item in items:
+        start = time.perf_counter()
+        why = miss(item.completion)
+        out.append(_output(item, start, reward=miss_reward if why else hit_reward,
+                           passed=int(not why), failed=int(bool(why)), error=why))
+    return out
+
+
 _SANDBOX_STATUS: dict[str, ScoreStatus] = {
     "ok": "ok", "failed": "ok", "timeout": "timeout", "oom": "oom", "crash": "crash",
     "error": "scorer_error",
@@ -172,16 +185,10 @@ class RegexScorer(Scorer):
         self._pattern = re.compile(rule.pattern, re.DOTALL if rule.dotall else 0)
 
     async def score(self, items: Sequence[ScoreInput]) -> list[ScoreOutput]:
-        out = []
-        for item in items:
-            start = time.perf_counter()
-            hit = self._pattern.search(item.completion) is not None
-            out.append(_output(
-                item, start, reward=self._rule.match_reward if hit else self._rule.miss_reward,
-                passed=int(hit), failed=int(not hit),
-                error="" if hit else f"pattern {self._rule.pattern!r} not found",
-            ))
-        return out
+        def miss(text: str) -> str:
+            return "" if self._pattern.search(text) else f"pattern {self._rule.pattern!r} not found"
+
+        return _by_rule(items, miss, self._rule.match_reward, self._rule.miss_reward)
 
 
 class PythonScorer(Scorer):
@@ -231,17 +238,11 @@ class LengthScorer(Scorer):
         self._rule = rule
 
     async def score(self, items: Sequence[ScoreInput]) -> list[ScoreOutput]:
-        out = []
-        for item in items:
-            start = time.perf_counter()
-            words = len(item.completion.split())
-            under = words <= self._rule.max_words
-            out.append(_output(
-                item, start, reward=self._rule.reward_under if under else self._rule.reward_over,
-                passed=int(under), failed=int(not under),
-                error="" if under else f"{words} words > max_words {self._rule.max_words}",
-            ))
-        return out
+        def miss(text: str) -> str:
+            words = len(text.split())
+            return "" if words <= self._rule.max_words else f"{words} words > max_words {self._rule.max_words}"
+
+        return _by_rule(items, miss, self._rule.reward_under, self._rule.reward_over)
 
 
 class CompositeScorer(Scorer):

@@ -13,7 +13,7 @@ serves users. Per step:
    together (policy.train_step with the critic);
 7. publish the adapter as a new version; adapt kl_coef toward kl_target.
 Users first: `users_first` chooses how the trainer yields the CPU to users sharing the host
-(usersfirst.py); bench_joint.py measures the policies.
+(usersfirst.py); benchmarks/joint.py measures the policies.
 
 Failure policy (as GRPO's): a reward scorer error is a sample with reward 0 and its status
 counted; a non-finite loss, or a value loss past `[trainer.critic] max_value_loss`

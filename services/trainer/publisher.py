@@ -3,9 +3,9 @@
 Owns: `VersionStore`, the trainer's durable, immutable copies of published versions
 (`<dir>/versions/v{n}.tar` + `v{n}.json`), which `Trainer.FetchAdapter` serves to a replica
 that missed a push; and `Publisher`, which after a training step packs an adapter directory,
-stores it, pushes it concurrently to every replica over `Rollout.PushAdapter` (header, then
-`CHUNK_BYTES` chunks, admin bearer token), retrying only UNAVAILABLE a bounded number of
-times, then announces it on the bus (`WeightsUpdated` + KV key "latest").
+stores it, pushes it concurrently to every replica (`RolloutClient.push_adapter`, the one
+rollout client: header, chunks, admin bearer token), retrying only UNAVAILABLE a bounded
+number of times, then announces it on the bus (`WeightsUpdated` + KV key "latest").
 
 Does not own: writing the adapter (`LoraPolicy.save_adapter`), numbering versions or deciding
 what to do when a push fails (the loop: `PublishError` says which replicas failed and why),
@@ -26,7 +26,6 @@ import json
 import logging
 import os
 import time
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -39,11 +38,12 @@ from tenacity import (
     wait_exponential,
 )
 
-from hotloop import adapters, grpcutil
+from hotloop import adapters
 from hotloop.adapters import Version, version_to_proto
 from hotloop.bus import LATEST_KEY, WEIGHTS_UPDATED, Bus
+from hotloop.clients import RolloutClient, direct_channel
 from hotloop.errors import FailedPrecondition, InvalidArgument, NotFound
-from hotloop.proto.v1 import bus_pb2, common_pb2, rollout_pb2, rollout_pb2_grpc
+from hotloop.proto.v1 import bus_pb2, common_pb2
 
 log = logging.getLogger(__name__)
 _tracer = trace.get_tracer(__name__)
@@ -218,12 +218,6 @@ def _is_unavailable(e: BaseException) -> bool:
     return isinstance(e, grpc.aio.AioRpcError) and e.code() == grpc.StatusCode.UNAVAILABLE
 
 
-def _messages(info: common_pb2.VersionInfo, data: bytes) -> Iterator[rollout_pb2.AdapterChunk]:
-    yield rollout_pb2.AdapterChunk(header=rollout_pb2.AdapterHeader(info=info, make_latest=True))
-    for i in range(0, len(data), grpcutil.CHUNK_BYTES):
-        yield rollout_pb2.AdapterChunk(data=data[i : i + grpcutil.CHUNK_BYTES])
-
-
 class Publisher:
     """Makes a trained adapter the mesh's new policy version. One caller (the loop) drives it."""
 
@@ -253,29 +247,17 @@ class Publisher:
         self.fetch_from = fetch_from
         self._max_attempts = max_attempts
         self._timeout_s = push_timeout_s
-        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._clients: dict[str, RolloutClient] = {}
 
-    def _stub(self, replica: str) -> rollout_pb2_grpc.RolloutStub:
-        ch = self._channels.get(replica)
-        if ch is None:
-            ch = grpc.aio.insecure_channel(
-                replica,
-                options=[
-                    ("grpc.max_send_message_length", grpcutil.MAX_MESSAGE_BYTES),
-                    ("grpc.max_receive_message_length", grpcutil.MAX_MESSAGE_BYTES),
-                    # Retries are ours (tenacity, below): gRPC's own retry buffers a streamed
-                    # request only up to a small limit, so it cannot replay a multi-MiB push.
-                    ("grpc.enable_retries", 0),
-                    # After a failed connect a channel waits out a reconnect backoff (1 s and
-                    # growing by default) and fails RPCs fast meanwhile; keep it shorter than
-                    # our retry waits so that each retry really tries to connect.
-                    ("grpc.initial_reconnect_backoff_ms", 100),
-                    ("grpc.min_reconnect_backoff_ms", 100),
-                    ("grpc.max_reconnect_backoff_ms", 1000),
-                ],
-            )
-            self._channels[replica] = ch
-        return rollout_pb2_grpc.RolloutStub(ch)
+    def _client(self, replica: str) -> RolloutClient:
+        client = self._clients.get(replica)
+        if client is None:
+            # Retries are ours (tenacity, below), and the reconnect backoff stays shorter than
+            # their waits, so that each retry really tries to connect.
+            client = RolloutClient(
+                replica, direct_channel(replica, (100, 1000), min_reconnect_backoff_ms=100), retry=False)
+            self._clients[replica] = client
+        return client
 
     async def publish(self, version: int, adapter_dir: str | Path) -> PublishResult:
         """Pack, store, push to every replica, announce. Raises `PublishError` if any replica
@@ -297,9 +279,8 @@ class Publisher:
             span.set_attribute("hotloop.sha256", info.sha256)
             span.set_attribute("hotloop.bytes", info.bytes)
 
-            proto = version_to_proto(info)
             outcomes = await asyncio.gather(
-                *(self._push(r, proto, data) for r in self.replicas), return_exceptions=True
+                *(self._push(r, info, data) for r in self.replicas), return_exceptions=True
             )
             pushes: dict[str, ReplicaPush] = {}
             failures: dict[str, PushFailed] = {}
@@ -313,7 +294,7 @@ class Publisher:
 
             announce = self._bus is not None and (bool(pushes) or not self.replicas)
             if announce:
-                await self._announce(proto)
+                await self._announce(version_to_proto(info))
             result = PublishResult(info, pushes, (time.perf_counter() - t0) * 1e3, announce)
             span.set_attribute("hotloop.replicas_failed", len(failures))
             if failures:
@@ -327,14 +308,12 @@ class Publisher:
             )
             return result
 
-    async def _push(
-        self, replica: str, info: common_pb2.VersionInfo, data: bytes
-    ) -> ReplicaPush:
+    async def _push(self, replica: str, info: Version, data: bytes) -> ReplicaPush:
         t0 = time.perf_counter()
         attempts = 0
         with _tracer.start_as_current_span("push") as span:
             span.set_attributes({"hotloop.replica": replica, "hotloop.version": info.version})
-            stub = self._stub(replica)
+            client = self._client(replica)
             try:
                 async for attempt in AsyncRetrying(
                     stop=stop_after_attempt(self._max_attempts),
@@ -344,10 +323,8 @@ class Publisher:
                 ):
                     with attempt:
                         attempts += 1
-                        resp = await stub.PushAdapter(
-                            _messages(info, data),
-                            metadata=grpcutil.bearer(self._token),
-                            timeout=self._timeout_s,
+                        resp = await client.push_adapter(
+                            info, data, self._token, timeout_s=self._timeout_s
                         )
             except grpc.aio.AioRpcError as e:
                 kind = (
@@ -400,6 +377,6 @@ class Publisher:
 
     async def close(self) -> None:
         """Close the replica channels. The bus is the caller's and stays open."""
-        channels, self._channels = self._channels, {}
-        for ch in channels.values():
-            await ch.close()
+        clients, self._clients = self._clients, {}
+        for client in clients.values():
+            await client.close()

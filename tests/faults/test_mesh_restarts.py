@@ -1,6 +1,6 @@
 """A rollout replica killed under `hotloop up` comes back by itself on the latest version.
 
-The whole mesh as `hotloop up` runs it (`hotloop.launcher.Mesh`, real processes): NATS, two
+The whole mesh as `hotloop up` runs it (`apps.launcher.Mesh`, real processes): NATS, two
 rollout replicas (vLLM, the tiny model), the gateway and the online trainer. Users chat through
 the gateway (official openai client) and rate the answers; the trainer trains on each rating
 and publishes a version to both replicas. Then one replica is killed with SIGKILL; meanwhile
@@ -28,7 +28,7 @@ from hotloop import config
 from hotloop.bus import LATEST_KEY, Bus
 from hotloop.clients import RolloutClient
 from hotloop.errors import Unavailable
-from hotloop.launcher import Mesh, MeshInfo
+from apps.launcher import Mesh, MeshInfo
 from hotloop.proto.v1 import common_pb2
 
 pytestmark = pytest.mark.slow

@@ -12,7 +12,7 @@ import openai
 import pytest
 
 from hotloop import config
-from hotloop.launcher import Mesh, MeshInfo
+from apps.launcher import Mesh, MeshInfo
 
 from .fake_rollout import WORDS, start_fake
 

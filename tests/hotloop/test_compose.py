@@ -5,8 +5,8 @@ from pathlib import Path
 
 import yaml
 
-from hotloop.cli import SERVICES
-from hotloop.launcher import OPT_IN_SERVICES
+from apps.cli import SERVICES
+from apps.launcher import OPT_IN_SERVICES
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -121,3 +121,14 @@ def test_the_gateway_is_health_checked_on_its_readiness():
         "CMD", "hotloop-healthcheck", "--http", http_port, "/ready"]
     app = build_app(SimpleNamespace(cfg=GatewayConfig()))
     assert "/ready" in {route.path for route in app.routes}
+
+
+def test_the_image_holds_every_package_pyproject_installs():
+    """The image's entry point, `hotloop`, is apps.cli; a package left out of the image fails
+    only when its first command runs there."""
+    import tomllib
+
+    find = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]
+    copied = {line.split()[1] for line in (ROOT / "compose/Dockerfile").read_text().splitlines()
+              if line.startswith("COPY ")}
+    assert {pattern.rstrip("*") for pattern in find["include"]} <= copied

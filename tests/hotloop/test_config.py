@@ -97,7 +97,7 @@ def test_every_config_file_parses(path):
     from services.trainer.grpo_async import AsyncGrpoJobConfig
     from services.trainer.ppo import PpoJobConfig
 
-    from hotloop.launcher import UpConfig
+    from apps.launcher import UpConfig
 
     sections = {"rollout": RolloutConfig, "reward": RewardConfig, "reference": ReferenceConfig,
                 "trainer": TrainerConfig, "grpo": AsyncGrpoJobConfig, "gateway": GatewayConfig,

@@ -81,7 +81,7 @@ def test_killed_rollout_service_leaves_no_engine(tiny_model, tmp_path):
 
 def test_killed_benchmark_leaves_no_engine(tiny_model, tmp_path):
     proc = subprocess.Popen(
-        [sys.executable, "-m", "hotloop.cli", "bench", "hot-update", "--model", str(tiny_model),
+        [sys.executable, "-m", "apps.cli", "bench", "hot-update", "--model", str(tiny_model),
          "--pushes", "2", "--rank", "8"],
         cwd=REPO, env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )

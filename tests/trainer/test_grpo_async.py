@@ -296,7 +296,7 @@ def test_max_staleness_zero_runs_the_synchronous_recipe(tmp_path):
 
 
 def test_the_grpo_section_reads_the_async_fields(tmp_path):
-    from services.trainer.commands import load_job_configs
+    from apps.train import load_job_configs
 
     cfg = tmp_path / "c.toml"
     cfg.write_text("[grpo]\nmax_staleness = 1\nis_cap = 1.5\n")

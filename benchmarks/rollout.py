@@ -1,21 +1,22 @@
-"""`hotloop bench rollout|hot-update`: rollout performance as ratios against a baseline measured
-in the same run.
+"""`hotloop bench rollout`: generation speed as ratios against a baseline measured in the same
+run.
 
 Owns the rollout benchmark (HF `generate` per prompt and batched vs vLLM with and without a
-fresh adapter) and the hot-update benchmark (push-to-first-token of new versions while requests
-are in flight). The sandbox benchmark is services/reward/bench.py. Machines here are noisy:
-every figure is a median over repeats, and only ratios from one run are comparable.
+fresh adapter), and the prompts and the random adapter that hot_update.py reuses. Machines
+here are noisy: every figure is a median over repeats, and only ratios from one run are
+comparable.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import statistics
 import tempfile
 import time
 from pathlib import Path
+
+from benchmarks.common import report
 
 CODE_PROMPTS = [
     "Write a Python function `add(a, b)` that returns the sum of a and b.",
@@ -31,13 +32,6 @@ CODE_PROMPTS = [
 
 def _prompts(k: int) -> list[str]:
     return [CODE_PROMPTS[i % len(CODE_PROMPTS)] for i in range(k)]
-
-
-def _write_json(path: str | None, result: dict) -> None:
-    if path:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path).write_text(json.dumps(result, indent=2))
-        print(f"wrote {path}")
 
 
 def _chat_ids(tok, prompt: str) -> list[int]:
@@ -125,7 +119,7 @@ async def _vllm_rates(model_dir: Path, model_name: str, prompts: list[str], n: i
     return {"base": base, "adapter": with_adapter}
 
 
-def _make_bench_adapter(model_dir: Path, out: Path, rank: int, seed: int = 0) -> Path:
+def make_bench_adapter(model_dir: Path, out: Path, rank: int, seed: int = 0) -> Path:
     """An r=`rank` all-linear LoRA with small random weights, like an early training step."""
     import torch
     from peft import LoraConfig, get_peft_model
@@ -173,7 +167,7 @@ def bench_rollout(args) -> dict:
     hf_batched = hf_tokens_per_s(model_dir, hf_batch, args.n, args.max_tokens, batched=True,
                                  dtype=hf_dtype)
     print(f"  hf_batched     {hf_batched:8.1f} tok/s", flush=True)
-    adapter = _make_bench_adapter(model_dir, Path(tempfile.mkdtemp(prefix="hotloop-adapter-")), 16)
+    adapter = make_bench_adapter(model_dir, Path(tempfile.mkdtemp(prefix="hotloop-adapter-")), 16)
     from services.rollout.core import resolve_mode
     from services.rollout.config import RolloutConfig
 
@@ -213,172 +207,8 @@ def bench_rollout(args) -> dict:
     return result
 
 
-# ---- hot update ----------------------------------------------------------------------------
-def _quantiles(xs: list[float]) -> dict[str, float]:
-    q = statistics.quantiles(xs, n=20) if len(xs) >= 2 else xs * 19
-    return {"p50": statistics.median(xs), "p95": q[18], "min": min(xs), "max": max(xs)}
-
-
-async def _hot_update(args) -> dict:
-    """Each swap of the update mode on its own engine (merged: drain and inflight, unless
-    `--swap` picks one). The first one's figures are the top-level result; all are under
-    `swaps`."""
-    from services.rollout.config import RolloutConfig
-    from services.rollout.core import resolve_mode
-
-    mode = resolve_mode(RolloutConfig(update_mode=args.mode))
-    chosen = getattr(args, "swap", None)
-    swaps = [chosen] if chosen else (["inflight", "drain"] if mode == "merged" else [""])
-    results = {}
-    for swap in swaps:
-        results[swap or mode] = await _hot_update_one(args, mode, swap)
-    first = results[swaps[0] or mode]
-    return {**first, "swaps": results} if len(results) > 1 else first
-
-
-async def _hot_update_one(args, mode: str, swap: str) -> dict:
-    """Push `pushes` versions through a real gRPC server while streaming clients keep requests
-    in flight. Push-to-first-token: last chunk sent -> the first token, in any stream or in a
-    probe request, that says it came from the new version (version_spans)."""
-    import grpc
-
-    from hotloop import adapters, grpcutil, models
-    from hotloop.proto.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
-    from services.rollout.config import RolloutConfig
-    from services.rollout.core import GenerateInput, PromptIn, RolloutCore, Sampling
-    from services.rollout.server import serve
-
-    model_dir = models.resolve(args.model)
-    tmp = Path(tempfile.mkdtemp(prefix="hotloop-hot-"))
-    token = "bench"
-    cfg = RolloutConfig(update_mode=mode, swap=swap or "auto", max_lora_rank=max(16, args.rank),
-                        cpu_reserved_cpus=0)
-    core = RolloutCore(cfg, model_dir, base_model=args.model, max_model_len=1024, storage_dir=tmp / "store")
-    t0 = time.perf_counter()
-    await core.start()
-    label = f"{core.mode}{'/' + core.swap if core.swap else ''}"
-    print(f"[{label}] engine ({core.dtype}) up in {time.perf_counter() - t0:.0f} s", flush=True)
-    server, port, _ = await serve(core, "127.0.0.1:0", token)
-    ch = grpcutil.channel(f"127.0.0.1:{port}")
-    stub = rollout_pb2_grpc.RolloutStub(ch)
-    archives = []
-    for i in range(min(args.pushes, 4)):  # distinct adapters, reused round-robin
-        d = _make_bench_adapter(model_dir, tmp / f"a{i}", args.rank, seed=i)
-        archives.append(adapters.pack(d))
-    print(f"[{label}] adapter archive: {len(archives[0]) / 1e6:.1f} MB (r={args.rank}, all linear)",
-          flush=True)
-
-    async def tokens_per_s() -> float:
-        # Same workload before and after the updates: 4 prompts x n=4 x 64 tokens.
-        req = GenerateInput([PromptIn(messages=[{"role": "user", "content": p}]) for p in CODE_PROMPTS[:4]],
-                            Sampling(n=4, max_tokens=64, temperature=1.0, ignore_eos=True))
-        t = time.perf_counter()
-        n = sum([len(c.token_ids) async for c in core.generate(req)])
-        return n / (time.perf_counter() - t)
-
-    await tokens_per_s()  # warm-up
-    base_rate = statistics.median([await tokens_per_s() for _ in range(3)])
-    print(f"[{label}] base {base_rate:.1f} tok/s", flush=True)
-
-    stop = asyncio.Event()
-    failed = {"n": 0, "errors": []}
-    served = {"n": 0, "crossed": 0}
-    first_seen: dict[int, float] = {}  # version -> when its first token reached a client
-
-    def seen(spans) -> None:
-        now = time.perf_counter()
-        for s in spans:
-            first_seen.setdefault(s.version, now)
-
-    async def user_traffic(seed: int) -> None:
-        while not stop.is_set():
-            req = rollout_pb2.GenerateRequest(
-                prompts=[common_pb2.Prompt(chat=common_pb2.ChatMessages(messages=[
-                    common_pb2.ChatMessage(role="user", content=CODE_PROMPTS[seed % 8])]))],
-                sampling=common_pb2.SamplingParams(n=2, max_tokens=64), stream=True)
-            try:
-                async for m in stub.Generate(req):
-                    seen(m.version_spans)
-                    served["crossed"] += m.final and len(m.version_spans) > 1
-                served["n"] += 1
-            except grpc.aio.AioRpcError as e:
-                failed["n"] += 1
-                failed["errors"].append(e.details())
-
-    users = [asyncio.create_task(user_traffic(i)) for i in range(3)]
-    await asyncio.sleep(1.0)
-    latencies, swaps = [], []
-    probe = rollout_pb2.GenerateRequest(
-        prompts=[common_pb2.Prompt(text="def f(x):")],
-        sampling=common_pb2.SamplingParams(max_tokens=1, temperature=0))
-    try:
-        for i in range(args.pushes):
-            v = i + 1
-            data = archives[i % len(archives)]
-            sent = {}
-
-            def messages():
-                info = common_pb2.VersionInfo(version=v, sha256=adapters.sha256(data), bytes=len(data),
-                                              base_model=args.model)
-                yield rollout_pb2.AdapterChunk(header=rollout_pb2.AdapterHeader(info=info, make_latest=True))
-                for off in range(0, len(data), grpcutil.CHUNK_BYTES):
-                    yield rollout_pb2.AdapterChunk(data=data[off: off + grpcutil.CHUNK_BYTES])
-                sent["t"] = time.perf_counter()
-
-            async def do_push():
-                return await stub.PushAdapter(messages(), metadata=grpcutil.bearer(token))
-
-            push = asyncio.create_task(do_push())
-            # Probe until the new version has produced a token somewhere: in a user's stream
-            # (in flight across the swap, or admitted after it) or in the probe (max_tokens=1).
-            while v not in first_seen:
-                async for c in stub.Generate(probe):
-                    seen(c.version_spans)
-            latencies.append((first_seen[v] - sent["t"]) * 1e3)
-            await push
-            swaps.append(core.last_swap)
-            print(f"[{label}] push {v}/{args.pushes}: first token of v{v} after "
-                  f"{latencies[-1]:.0f} ms", flush=True)
-            await asyncio.sleep(0.2)
-    finally:
-        stop.set()
-        await asyncio.gather(*users)
-        after_rate = statistics.median([await tokens_per_s() for _ in range(3)])
-        await ch.close()
-        await server.stop(0)
-        await core.stop()
-
-    def med(key: str) -> float | None:
-        xs = [s[key] for s in swaps if key in s]
-        return statistics.median(xs) if xs else None
-
-    result = {
-        "push_to_first_token_ms": _quantiles(latencies),
-        "pushes": len(latencies), "failed_requests": failed["n"], "served_requests": served["n"],
-        "mode": core.mode, "swap": core.swap, "rank": args.rank, "archive_bytes": len(archives[0]),
-        "completions_across_a_swap": served["crossed"],
-        # medians: receive + verify the archive, build the version (factored first in flight),
-        # drain, pause, commit (+ label + resume), then the merged build that replaces it
-        "swap_ms": {"verify": med("verify_ms"), "prepare": med("prepare_ms"), "drain": med("drain_ms"),
-                    "pause": med("pause_ms"), "commit": med("commit_ms"), "finish": med("finish_ms")},
-        "tokens_per_s": {"base": base_rate, "after_update": after_rate,
-                         "after_vs_base": after_rate / base_rate},
-        "dtype": core.dtype,
-        "errors": failed["errors"][:5],
-    }
-    p = result["push_to_first_token_ms"]
-    print(f"[{label}] push -> first token of the new version: p50 {p['p50']:.1f} ms, "
-          f"p95 {p['p95']:.1f} ms over {len(latencies)} pushes; user requests served {served['n']}, "
-          f"failed {failed['n']}; tokens/s after the updates {after_rate:.1f} vs base {base_rate:.1f} "
-          f"({after_rate / base_rate:.2f}x)", flush=True)
-    return result
-
-
 def main(args) -> int:
+    """`hotloop bench rollout`."""
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
-    if args.bench == "rollout":
-        result = bench_rollout(args)
-    else:
-        result = asyncio.run(_hot_update(args))
-    _write_json(args.json, result)
+    report(bench_rollout(args), args.json)
     return 0

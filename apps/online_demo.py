@@ -1,8 +1,8 @@
-"""`hotloop demo-online` (`make demo-online`) and `hotloop bench update-loop`: the online loop
-measured end to end, from the users' side.
+"""`hotloop demo-online` (`make demo-online`): the online loop measured end to end, from the
+users' side. `hotloop bench update-loop` (benchmarks/update_loop.py) runs on the same stack.
 
 Owns:
-- starting the mesh with the gateway and the online trainer (`hotloop.launcher`, the trainer
+- starting the mesh with the gateway and the online trainer (`apps.launcher`, the trainer
   role; `hotloop train online` as a subprocess where the role is not built), and stopping all
   of it on every exit, Ctrl-C and SIGTERM included;
 - the demo's phases: an idle phase (users only, no feedback: idle TTFT/ITL and the base rate
@@ -11,10 +11,9 @@ Owns:
   trained on it. Which version that is comes from the trainer's `metrics.jsonl` (stream
   sequences per update) and the FEEDBACK stream (sequence -> response id); when a version went
   live comes from `hotloop.weights.updated` on the bus;
-- the reports: `runs/<id>/online-report.{md,json}` and `online.png`; the bench's JSON and the
-  stage budget of each loop from the OTLP JSON-lines traces.
+- the report: `runs/<id>/online-report.{md,json}` and `online.png`.
 
-Does not own: the services, the hidden preference and the users (`hotloop.simulate`). Imports
+Does not own: the services, the hidden preference and the users (`apps.simulate`). Imports
 nothing from `services/`: everything is reached through processes, HTTP and NATS.
 """
 
@@ -24,16 +23,16 @@ import asyncio
 import json
 import logging
 import os
-import signal
-import statistics
 import subprocess
 import sys
 import time
-from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hotloop.simulate import (
+from hotloop.service import run_interruptible
+
+from apps.processes import die_with_parent, sigterm_interrupts, stop_process, tail_log
+from apps.simulate import (
     Brevity,
     Record,
     SimConfig,
@@ -44,11 +43,11 @@ from hotloop.simulate import (
     percentile,
     summarize,
 )
-from hotloop.tracebudget import read_trace_spans
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "online.toml"
 TRAINER_RUN = "trainer"  # the trainer's metrics and checkpoints: runs/<id>/trainer/
 WARMUP_MAX_S = 300.0  # the longest wait for every user's first answer
+TRAINER_STOP_GRACE_S = 30.0  # SIGTERM -> SIGKILL for a `hotloop train online` subprocess
 log = logging.getLogger(__name__)
 
 
@@ -59,7 +58,7 @@ log = logging.getLogger(__name__)
 class Stack:
     """A running mesh plus, where the trainer role is not built, `hotloop train online`."""
 
-    mesh: object  # hotloop.launcher.Mesh
+    mesh: object  # apps.launcher.Mesh
     trainer: subprocess.Popen | None
     out: Path  # runs/<id>
     target: Target
@@ -74,8 +73,6 @@ class Stack:
 
     def dead(self) -> str | None:
         """Which process of the stack died, with its log's last lines; None while all run."""
-        from hotloop.launcher import tail_log
-
         procs = [(p.name, p.popen, p.log_path) for p in self.mesh.procs]
         if self.trainer is not None:
             procs.append(("trainer", self.trainer, self.out / "mesh" / "logs" / "trainer.log"))
@@ -88,18 +85,10 @@ class Stack:
     def stop(self) -> str | None:
         """Stop everything; returns why a process had failed on its own (it can report a
         fatal error and still be shutting down when the demo ends), else None."""
-        from hotloop.launcher import tail_log
-
         procs = [(p.name, p.popen, p.log_path) for p in self.mesh.procs]
         if self.trainer is not None:
             procs.append(("trainer", self.trainer, self.out / "mesh" / "logs" / "trainer.log"))
-        if self.trainer is not None and self.trainer.poll() is None:
-            self.trainer.send_signal(signal.SIGTERM)
-            try:
-                self.trainer.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.trainer.pid, signal.SIGKILL)
-                self.trainer.wait()
+        stop_process(self.trainer, TRAINER_STOP_GRACE_S)
         self.mesh.stop()
         # A process that failed exits 1 (`hotloop.service`); a negative code is a signal, and
         # a SIGKILL here is the launcher's own, after its grace period (it says so itself).
@@ -114,7 +103,7 @@ def start_stack(config_path: str, overrides: list[str], out: Path, quiet: bool =
     online trainer, with the mesh's files under `out/mesh` and the trainer's under
     `out/trainer`. Raises if any of them does not come up (and stops what did)."""
     from hotloop import config
-    from hotloop.launcher import Mesh, die_with_parent, available
+    from apps.launcher import Mesh, available
 
     out = out.resolve()
     overrides = [*overrides, f"run_dir={out / 'mesh'}", f"online.out_dir={out}",
@@ -129,12 +118,12 @@ def start_stack(config_path: str, overrides: list[str], out: Path, quiet: bool =
     try:
         if not role:
             log_path = out / "mesh" / "logs" / "trainer.log"
-            cmd = [sys.executable, "-m", "hotloop.cli", "train", "online", "--config", config_path,
+            cmd = [sys.executable, "-m", "apps.cli", "train", "online", "--config", config_path,
                    "--run-dir", str(out / "mesh")] + [a for o in overrides for a in ("--set", o)]
             with open(log_path, "ab") as f:
                 trainer = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT,
                                            start_new_session=True, preexec_fn=die_with_parent)
-        from hotloop.simulate import find_target
+        from apps.simulate import find_target
 
         return Stack(mesh, trainer, out, find_target(out / "mesh"))
     except BaseException:
@@ -339,16 +328,9 @@ async def run_demo(state: DemoState, stack: Stack, users: int, idle_s: float, tr
         sim.stop()
         await run
     finally:
-        sim.stop()
-        if not run.done():
-            run.cancel()
-            try:
-                await run
-            except (asyncio.CancelledError, Exception):
-                pass
+        await sim.halt(run)
         await tracker.poll()
         await tracker.close()
-        sim.close()
 
 
 async def _tick(run: asyncio.Task, stack: Stack, state: DemoState) -> None:
@@ -493,15 +475,8 @@ def _plot(state: DemoState, path: Path) -> None:
     plt.close(fig)
 
 
-def _interrupt(signum, frame):
-    """SIGTERM during start-up stops what started, like Ctrl-C (the launcher's cleanup runs)."""
-    raise KeyboardInterrupt
-
-
 def main(args) -> int:
     """`hotloop demo-online`."""
-    from hotloop.service import run_interruptible
-
     logging.basicConfig(level=os.environ.get("HOTLOOP_LOG_LEVEL", "WARNING"))
     config_path = args.config or str(DEFAULT_CONFIG)
     run_id = args.run_id or time.strftime("online-%Y%m%d-%H%M%S")
@@ -513,16 +488,14 @@ def main(args) -> int:
         "train_s": args.train_s, "max_tokens": args.max_tokens, "max_words": args.max_words,
         "until_target": not args.no_stop, "window": args.window})
 
-    old = signal.signal(signal.SIGTERM, _interrupt)
     print(f"[demo-online] starting the mesh (NATS, rollout with vLLM, gateway, online trainer); "
           f"run files under {out}", flush=True)
     try:
-        stack = start_stack(config_path, args.set, out, quiet=args.quiet)
+        with sigterm_interrupts():  # start_stack stops what started
+            stack = start_stack(config_path, args.set, out, quiet=args.quiet)
     except KeyboardInterrupt:
         print("[demo-online] interrupted during start-up; stopped", flush=True)
         return 130
-    finally:
-        signal.signal(signal.SIGTERM, old)
     try:
         print(f"[demo-online] gateway {stack.target.base_url}/v1; idle phase {args.idle_s:g} s "
               f"(users only), then up to {args.train_s:g} s of training", flush=True)
@@ -543,206 +516,6 @@ def main(args) -> int:
           f"{_f(report['user_ttft_ms']['training_p99'], '.0f')} ms", flush=True)
     print(f"[demo-online] report: {out / 'online-report.md'}", flush=True)
     return 130 if state.interrupted else 1 if state.failed else 0
-
-
-# ---- the bench --------------------------------------------------------------------------------
-
-LOOP_STAGES = ("ingest", "consume", "join", "reference", "train", "pack", "push", "load", "first_token")
-
-
-def loop_stages(spans: list[dict], loops: list[dict]) -> dict[str, list[float]]:
-    """Per-loop stage times (ms) along the loop's critical path, from the traces: the
-    trainer's `online.step` children; push (publish started -> the replica started loading:
-    archive, send); load (the replica's PushAdapter server span: verify, merge, swap); and the
-    ends the traces cannot see: ingest (feedback sent -> the update started) and first token
-    (the replica loaded it -> a user's first token from it, 0 when a token came first). The
-    stages follow each other in time, so they add up to the loop. The announce on the bus runs
-    after the load and is off the path."""
-    by_id = {s["span_id"]: s for s in spans}
-    children = defaultdict(list)
-    for s in spans:
-        children[s["parent"]].append(s)
-    publish = {}
-    for s in spans:
-        if s["name"] == "publish" and s["attrs"].get("hotloop.version") is not None:
-            publish[int(s["attrs"]["hotloop.version"])] = s
-    out: dict[str, list[float]] = defaultdict(list)
-    for lp in loops:
-        pub = publish.get(lp["version"])
-        step = by_id.get(pub["parent"]) if pub else None
-        if pub is None or step is None or step["name"] != "online.step":
-            continue
-        kids = {c["name"]: c for c in children[step["span_id"]]}
-        out["ingest"].append((step["start"] - lp["sent"]) * 1e3)
-        for name in ("consume", "join", "reference", "train", "pack"):
-            if name in kids:
-                out[name].append((kids[name]["end"] - kids[name]["start"]) * 1e3)
-        loads = [s for s in spans if s["trace"] == pub["trace"] and s["name"].endswith("PushAdapter")
-                 and s["start"] >= pub["start"] and _is_server(s, by_id)]
-        first = lp["first_token"]
-        if loads:  # one replica here; with several, the slowest one bounds the path
-            load = max(loads, key=lambda s: s["end"])
-            out["push"].append((load["start"] - pub["start"]) * 1e3)
-            # An in-flight swap serves the new weights before PushAdapter returns (it still
-            # retires old versions): the load ends, for the loop, at the first token if sooner.
-            out["load"].append((min(load["end"], first) - load["start"]) * 1e3)
-            live = load["end"]
-        else:
-            out["push"].append((pub["end"] - pub["start"]) * 1e3)
-            live = pub["end"]
-        out["first_token"].append(max(0.0, first - live) * 1e3)
-    return out
-
-
-def _is_server(span: dict, by_id: dict) -> bool:
-    """A gRPC server span: its parent is the client span of the same call (another process)."""
-    parent = by_id.get(span["parent"])
-    return parent is not None and parent["name"] == span["name"]
-
-
-def bench_update_loop(args) -> int:
-    """`hotloop bench update-loop`."""
-    from hotloop.service import run_interruptible
-
-    logging.basicConfig(level=os.environ.get("HOTLOOP_LOG_LEVEL", "WARNING"))
-    config_path = args.config or str(DEFAULT_CONFIG)
-    out = Path(args.out_dir) / time.strftime("update-loop-%Y%m%d-%H%M%S")
-    out.mkdir(parents=True, exist_ok=True)
-    # One feedback per update: each loop is one feedback, trained alone, published, served.
-    overrides = ["online.batch_size=1", "online.batch_window_s=0", "telemetry.exporter=jsonl", *args.set]
-    print(f"[bench update-loop] starting the mesh; run files under {out}", flush=True)
-    old = signal.signal(signal.SIGTERM, _interrupt)
-    try:
-        stack = start_stack(config_path, overrides, out, quiet=True)
-    except KeyboardInterrupt:
-        return 130
-    finally:
-        signal.signal(signal.SIGTERM, old)
-    result: dict = {}
-    try:
-        res, interrupted = run_interruptible(_bench(stack, args, out, result))
-    finally:
-        stack.stop()  # flushes every process's spans
-    if interrupted and not result.get("loops_detail"):
-        return 130
-    spans = read_trace_spans(sorted((out / "mesh" / "traces").glob("*.jsonl")))
-    stages = loop_stages(spans, result["loops_detail"])
-    loop_ms = [e["loop_ms"] for e in result["loops_detail"]]
-    summary = {
-        "loop_ms": {"p50": percentile(loop_ms, 50), "p95": percentile(loop_ms, 95)},
-        "loops": len(loop_ms),
-        "lost_feedback": result["lost"],
-        "stages_ms": {s: percentile(stages[s], 50) for s in LOOP_STAGES if stages.get(s)},
-        "stages_p95_ms": {s: percentile(stages[s], 95) for s in LOOP_STAGES if stages.get(s)},
-        "per_loop": [{"version": e["version"], "loop_ms": round(e["loop_ms"], 1)}
-                     for e in result["loops_detail"]],
-        "background": result["background"],
-        "interrupted": interrupted,
-    }
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(summary, indent=2))
-    _print_budget(summary)
-    return 130 if interrupted else 0
-
-
-async def _bench(stack: Stack, args, out: Path, result: dict) -> None:
-    tracker = LoopTracker(stack.info.nats_url, stack.metrics_path)
-    await tracker.start()
-    result.update(loops_detail=[], lost=0, background={})
-    # Background users stream without rating: they carry the new versions' first tokens.
-    cfg = SimConfig(users=args.users, duration_s=24 * 3600, max_tokens=args.max_tokens,
-                    feedback=False, phase="background", progress_s=0)
-    sim = Simulation(stack.target, cfg, Brevity(args.max_words), out / "requests.jsonl")
-    users = asyncio.create_task(sim.run())
-    import httpx
-
-    try:
-        async with httpx.AsyncClient(timeout=30.0) as http:
-            rated: set[str] = set()
-            for i in range(args.loops):
-                # rate the newest finished answer nobody rated yet
-                while True:
-                    fresh = [r for r in sim.records if r.response_id and not r.error and r.response_id not in rated]
-                    if fresh:
-                        break
-                    if users.done():
-                        users.result()
-                        raise RuntimeError("the background users stopped")
-                    await asyncio.sleep(0.05)
-                rec = fresh[-1]
-                rated.add(rec.response_id)
-                before = max(tracker.trained_version, sim.clock.latest)
-                sent = time.time()
-                outcome = await sim.send_feedback(http, rec.response_id, rec.score)
-                if outcome not in ("accepted", "duplicate"):
-                    result["lost"] += 1
-                    print(f"[bench update-loop] loop {i + 1}: feedback refused ({outcome})", flush=True)
-                    continue
-                sim.feedback_sent[rec.response_id] = sent
-                deadline = time.monotonic() + args.loop_timeout_s
-                entry = None
-                while time.monotonic() < deadline:
-                    await asyncio.sleep(0.02)
-                    if (why := stack.dead()) is not None:
-                        raise RuntimeError(why)
-                    v = tracker.trained_in.get(rec.response_id)
-                    if v is not None and v > before and sim.clock.first_at_least(v) is not None:
-                        entry = [e for e in tracker.loops(sim.feedback_sent, sim.clock)
-                                 if e["response_id"] == rec.response_id][0]
-                        break
-                if entry is None:
-                    result["lost"] += 1
-                    print(f"[bench update-loop] loop {i + 1}: no first token from a version trained "
-                          f"on the feedback within {args.loop_timeout_s:g} s", flush=True)
-                    continue
-                result["loops_detail"].append(entry)
-                done = [e["loop_ms"] for e in result["loops_detail"]]
-                print(f"[bench update-loop] loop {i + 1}/{args.loops}: {entry['loop_ms']:.0f} ms "
-                      f"(v{entry['version']}; p50 so far {percentile(done, 50):.0f} ms)", flush=True)
-    finally:
-        sim.stop()
-        users.cancel()
-        try:
-            await users
-        except (asyncio.CancelledError, Exception):
-            pass
-        sim.close()
-        await tracker.close()
-        s = summarize(sim.records)
-        result["background"] = {"users": args.users, "requests": s["requests"], "errors": s["errors"],
-                                "ttft_ms_p50": s["ttft_ms"]["p50"], "itl_ms_p50": s["itl_ms"]["p50"]}
-
-
-def _print_budget(summary: dict) -> None:
-    lm = summary["loop_ms"]
-    print(f"[bench update-loop] {summary['loops']} loops, lost feedback {summary['lost_feedback']}: "
-          f"p50 {_f(lm['p50'], '.0f')} ms, p95 {_f(lm['p95'], '.0f')} ms", flush=True)
-    stages = summary["stages_ms"]
-    total = sum(v for v in stages.values() if v) or 1.0
-    print(f"{'stage':<14}{'p50 ms':>10}{'share':>8}{'p95 ms':>10}")
-    for name, v in stages.items():
-        print(f"{name:<14}{v:>10.0f}{v / total:>8.0%}{summary['stages_p95_ms'][name]:>10.0f}")
-    if lm["p50"] is not None and lm["p50"] >= 1000 and stages:
-        over = lm["p50"] - 1000
-        print(f"[bench update-loop] p50 is {over:.0f} ms over the 1000 ms aim. Largest stages first:")
-        for name, v in sorted(stages.items(), key=lambda kv: -(kv[1] or 0))[:3]:
-            print(f"  {name}: {v:.0f} ms — {_HINTS.get(name, '')}")
-
-
-_HINTS = {
-    "train": "one LoRA step on the CPU; fewer LoRA layers (target q/v only), a lower rank or "
-             "bf16 on AMX hardware shrink it; on a GPU it is tens of ms",
-    "load": "the replica's verify + merge + drain; the drain waits for in-flight requests in "
-            "merged mode: in-flight weight updates (or LoRA slots) remove the wait",
-    "first_token": "a version is live but no user request has produced a token from it yet: "
-                   "in-flight updates switch running streams at the next token",
-    "push": "packing and sending the adapter; a smaller adapter (rank, layers) is less to pack",
-    "ingest": "gateway publish + JetStream delivery + the trainer's fetch (its fetch timeout)",
-    "reference": "the KL reference pass: kl_beta = 0 removes it",
-    "pack": "saving the adapter to disk before the push",
-    "consume": "the batch window: batch_window_s = 0 with batch_size = 1",
-}
 
 
 def _f(x, spec: str = ".2f") -> str:

@@ -47,7 +47,7 @@ checkpoint_interval = 1000
 torch_threads = 1
 """)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "hotloop.cli", "demo", "--config", str(cfg)],
+    proc = subprocess.Popen([sys.executable, "-m", "apps.cli", "demo", "--config", str(cfg)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     try:
         runs = tmp_path / "runs"

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from hotloop.simulate import Record
-from services.trainer.bench_joint import (
+from apps.simulate import Record
+from benchmarks.joint import (
     CpuMark,
     StepSeen,
     bench_summary,
@@ -164,7 +164,7 @@ def test_other_work_is_what_the_machine_did_beyond_the_bench():
 def test_notes_say_what_weakens_the_numbers():
     from types import SimpleNamespace
 
-    from services.trainer.bench_joint import notes
+    from benchmarks.joint import notes
 
     runs = [
         {"policy": "none", "window": (100.0, 160.0), "steps": steps((16, 130.0, 9.0, False))},

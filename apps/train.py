@@ -1,6 +1,6 @@
 """`hotloop train grpo|ppo|online` and `hotloop eval`: jobs against a running mesh (`hotloop up`).
 
-The CLI (hotloop/cli.py) reaches these bodies by module name, so the shared library never
+The CLI (apps/cli.py) reaches these bodies by module name, so the shared library never
 imports a service. `online` learns from the feedback users give through the gateway.
 """
 
@@ -51,7 +51,7 @@ def load_online_configs(config_path: str | None, overrides: list[str]):
 
 
 def train(args) -> int:
-    from hotloop.launcher import MeshInfo
+    from apps.launcher import MeshInfo
     from hotloop.threads import pin_configured
 
     logging.basicConfig(level=os.environ.get("HOTLOOP_LOG_LEVEL", "WARNING"))
@@ -100,7 +100,7 @@ def train(args) -> int:
 def evaluate(args) -> int:
     """`hotloop eval`: pass@k of a policy version on held-out tasks or HumanEval."""
     from hotloop.clients import RewardClient, RolloutClient
-    from hotloop.launcher import MeshInfo
+    from apps.launcher import MeshInfo
     from hotloop.tasks import load_tasks
     from services.trainer.grpo import evaluate
 

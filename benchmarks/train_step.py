@@ -43,15 +43,15 @@ allow, and a shape this CPU runs slowly is part of what the ratio shows.
 
 from __future__ import annotations
 
-import json
 import os
 import resource
 import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
+
+from benchmarks.common import report
 
 
 @dataclass(frozen=True)
@@ -462,8 +462,5 @@ def main(args: Any) -> int:
                  steps=args.steps, threads=args.threads, group_size=args.group_size,
                  micro_batch_tokens=args.micro_batch_tokens)
     result["model"] = args.model
-    print(table(result))
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=2))
+    report(result, args.json, table=table(result))
     return 0

@@ -2,9 +2,9 @@
 policy, measured in one run.
 
 Owns:
-- the run: the colocated mesh (NATS, rollout, reward, gateway; `hotloop.launcher.Mesh`),
+- the run: the colocated mesh (NATS, rollout, reward, gateway; `apps.launcher.Mesh`),
   simulated users streaming through the gateway with the `openai` client for the whole run
-  (`hotloop.simulate`), and `hotloop train ppo` as a subprocess, once per policy;
+  (`apps.simulate`), and `hotloop train ppo` as a subprocess, once per policy;
 - the phases: warm-up (each user's first answer, excluded), idle (users only), then per
   policy: start the trainer, wait for its first logged step, measure, let the measured
   requests finish, SIGTERM the trainer and wait for it. Training starts where the first step
@@ -17,7 +17,7 @@ Owns:
 - the figures: TTFT and ITL p50/p99 per phase, PPO samples/s per policy, the TTFT p99 ratio
   to idle, the choice of policy and whether the issue's aim (p99 TTFT at most 1.5x idle with
   samples/s > 0) was met; where each phase's TTFT went, hop by hop, from the traces
-  (`hotloop.tracebudget.ttft_hops`); and how much CPU other work took meanwhile, since the
+  (`apps.tracebudget.ttft_hops`); and how much CPU other work took meanwhile, since the
   machine is shared and a busy neighbour inflates both figures;
 - stopping: the mesh and any trainer are stopped on every exit path, Ctrl-C and SIGTERM
   included (the trainer also dies with this process: PR_SET_PDEATHSIG).
@@ -32,17 +32,18 @@ import asyncio
 import json
 import logging
 import os
-import signal
 import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hotloop.simulate import Brevity, Record, SimConfig, Simulation, percentile, summarize
-from hotloop.tracebudget import TTFT_HOPS, read_trace_spans, ttft_hops
+from apps.processes import die_with_parent, stop_process, tail_log
+from apps.simulate import Brevity, Record, SimConfig, Simulation, percentile, summarize
+from apps.tracebudget import TTFT_HOPS, read_trace_spans, ttft_hops
+from benchmarks.common import exit_code, report, run_interruptible, say_as, sigterm_interrupts
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG = REPO / "configs" / "ppo.toml"
 POLICIES = ("none", "nice", "pause")
 MESH_SERVICES = ["rollout", "reward", "gateway"]  # `hotloop up --profile colocated`
@@ -63,6 +64,7 @@ SAMPLES_PER_S_METHOD = ("samples of the non-skipped PPO steps whose metrics line
                         "SIGTERM is not counted); per_step: samples / the sum of those steps' "
                         "stage_seconds")
 log = logging.getLogger(__name__)
+say = say_as("joint")
 
 
 # ---- pure: steps, phases, the choice -------------------------------------------------------
@@ -97,7 +99,7 @@ def parse_steps(lines: list[str], seen_at: float) -> list[StepSeen]:
 
 
 def latency(records: list[Record]) -> dict:
-    """TTFT and ITL p50/p99 (ms) of one phase's records, as `hotloop.simulate.summarize` takes
+    """TTFT and ITL p50/p99 (ms) of one phase's records, as `apps.simulate.summarize` takes
     them: ITL p50 is the median of per-request medians, p99 the p99 of per-request p99s."""
     s = summarize(records)
     return {"ttft_ms": s["ttft_ms"], "itl_ms": s["itl_ms"], "requests": s["requests"],
@@ -146,7 +148,7 @@ def policy_figures(records: list[Record], policy: str, idle: dict, steps: list[S
 
 
 def hop_figures(hops: dict[str, dict[str, float]], records: list[Record]) -> dict | None:
-    """Where the phase's time to first token went (`hotloop.tracebudget.ttft_hops`): each hop's
+    """Where the phase's time to first token went (`apps.tracebudget.ttft_hops`): each hop's
     median, and the hops of its slowest requests (what its p99 is made of). None when the
     traces cover none of the phase's requests."""
     mine = sorted(((r.ttft_ms, hops[r.response_id]) for r in records
@@ -239,7 +241,7 @@ def markdown(result: dict) -> str:
     aim = result["aim"]
     verdict = (f"**Aim met** with `{result['training_policy']}`" if aim["met"] else
                f"**Aim not met** with `{result['training_policy']}`: {aim['why_not']}")
-    lines = [f"# hotloop bench joint", "",
+    lines = ["# hotloop bench joint", "",
              f"Users through the gateway alone, then beside PPO training, per users-first policy. "
              f"Aim: user TTFT p99 at most {aim['ttft_p99_ratio_max']:g}x idle with PPO making progress.", "",
              *rows, "",
@@ -355,7 +357,7 @@ class PolicyRun:
 @dataclass
 class Bench:
     out: Path
-    mesh: object  # hotloop.launcher.Mesh
+    mesh: object  # apps.launcher.Mesh
     config_path: str
     overrides: list[str]
     users: int
@@ -377,11 +379,9 @@ class Bench:
         return self.out / RUN_ID / "metrics.jsonl"
 
     def say(self, msg: str) -> None:
-        print(f"[bench joint] {msg}", flush=True)
+        say(msg)
 
     def mesh_dead(self) -> str | None:
-        from hotloop.launcher import tail_log
-
         for p in self.mesh.procs:
             if p.popen.poll() is not None:
                 return (f"{p.name} died with exit code {p.popen.returncode}; last lines of "
@@ -392,7 +392,7 @@ class Bench:
         sets = [*self.overrides, f"ppo.run_id={RUN_ID}", f"ppo.out_dir={self.out}",
                 f"ppo.users_first={policy}", f"trainer.num_steps={ENDLESS_STEPS}", "ppo.train_budget_s=0",
                 "ppo.run_budget_s=0", "ppo.eval_limit=0"]
-        return [sys.executable, "-m", "hotloop.cli", "train", "ppo", "--config", self.config_path,
+        return [sys.executable, "-m", "apps.cli", "train", "ppo", "--config", self.config_path,
                 "--run-dir", str(self.mesh.run_dir)] + [a for s in sets for a in ("--set", s)]
 
     def read_steps(self, run: PolicyRun) -> list[StepSeen]:
@@ -431,16 +431,10 @@ class Bench:
                 self.runs.append(run)
                 await self.one_policy(users, run)
         finally:
-            sim.stop()
-            users.cancel()
-            try:
-                await users
-            except (asyncio.CancelledError, Exception):
-                pass
-            sim.close()
+            await sim.halt(users)
 
     def mesh_target(self):
-        from hotloop.simulate import find_target
+        from apps.simulate import find_target
 
         return find_target(self.mesh.run_dir)
 
@@ -456,8 +450,6 @@ class Bench:
         if (why := self.mesh_dead()) is not None:
             raise RuntimeError(why)
         if run is not None and run.popen is not None and run.popen.poll() is not None and not run.failed:
-            from hotloop.launcher import tail_log
-
             run.exit_code = run.popen.returncode
             run.failed = (f"the trainer exited with code {run.exit_code} during training; last lines "
                           f"of {run.log_path}:\n{tail_log(run.log_path, 8)}")
@@ -506,7 +498,7 @@ class Bench:
                  f"ITL p50 {f(i['p50'])} ms{ppo}")
 
     async def one_policy(self, users: asyncio.Task, run: PolicyRun) -> None:
-        from hotloop.launcher import MeshInfo, die_with_parent
+        from apps.launcher import MeshInfo
 
         await self.switch(users, f"{run.policy}:startup")
         run.offset = self.metrics_path.stat().st_size if self.metrics_path.exists() else 0
@@ -562,25 +554,9 @@ class Bench:
                      + (f", {rate['paused_s']:.0f} s paused for users" if rate["paused_s"] else ""))
 
 
-def stop_trainer(popen: subprocess.Popen | None, grace_s: float = STOP_GRACE_S) -> None:
+def stop_trainer(popen: subprocess.Popen | None) -> None:
     """SIGTERM (the trainer checkpoints and exits), then SIGKILL of its process group."""
-    if popen is None or popen.poll() is not None:
-        return
-    popen.send_signal(signal.SIGTERM)
-    try:
-        popen.wait(grace_s)
-    except subprocess.TimeoutExpired:
-        log.warning("the trainer did not stop within %.0f s of SIGTERM; killing it", grace_s)
-        try:
-            os.killpg(popen.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        popen.wait()
-
-
-def _interrupt(signum, frame):
-    """SIGTERM during start-up stops what started, like Ctrl-C (the launcher's cleanup runs)."""
-    raise KeyboardInterrupt
+    stop_process(popen, STOP_GRACE_S, lambda why: log.warning("the trainer: %s", why))
 
 
 def parse_policies(text: str) -> list[str]:
@@ -641,8 +617,8 @@ def notes(bench: Bench, result: dict) -> list[str]:
 def main(args) -> int:
     """`hotloop bench joint`."""
     from hotloop import config
-    from hotloop.launcher import Mesh
-    from hotloop.service import run_interruptible
+
+    from apps.launcher import Mesh
 
     logging.basicConfig(level=os.environ.get("HOTLOOP_LOG_LEVEL", "WARNING"))
     try:
@@ -662,17 +638,15 @@ def main(args) -> int:
     default_policy = str(tree.get("ppo", {}).get("users_first", "none"))
     mesh = Mesh(config.load_mesh(tree), config_path, overrides, MESH_SERVICES, quiet=True)
     bench = Bench(out, mesh, config_path, list(args.set), args.users, args.phase_s, args.max_tokens, policies)
-    print(f"[bench joint] starting the colocated mesh ({', '.join(MESH_SERVICES)}); run files under {out}; "
-          f"then {args.users} users: idle {args.phase_s:g} s, then {args.phase_s:g} s beside PPO per "
-          f"policy ({', '.join(policies)})", flush=True)
-    old = signal.signal(signal.SIGTERM, _interrupt)
+    say(f"starting the colocated mesh ({', '.join(MESH_SERVICES)}); run files under {out}; then "
+        f"{args.users} users: idle {args.phase_s:g} s, then {args.phase_s:g} s beside PPO per policy "
+        f"({', '.join(policies)})")
     try:
-        mesh.start()
+        with sigterm_interrupts():  # Mesh.start stops what started
+            mesh.start()
     except KeyboardInterrupt:
-        print("[bench joint] interrupted during start-up; stopped", flush=True)
-        return 130
-    finally:
-        signal.signal(signal.SIGTERM, old)
+        say("interrupted during start-up; stopped")
+        return exit_code(interrupted=True)
     bench.timings["mesh_start_s"] = time.monotonic() - t_start
     bench.say(f"mesh up in {bench.timings['mesh_start_s']:.0f} s; gateway {mesh.info.gateway_url}")
     interrupted = False
@@ -704,19 +678,9 @@ def main(args) -> int:
                            **{run.policy: hop_figures(hops, training_records(records, run.policy, run.window))
                               for run in bench.runs}}
     result["notes"] = notes(bench, result)
-    text = json.dumps(result, indent=2, default=str)
-    (out / "bench-joint.json").write_text(text)
-    md = markdown(result)
-    (out / "bench-joint.md").write_text(md)
-    if args.json:
-        path = Path(args.json)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
-        path.with_suffix(".md").write_text(md)
-        print(f"wrote {path} and {path.with_suffix('.md')}")
-    print(md, flush=True)
+    report(result, args.json, table=markdown(result), markdown=True, run_dir=out, name="joint",
+           say=say)
     aim = result["aim"]
-    print(f"[bench joint] aim (TTFT p99 <= {TTFT_P99_AIM:g}x idle, PPO samples/s > 0) with "
-          f"{result['training_policy']}: {'MET' if aim['met'] else 'NOT MET (' + aim['why_not'] + ')'}; "
-          f"{result['seconds']:.0f} s in all", flush=True)
-    return 130 if interrupted else 1 if bench.failed else 0
+    say(f"aim (TTFT p99 <= {TTFT_P99_AIM:g}x idle, PPO samples/s > 0) with {result['training_policy']}: "
+        f"{'MET' if aim['met'] else 'NOT MET (' + aim['why_not'] + ')'}; {result['seconds']:.0f} s in all")
+    return exit_code(interrupted, bench.failed)

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from services.trainer.bench_grpo import (CpuSample, StepSeen, compare, idle, markdown, merge,
+from benchmarks.grpo import (CpuSample, StepSeen, compare, idle, markdown, merge,
                                          phase_figures)
 
 
@@ -67,7 +67,7 @@ def test_compare_states_each_aim():
 def test_cpu_sampler_stops_cleanly_started_or_not():
     import time
 
-    from services.trainer.bench_grpo import CpuSampler
+    from benchmarks.grpo import CpuSampler
 
     never = CpuSampler(0.05)
     never.stop()  # the run failed before sampling began

@@ -8,32 +8,28 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import time
 from pathlib import Path
 
-from .commands import load_job_configs
-from .job import run_job
+from apps.train import load_job_configs
+from services.trainer.job import run_job
 
-DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "demo.toml"
+DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "demo.toml"
 
 
 def main(args) -> int:
-    from hotloop.launcher import Mesh
     from hotloop.service import run_interruptible
+
+    from apps.launcher import Mesh
+    from apps.processes import sigterm_interrupts
 
     logging.basicConfig(level=os.environ.get("HOTLOOP_LOG_LEVEL", "WARNING"))
     config_path = args.config or str(DEFAULT_CONFIG)
     mesh_cfg, _, _ = load_job_configs(config_path, args.set)
     mesh = Mesh(mesh_cfg, config_path, args.set, ["reference", "reward", "rollout"])
-
-    def _terminate(signum, frame):  # SIGTERM during start-up stops the mesh, like Ctrl-C
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, _terminate)
     print("[demo] starting the mesh (NATS, reference, reward, rollout with vLLM)...", flush=True)
     t0 = time.monotonic()
-    with mesh:
+    with sigterm_interrupts(), mesh:  # SIGTERM during start-up stops the mesh, like Ctrl-C
         os.environ.update(mesh.info.env())
         mesh_cfg, job, trainer_cfg = load_job_configs(config_path, args.set)
         if not job.run_id:  # fixed here so that an interrupted run can name itself for resume
@@ -57,6 +53,6 @@ def main(args) -> int:
         lo, hi = p["ci95"]
         print(f"[demo] paired {name} pass@1: {p['diff'] * 100:+.1f} points, 95% CI "
               f"[{lo * 100:+.1f}, {hi * 100:+.1f}] ({'significant' if p['significant'] else 'not significant'})")
-    print(f"[demo] stage share: " + ", ".join(f"{k} {v:.0%}" for k, v in summary["stage_share"].items()))
+    print("[demo] stage share: " + ", ".join(f"{k} {v:.0%}" for k, v in summary["stage_share"].items()))
     print(f"[demo] report: {report}")
     return 0

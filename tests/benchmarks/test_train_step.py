@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from transformers import LlamaConfig
 
-from services.trainer.bench_trainstep import ModelShape, main, step_flops
+from benchmarks.train_step import ModelShape, main, step_flops
 
 # hidden 4, intermediate 8, 2 layers, 2 query heads and 1 kv head of size 2, vocab 10.
 TINY = ModelShape(hidden=4, intermediate=8, layers=2, heads=2, kv_heads=1, head_dim=2, vocab=10)
@@ -53,7 +53,7 @@ def test_matmul_flops_match_what_a_train_step_runs(make_cfg) -> None:
     input needs no gradient), the over-count the module docstring names."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    from services.trainer.bench_trainstep import synthetic_samples
+    from benchmarks.train_step import synthetic_samples
     from services.trainer.policy import LoraPolicy
 
     r = 4
@@ -105,9 +105,9 @@ def test_the_profiled_step_runs_a_bounded_slice_of_the_batch(
         tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The profiler's records grow with the step (the demo's 64 samples ran a 24 GiB host out
     of memory), so it profiles at most PROFILE_MAX_SAMPLES of them; the timed steps run all."""
-    from services.trainer import bench_trainstep
+    from benchmarks import train_step
 
-    monkeypatch.setattr(bench_trainstep, "PROFILE_MAX_SAMPLES", 4)
+    monkeypatch.setattr(train_step, "PROFILE_MAX_SAMPLES", 4)
     out = tmp_path / "train-step.json"
     args = bench_args(out, tiny_model, samples=8)
     assert main(args) == 0

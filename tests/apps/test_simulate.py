@@ -8,12 +8,15 @@ import json
 
 import pytest
 
-from hotloop.simulate import (
+from apps.simulate import (
     PROMPTS,
     Brevity,
     RateLimiter,
     Record,
+    SimConfig,
+    Simulation,
     SlidingShare,
+    Target,
     VersionClock,
     itl_summary,
     percentile,
@@ -117,8 +120,8 @@ def test_simulated_users_through_a_real_gateway(tiny_model, tmp_path):
     """A short bounded run: every request streams through the gateway and gets a record with
     its response id and version; every feedback is accepted; no request fails."""
     from hotloop import config
-    from hotloop.launcher import Mesh
-    from hotloop.simulate import SimConfig, Simulation, find_target
+    from apps.launcher import Mesh
+    from apps.simulate import SimConfig, Simulation, find_target
 
     cfg_path = tmp_path / "sim.toml"
     cfg_path.write_text(f"""
@@ -152,3 +155,30 @@ kv_cache_gib = 1
         assert r["words"] == len(r["answer"].split())
     assert len({r["response_id"] for r in lines}) == 6
     assert summary["feedback"] == {"sent": 6, "accepted": 6, "errors": 0}
+
+
+def test_halt_stops_waits_and_closes_whatever_the_users_task_did(tmp_path):
+    out = tmp_path / "requests.jsonl"
+
+    async def go(body):
+        sim = Simulation(Target("http://unused", "k"), SimConfig(duration_s=1), Brevity(), out)
+        task = asyncio.create_task(body(sim))
+        await asyncio.sleep(0)
+        await sim.halt(task)
+        return sim, task
+
+    async def ended(sim):
+        return {"requests": 0}
+
+    async def fails(sim):
+        raise RuntimeError("the gateway went away")
+
+    async def runs_forever(sim):
+        await asyncio.Event().wait()
+
+    sim, task = asyncio.run(go(ended))
+    assert task.result() == {"requests": 0} and sim._out is None and sim._stop.is_set()
+    sim, task = asyncio.run(go(fails))  # not raised again: the caller is ending
+    assert isinstance(task.exception(), RuntimeError) and sim._out is None
+    sim, task = asyncio.run(go(runs_forever))
+    assert task.cancelled() and sim._out is None

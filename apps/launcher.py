@@ -36,7 +36,9 @@ from pydantic import Field
 
 from hotloop import config as hconfig
 from hotloop.config import MeshConfig, Section
-from hotloop.natsserver import NatsServer
+
+from apps.natsserver import NatsServer
+from apps.processes import die_with_parent, tail_log
 
 # Start order: the trainer job and the gateway need the others' endpoints.
 ALL_SERVICES = ["reference", "reward", "rollout", "gateway"]
@@ -114,8 +116,6 @@ class Proc:
         return self.service or self.name
 
 
-
-
 @dataclass
 class MeshInfo:
     """What a client needs to reach a running mesh (written to mesh.json)."""
@@ -168,55 +168,6 @@ def available(name: str) -> bool:
     import importlib.util
 
     return importlib.util.find_spec(f"services.{name}.__main__") is not None
-
-
-def die_with_parent() -> None:
-    """In the child, before exec: get SIGTERM when the launcher dies, even by SIGKILL, so a
-    killed `hotloop up` or demo never leaves services (and their vLLM engines) running.
-    Services run in their own session so that Ctrl-C reaches only the launcher, which stops
-    them in order."""
-    import ctypes
-
-    PR_SET_PDEATHSIG = 1
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    except OSError:  # not glibc Linux: the launcher's own stop() remains the only guard
-        pass
-
-
-def tail_log(path: Path, lines: int = 25) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return "(no log)"
-
-
-def available(name: str) -> bool:
-    """Whether `services/<name>` exists as a runnable service in this checkout."""
-    import importlib.util
-
-    return importlib.util.find_spec(f"services.{name}.__main__") is not None
-
-
-def die_with_parent() -> None:
-    """In the child, before exec: get SIGTERM when the launcher dies, even by SIGKILL, so a
-    killed `hotloop up` or demo never leaves services (and their vLLM engines) running.
-    Services run in their own session so that Ctrl-C reaches only the launcher, which stops
-    them in order."""
-    import ctypes
-
-    PR_SET_PDEATHSIG = 1
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    except OSError:  # not glibc Linux: the launcher's own stop() remains the only guard
-        pass
-
-
-def tail_log(path: Path, lines: int = 25) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return "(no log)"
 
 
 class Mesh:
@@ -437,13 +388,22 @@ class Mesh:
         self.say(f"{proc.name} moved from {old} to {new}: processes started before this one "
                  f"still look for it at {old}")
 
-    def _crashed(self, proc: Proc, now: float, what: str) -> str | None:
-        wait = proc.restarts.crashed(now)
-        tail = f"Last lines of {proc.log_path}:\n{tail_log(proc.log_path, 12)}"
+    def _crash(self, restarts: RestartPolicy, now: float, what: str,
+               log_path: Path) -> tuple[float | None, str]:
+        """Record a crash of a service or of NATS: (the wait before restarting it, its log's
+        last lines), or (None, why the mesh must stop) past `[up] max_restarts`."""
+        wait = restarts.crashed(now)
+        tail = f"Last lines of {log_path}:\n{tail_log(log_path, 12)}"
         if wait is None:
-            return (f"{proc.name} {what}: {len(proc.restarts.crashes)} crashes within "
-                    f"{self.up.restart_window_s:g}s, more than up.max_restarts = "
-                    f"{self.up.max_restarts}; stopping the mesh. {tail}")
+            return None, (f"{what}: {len(restarts.crashes)} crashes within "
+                          f"{self.up.restart_window_s:g}s, more than up.max_restarts = "
+                          f"{self.up.max_restarts}; stopping the mesh. {tail}")
+        return wait, tail
+
+    def _crashed(self, proc: Proc, now: float, what: str) -> str | None:
+        wait, tail = self._crash(proc.restarts, now, f"{proc.name} {what}", proc.log_path)
+        if wait is None:
+            return tail
         proc.state, proc.due = "waiting", now + wait
         self.say(f"{proc.name} {what}; restarting it in {wait:.1f}s (crash "
                  f"{len(proc.restarts.crashes)} of {self.up.max_restarts} allowed within "
@@ -468,12 +428,9 @@ class Mesh:
                 self._nats_due = None
                 self.say(f"nats-server is back on {self.nats.url}")
                 return None
-        wait = self._nats_restarts.crashed(now)
-        tail = f"Last lines of {self.nats.log_path}:\n{tail_log(self.nats.log_path, 12)}"
+        wait, tail = self._crash(self._nats_restarts, now, what, self.nats.log_path)
         if wait is None:
-            return (f"{what}: {len(self._nats_restarts.crashes)} crashes within "
-                    f"{self.up.restart_window_s:g}s, more than up.max_restarts = "
-                    f"{self.up.max_restarts}; stopping the mesh. {tail}")
+            return tail
         self._nats_due = now + wait
         self.say(f"{what}; restarting it in {wait:.1f}s on the same port and store. {tail}")
         return None

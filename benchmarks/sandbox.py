@@ -1,6 +1,6 @@
 """Sandbox throughput: scored samples per second through a pool, local or Ray.
 
-`python -m services.reward.bench [n] [local|ray|both]`. Each sample is a built-in task's
+`python -m benchmarks.sandbox [n] [local|ray|both]`. Each sample is a built-in task's
 reference solution in a ```python block, scored by `code_tests` (extraction, parse, sandbox
 run with the default limits and the strongest isolation the host allows). The pool's start-up
 (isolation probe; Ray start) is timed separately and not counted.
@@ -16,6 +16,8 @@ import statistics
 import sys
 import time
 
+from benchmarks.common import report
+
 
 def bench_sandbox(n: int, backend: str, repeats: int = 3, concurrency: int | None = None) -> dict:
     """Median scored samples/s over `repeats` batches of `n` samples.
@@ -26,10 +28,10 @@ def bench_sandbox(n: int, backend: str, repeats: int = 3, concurrency: int | Non
     """
     from hotloop.tasks.builtin import reference_tasks
 
-    from .config import RewardConfig
-    from .pool import make_pool
-    from .scorers import CodeTestsScorer
-    from .types import ScoreInput, task_spec_from_code_task
+    from services.reward.config import RewardConfig
+    from services.reward.pool import make_pool
+    from services.reward.scorers import CodeTestsScorer
+    from services.reward.types import ScoreInput, task_spec_from_code_task
 
     concurrency = concurrency or RewardConfig().concurrency
     tasks = reference_tasks()
@@ -70,14 +72,8 @@ def bench_sandbox(n: int, backend: str, repeats: int = 3, concurrency: int | Non
 
 def main(args) -> int:
     """`hotloop bench sandbox`: local process pool and Ray actors, in one run."""
-    result = {"local": bench_sandbox(args.samples, "local"), "ray": bench_sandbox(args.samples, "ray")}
-    print(json.dumps(result, indent=2))
-    if args.json:
-        from pathlib import Path
-
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=2))
-        print(f"wrote {args.json}")
+    report({"local": bench_sandbox(args.samples, "local"), "ray": bench_sandbox(args.samples, "ray")},
+           args.json)
     return 0
 
 

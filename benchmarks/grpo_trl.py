@@ -1,5 +1,5 @@
 """The peer of `hotloop bench grpo --peer trl`: TRL's GRPOTrainer for a few steps of the demo
-configuration, in a process of its own (`python -m services.trainer.bench_grpo_trl`).
+configuration, in a process of its own (`python -m benchmarks.grpo_trl`).
 
 Owns: the TRL side of the comparison, on equal terms with hotloop's demo step: the same model
 directory, the same first training tasks as chat prompts, 8 prompts x 8 samples per optimizer
@@ -10,7 +10,7 @@ HF generate, and the same rewards (the reward service at `--reward`: sandboxed t
 Its figure: samples/s from the median wall time of an optimizer step (steps after the first,
 which carries TRL's warm-up), timed by a callback at each step's end.
 
-Does not own: hotloop's own figures (bench_grpo.py). TRL is an optional extra
+Does not own: hotloop's own figures (grpo.py). TRL is an optional extra
 (`pip install 'hotloop[peer]'`); without it this exits with code 3 and says how to install it.
 """
 
@@ -33,7 +33,7 @@ MISSING_TRL = 3
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m services.trainer.bench_grpo_trl")
+    p = argparse.ArgumentParser(prog="python -m benchmarks.grpo_trl")
     p.add_argument("--model", required=True, help="HF model directory")
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     from hotloop.clients import Completion, RewardClient
     from hotloop.tasks import load_tasks
 
-    from .grpo import TaskStream, chat, score_item
+    from services.trainer.grpo import TaskStream, chat, score_item
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -3,11 +3,11 @@ synchronous against asynchronous, on the demo configuration in one run; `--peer 
 TRL's GRPOTrainer on the same configuration.
 
 Owns:
-- the run: the mesh (NATS, reference, reward, rollout; `hotloop.launcher.Mesh`), then in this
+- the run: the mesh (NATS, reference, reward, rollout; `apps.launcher.Mesh`), then in this
   process `--steps` steps of the synchronous recipe (`grpo.run`, `max_staleness = 0`) and as
   many of the asynchronous one (`grpo_async.run`), each from a fresh policy on the same tasks,
   with no evaluation; then the mesh stops and, with `--peer trl`, TRL's GRPOTrainer runs a few
-  steps in a process of its own (bench_grpo_trl.py) on the machine alone, as hotloop had it;
+  steps in a process of its own (grpo_trl.py) on the machine alone, as hotloop had it;
 - the figures, with their methods in the JSON: samples/s from the median wall time of a step
   after the first (the first carries start-up and, asynchronous, the pipeline's fill; the
   whole-run rate is reported beside it); seconds per stage (medians); the idle share from CPU
@@ -23,7 +23,7 @@ overlap in the asynchronous run. Threads that spin while waiting (OpenMP) count 
 this under-states idleness rather than over-stating it. The machine-wide share (all processes)
 is reported beside it, since other work on a shared machine takes cores the run could not use.
 
-Does not own: the recipes, the services, TRL's side (bench_grpo_trl.py). The summarizing
+Does not own: the recipes, the services, TRL's side (grpo_trl.py). The summarizing
 functions are pure, for tests.
 """
 
@@ -32,7 +32,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -42,7 +41,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+from benchmarks.common import (
+    exit_code,
+    report,
+    run_interruptible,
+    say_as,
+    sigterm_interrupts,
+    stop_process,
+)
+
+REPO = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG = REPO / "configs" / "demo.toml"
 MESH_SERVICES = ["reference", "reward", "rollout"]
 CPU_SAMPLE_S = 0.5
@@ -59,6 +67,7 @@ IDLE_METHOD = ("CPU accounting (psutil, every 0.5 s): 1 - CPU seconds of this pr
                "same steps as samples_per_s; per stage over the stage's spans; spin-waiting threads count "
                "as busy. machine_idle_share: the same from all processes (psutil.cpu_times)")
 log = logging.getLogger(__name__)
+say = say_as("grpo")
 
 
 # ---- pure: CPU windows, steps, figures ---------------------------------------------------------
@@ -320,8 +329,8 @@ class Bench:
     async def run(self, mesh_cfg, trainer_cfg, job, model_dir: Path) -> None:
         from hotloop.clients import RewardClient, RolloutClient
 
-        from . import grpo, grpo_async
-        from .job import open_edge
+        from services.trainer import grpo, grpo_async
+        from services.trainer.job import open_edge
 
         ep = mesh_cfg.endpoints
         edge = await open_edge(mesh_cfg, trainer_cfg, self.out / "trainer", "grpo")
@@ -345,7 +354,7 @@ def run_peer(out: Path, model_dir: Path, steps: int, threads: int | None, reward
     figure, or why there is none."""
     path = out / "peer-trl.json"
     log_path = out / "peer-trl.log"
-    cmd = [sys.executable, "-m", "services.trainer.bench_grpo_trl", "--model", str(model_dir),
+    cmd = [sys.executable, "-m", "benchmarks.grpo_trl", "--model", str(model_dir),
            "--steps", str(steps), "--reward", reward, "--json", str(path)] \
         + (["--threads", str(threads)] if threads else []) \
         + [a for s in stop for a in ("--stop", s)]
@@ -365,8 +374,8 @@ def run_peer(out: Path, model_dir: Path, steps: int, threads: int | None, reward
                 say(f"peer: {ln}")
             last = len(lines)
     finally:
-        stop_process(popen)
-    from .bench_grpo_trl import INSTALL_HINT, MISSING_TRL
+        stop_process(popen, PEER_STOP_GRACE_S, say)
+    from benchmarks.grpo_trl import INSTALL_HINT, MISSING_TRL
 
     if popen.returncode == MISSING_TRL:
         say(f"peer: {INSTALL_HINT}")
@@ -376,24 +385,6 @@ def run_peer(out: Path, model_dir: Path, steps: int, threads: int | None, reward
         return {"name": "trl", "samples_per_s": None,
                 "error": f"the TRL run exited with code {popen.returncode}; see {log_path}: {tail}"}
     return json.loads(path.read_text())
-
-
-def stop_process(popen: subprocess.Popen | None) -> None:
-    if popen is None or popen.poll() is not None:
-        return
-    popen.send_signal(signal.SIGTERM)
-    try:
-        popen.wait(PEER_STOP_GRACE_S)
-    except subprocess.TimeoutExpired:
-        try:
-            os.killpg(popen.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        popen.wait()
-
-
-def _interrupt(signum, frame):
-    raise KeyboardInterrupt
 
 
 def notes(result: dict, cpus: int) -> list[str]:
@@ -414,14 +405,11 @@ def notes(result: dict, cpus: int) -> list[str]:
 
 def main(args) -> int:
     """`hotloop bench grpo`."""
-    import asyncio
-
     from hotloop import config, models, telemetry
     from hotloop.config import TelemetryConfig
-    from hotloop.launcher import Mesh
-    from hotloop.service import run_interruptible
 
-    from .commands import load_job_configs
+    from apps.launcher import Mesh
+    from apps.train import load_job_configs
 
     logging.basicConfig(level=os.environ.get("HOTLOOP_LOG_LEVEL", "WARNING"))
     if args.steps < 2:
@@ -436,9 +424,6 @@ def main(args) -> int:
                  "grpo.train_budget_s=0", "grpo.run_budget_s=0", f"grpo.eval_tasks={out / 'no-heldout.jsonl'}",
                  "grpo.eval_split=all", f"grpo.out_dir={out}"]
 
-    def say(msg: str) -> None:
-        print(f"[bench grpo] {msg}", flush=True)
-
     mesh_cfg, job, trainer_cfg = load_job_configs(config_path, overrides)
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     mesh = Mesh(mesh_cfg, config_path, overrides, MESH_SERVICES, quiet=True)
@@ -450,10 +435,9 @@ def main(args) -> int:
         + (", then TRL's GRPOTrainer" if args.peer else "") + f"; run files under {out}")
     sampler = CpuSampler()
     interrupted = False
-    old = signal.signal(signal.SIGTERM, _interrupt)
     try:
         say("starting the mesh (NATS, reference, reward, rollout)")
-        with mesh:
+        with sigterm_interrupts(), mesh:
             os.environ.update(mesh.info.env())
             mesh_cfg, job, trainer_cfg = load_job_configs(config_path, overrides)
             say(f"mesh up in {time.monotonic() - t_start:.0f} s")
@@ -469,7 +453,6 @@ def main(args) -> int:
         interrupted = True
         say("interrupted; the mesh is stopped")
     finally:
-        signal.signal(signal.SIGTERM, old)
         sampler.stop()
     spans = [(s.name, s.start_time / 1e9, s.end_time / 1e9) for s in telemetry.memory_spans()]
     result: dict = {
@@ -477,21 +460,18 @@ def main(args) -> int:
     }
     peer = None
     if args.peer == "trl" and not interrupted:
-        old = signal.signal(signal.SIGTERM, _interrupt)
         try:
             # the reward service alone (idle, it takes no CPU): TRL has the machine as hotloop had
             say("peer: starting the reward service alone")
             peer_overrides = [*args.set, f"run_dir={out / 'peer-mesh'}"]
-            with Mesh(config.load_mesh(config.raw_config(config_path, peer_overrides)), config_path,
-                      peer_overrides, ["reward"], quiet=True) as reward_mesh:
+            with sigterm_interrupts(), Mesh(config.load_mesh(config.raw_config(config_path, peer_overrides)),
+                                            config_path, peer_overrides, ["reward"], quiet=True) as reward_mesh:
                 reward = reward_mesh.info.endpoints["reward"]
                 peer = run_peer(out, models.resolve(mesh_cfg.model.name), args.peer_steps,
                                 trainer_cfg.torch_threads, reward if isinstance(reward, str) else reward[0],
                                 say, stop=job.stop)
         except KeyboardInterrupt:
             interrupted = True
-        finally:
-            signal.signal(signal.SIGTERM, old)
         if peer is not None:
             result["peer"] = {"name": peer.get("name", "trl"), "samples_per_s": peer.get("samples_per_s"),
                               **{k: v for k, v in peer.items() if k not in ("name", "samples_per_s")}}
@@ -510,15 +490,6 @@ def main(args) -> int:
                      "run_dir": str(out)},
     })
     result["notes"] = notes(result, cpus)
-    text = json.dumps(result, indent=2, default=str)
-    (out / "bench-grpo.json").write_text(text)
-    md = markdown(result)
-    (out / "bench-grpo.md").write_text(md)
-    if args.json:
-        path = Path(args.json)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
-        path.with_suffix(".md").write_text(md)
-        say(f"wrote {path} and {path.with_suffix('.md')}")
-    print(md, flush=True)
-    return 130 if interrupted else 1 if bench.failed else 0
+    report(result, args.json, table=markdown(result), markdown=True, run_dir=out, name="grpo",
+           say=say)
+    return exit_code(interrupted, bench.failed)

@@ -133,13 +133,10 @@ def main(args) -> int:
 
     model_dir = str(models.resolve(args.model))
     dtype = resolve_dtype(args.dtype)
-    result = {"cpu": str(cpu_capability()), **run(model_dir, dtype, threads=args.threads, steps=args.steps)}
-    print(json.dumps(result, indent=2))
-    if args.json:
-        from pathlib import Path
+    from benchmarks.common import report
 
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=2))
+    report({"cpu": str(cpu_capability()), **run(model_dir, dtype, threads=args.threads, steps=args.steps)},
+           args.json)
     return 0
 
 

@@ -1,7 +1,8 @@
 """The `hotloop` command line.
 
-Only argparse is imported at module level: every command imports what it needs when it runs,
-so `hotloop --help` is instant (torch, vLLM, peft and Ray take seconds to import).
+Only argparse is imported at module level: every command imports the module that runs it
+(`apps.*`, `benchmarks.*`) inside its function, so `hotloop --help` is instant (torch, vLLM,
+peft and Ray take seconds to import). Those are plain imports, so the layering test sees them.
 """
 
 from __future__ import annotations
@@ -24,6 +25,23 @@ def _config_args(p: argparse.ArgumentParser) -> None:
                    help="override a config value, e.g. --set model.name=/path/to/model")
 
 
+def _bench_parser(bsub, name: str, what: str, *, config: bool = False, model: bool = False,
+                  dtype: bool = False) -> argparse.ArgumentParser:
+    """`hotloop bench <name>` with the arguments benchmarks share (`--json` is added to all)."""
+    p = bsub.add_parser(name, help=what)
+    if config:
+        _config_args(p)
+    if model:
+        p.add_argument("--model", default="smollm2-135m-instruct")
+    if dtype:
+        p.add_argument("--dtype", default="auto", help="auto | bfloat16 | float32")
+    return p
+
+
+def _out_dir(p: argparse.ArgumentParser, prefix: str) -> None:
+    p.add_argument("--out-dir", default="runs", help=f"the run's files go under OUT_DIR/{prefix}-<time>")
+
+
 def cmd_models(args) -> int:
     from hotloop import models
 
@@ -41,7 +59,8 @@ def cmd_models(args) -> int:
 
 def cmd_up(args) -> int:
     from hotloop import config
-    from hotloop.launcher import ALL_SERVICES, Mesh, available
+
+    from apps.launcher import ALL_SERVICES, Mesh, available
 
     mesh_cfg = config.load_mesh(config.raw_config(args.config, args.set))
     # Explicitly named services must all exist; the default is every one that does.
@@ -64,7 +83,7 @@ def cmd_up(args) -> int:
 
 
 def cmd_serve(args) -> int:
-    from hotloop.launcher import available
+    from apps.launcher import available
 
     if not available(args.service):
         print(f"service {args.service!r} is not available", file=sys.stderr)
@@ -73,64 +92,45 @@ def cmd_serve(args) -> int:
     return 0  # not reached
 
 
-def _module_main(module: str, fn: str, args) -> int:
-    """Run a command body that lives next to the service it drives. Reached by module name,
-    so nothing in hotloop/ imports services/, and `hotloop --help` imports neither."""
-    import importlib
-
-    return getattr(importlib.import_module(module), fn)(args)
-
-
-# `hotloop bench <name>` bodies that live next to their service.
-SERVICE_BENCHES = {
-    "rollout": "services.rollout.bench",
-    "hot-update": "services.rollout.bench",
-    "sandbox": "services.reward.bench",
-    "threads": "services.trainer.bench_threads",
-    "joint": "services.trainer.bench_joint",
-    "train-step": "services.trainer.bench_trainstep",
-    "grpo": "services.trainer.bench_grpo",
-}
-
-
-def cmd_bench(args) -> int:
-    return _module_main(SERVICE_BENCHES[args.bench], "main", args)
-
-
-def cmd_train(args) -> int:
-    return _module_main("services.trainer.commands", "train", args)
-
-
-def cmd_eval(args) -> int:
-    return _module_main("services.trainer.commands", "evaluate", args)
-
-
-def cmd_trace(args) -> int:
-    from hotloop.tracebudget import main as trace_main
-
-    return trace_main(args)
-
-
-def cmd_demo(args) -> int:
-    return _module_main("services.trainer.demo", "main", args)
+def command_main(command: str, bench: str = ""):
+    """The `main(args)` of `hotloop <command>` (`hotloop bench <bench>`) where its body is a
+    module of its own (the others are above), imported only when asked for."""
+    name = f"bench {bench}" if command == "bench" else command
+    if name == "train":
+        from apps.train import train as main
+    elif name == "eval":
+        from apps.train import evaluate as main
+    elif name == "trace":
+        from apps.tracebudget import main
+    elif name == "demo":
+        from apps.demo import main
+    elif name == "simulate":
+        from apps.simulate import main
+    elif name == "demo-online":
+        from apps.online_demo import main
+    elif name == "bench rollout":
+        from benchmarks.rollout import main
+    elif name == "bench hot-update":
+        from benchmarks.hot_update import main
+    elif name == "bench sandbox":
+        from benchmarks.sandbox import main
+    elif name == "bench threads":
+        from benchmarks.threads import main
+    elif name == "bench joint":
+        from benchmarks.joint import main
+    elif name == "bench train-step":
+        from benchmarks.train_step import main
+    elif name == "bench grpo":
+        from benchmarks.grpo import main
+    elif name == "bench update-loop":
+        from benchmarks.update_loop import main
+    else:
+        raise KeyError(f"no command `hotloop {name}`")
+    return main
 
 
-def cmd_simulate(args) -> int:
-    from hotloop.simulate import main as simulate_main
-
-    return simulate_main(args)
-
-
-def cmd_demo_online(args) -> int:
-    from hotloop.online_demo import main as demo_online_main
-
-    return demo_online_main(args)
-
-
-def cmd_bench_update_loop(args) -> int:
-    from hotloop.online_demo import bench_update_loop
-
-    return bench_update_loop(args)
+def run_module(args) -> int:
+    return command_main(args.command, getattr(args, "bench", ""))(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -165,47 +165,36 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="benchmarks that print ratios against a baseline measured in the same run")
     bsub = b.add_subparsers(dest="bench", required=True)
-    br = bsub.add_parser("rollout", help="tokens/s: HF generate (per prompt, batched) vs vLLM, with/without adapter")
-    br.add_argument("--model", default="smollm2-135m-instruct")
+    br = _bench_parser(bsub, "rollout", "tokens/s: HF generate (per prompt, batched) vs vLLM, with/without "
+                       "adapter", model=True)
     br.add_argument("--prompts", type=int, default=8)
     br.add_argument("--n", type=int, default=8)
     br.add_argument("--max-tokens", type=int, default=128)
     br.add_argument("--repeats", type=int, default=3)
     br.add_argument("--lora-slot", action="store_true",
                     help="also measure vLLM LoRA slots (very slow on the CPU backend)")
-    br.add_argument("--json", help="write results here")
-    bh = bsub.add_parser("hot-update", help="push-to-first-token latency of new versions under load")
-    bh.add_argument("--model", default="smollm2-135m-instruct")
+    bh = _bench_parser(bsub, "hot-update", "push-to-first-token latency of new versions under load", model=True)
     bh.add_argument("--pushes", type=int, default=20)
     bh.add_argument("--mode", choices=["merged", "lora", "auto"], default="auto")
     bh.add_argument("--rank", type=int, default=16)
     bh.add_argument("--swap", choices=["inflight", "drain"],
                     help="merged mode: measure one swap (default: both, on separate engines)")
-    bh.add_argument("--json", help="write results here")
-    bs = bsub.add_parser("sandbox", help="scored samples/s: local process pool vs Ray actors")
+    bs = _bench_parser(bsub, "sandbox", "scored samples/s: local process pool vs Ray actors")
     bs.add_argument("--samples", type=int, default=64)
-    bs.add_argument("--json", help="write results here")
-    bt = bsub.add_parser("threads", help="A/B of OpenMP wait policy and thread binding: engine tok/s and "
-                                          "trainer step time beside an idle engine")
-    bt.add_argument("--model", default="smollm2-135m-instruct")
-    bt.add_argument("--dtype", default="auto", help="auto | bfloat16 | float32")
+    bt = _bench_parser(bsub, "threads", "A/B of OpenMP wait policy and thread binding: engine tok/s and "
+                       "trainer step time beside an idle engine", model=True, dtype=True)
     bt.add_argument("--threads", type=int, default=2, help="trainer torch threads")
     bt.add_argument("--steps", type=int, default=3, help="timed LoRA steps per setting (median)")
-    bt.add_argument("--json", help="write results here")
-    bj = bsub.add_parser("joint", help="users through the gateway alone, then beside PPO training: TTFT/ITL "
-                         "p50/p99 per users-first policy, and PPO samples/s")
-    _config_args(bj)
+    bj = _bench_parser(bsub, "joint", "users through the gateway alone, then beside PPO training: TTFT/ITL "
+                       "p50/p99 per users-first policy, and PPO samples/s", config=True)
     bj.add_argument("--users", type=int, default=2, help="concurrent simulated users (openai client)")
     bj.add_argument("--phase-s", type=float, default=90.0, help="seconds of each phase (idle, each policy)")
     bj.add_argument("--policies", default="none,pause",
                     help="users-first policies to measure beside training ([ppo] users_first)")
     bj.add_argument("--max-tokens", type=int, default=64, help="users' answer length")
-    bj.add_argument("--out-dir", default="runs", help="the run's files go under OUT_DIR/bench-joint-<time>")
-    bj.add_argument("--json", help="write results here")
-    bts = bsub.add_parser("train-step", help="LoRA step tokens/s against a matmul FLOP roofline "
-                          "measured in the same run")
-    bts.add_argument("--model", default="smollm2-135m-instruct")
-    bts.add_argument("--dtype", default="auto", help="auto | bfloat16 | float32")
+    _out_dir(bj, "bench-joint")
+    bts = _bench_parser(bsub, "train-step", "LoRA step tokens/s against a matmul FLOP roofline measured in "
+                        "the same run", model=True, dtype=True)
     bts.add_argument("--samples", type=int, default=16, help="sequences per step")
     bts.add_argument("--prompt-tokens", type=int, default=64)
     bts.add_argument("--completion-tokens", type=int, default=128)
@@ -216,43 +205,36 @@ def build_parser() -> argparse.ArgumentParser:
                      help="the trainer's micro_batch_tokens (the demo's: 2048)")
     bts.add_argument("--steps", type=int, default=3, help="timed steps (median)")
     bts.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    bts.add_argument("--json", help="write results here")
-    bg = bsub.add_parser("grpo", help="GRPO samples/s, seconds per stage and idle share of the cores, "
-                         "synchronous vs asynchronous on the demo configuration; --peer trl adds TRL")
-    _config_args(bg)
+    bg = _bench_parser(bsub, "grpo", "GRPO samples/s, seconds per stage and idle share of the cores, "
+                       "synchronous vs asynchronous on the demo configuration; --peer trl adds TRL", config=True)
     bg.add_argument("--steps", type=int, default=4, help="steps of each mode (the first is start-up)")
     bg.add_argument("--max-staleness", type=int, default=1, help="the asynchronous mode's bound")
     bg.add_argument("--peer", choices=["trl"], help="also run TRL's GRPOTrainer (pip install -e '.[peer]')")
     bg.add_argument("--peer-steps", type=int, default=3, help="TRL optimizer steps (median of all but the first)")
-    bg.add_argument("--out-dir", default="runs", help="the run's files go under OUT_DIR/bench-grpo-<time>")
-    bg.add_argument("--json", help="write results here")
-    bu = bsub.add_parser("update-loop", help="feedback sent -> first token from a version trained on it, "
-                         "with users streaming; stage budget from the traces")
-    _config_args(bu)
+    _out_dir(bg, "bench-grpo")
+    bu = _bench_parser(bsub, "update-loop", "feedback sent -> first token from a version trained on it, "
+                       "with users streaming; stage budget from the traces", config=True)
     bu.add_argument("--loops", type=int, default=30)
     bu.add_argument("--users", type=int, default=2, help="background users streaming meanwhile")
     bu.add_argument("--max-tokens", type=int, default=64, help="background answers' length")
     bu.add_argument("--max-words", type=int, default=70, help="the users' hidden preference")
     bu.add_argument("--loop-timeout-s", type=float, default=60.0, help="count a feedback lost after this")
-    bu.add_argument("--out-dir", default="runs", help="the run's files go under OUT_DIR/update-loop-<time>")
-    bu.add_argument("--json", help="write results here")
-    bu.set_defaults(fn=cmd_bench_update_loop)
-    b.set_defaults(fn=cmd_bench)
+    _out_dir(bu, "update-loop")
+    for bench in bsub.choices.values():
+        bench.add_argument("--json", help="write results here")
+    b.set_defaults(fn=run_module)
 
     t = sub.add_parser("train", help="run a training job against a running mesh")
     tsub = t.add_subparsers(dest="algorithm", required=True)
-    tg = tsub.add_parser("grpo", help="GRPO on LoRA")
-    _config_args(tg)
-    tg.add_argument("--run-dir", help="mesh run directory (default: from config)")
-    tg.set_defaults(fn=cmd_train)
-    tp = tsub.add_parser("ppo", help="PPO on LoRA with a critic, GAE and a KL-penalised reward ([ppo])")
-    _config_args(tp)
-    tp.add_argument("--run-dir", help="mesh run directory (default: from config)")
-    tp.set_defaults(fn=cmd_train)
-    to = tsub.add_parser("online", help="learn from user feedback on the bus ([online]); runs until Ctrl-C")
-    _config_args(to)
-    to.add_argument("--run-dir", help="mesh run directory (default: from config)")
-    to.set_defaults(fn=cmd_train)
+    for algorithm, what in (
+        ("grpo", "GRPO on LoRA"),
+        ("ppo", "PPO on LoRA with a critic, GAE and a KL-penalised reward ([ppo])"),
+        ("online", "learn from user feedback on the bus ([online]); runs until Ctrl-C"),
+    ):
+        ta = tsub.add_parser(algorithm, help=what)
+        _config_args(ta)
+        ta.add_argument("--run-dir", help="mesh run directory (default: from config)")
+        ta.set_defaults(fn=run_module)
 
     e = sub.add_parser("eval", help="pass@k of a policy version on held-out tasks or HumanEval")
     _config_args(e)
@@ -262,18 +244,18 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--samples", type=int, default=4, help="samples per task")
     e.add_argument("--limit", type=int, default=0, help="first N tasks only")
     e.add_argument("--k", type=int, action="append", help="report pass@k (repeatable)")
-    e.set_defaults(fn=cmd_eval)
+    e.set_defaults(fn=run_module)
 
     tr = sub.add_parser("trace", help="turn traces into a latency budget")
     trs = tr.add_subparsers(dest="action", required=True)
     tb = trs.add_parser("budget", help="time and share per stage from JSON-lines trace files")
     tb.add_argument("paths", nargs="+", help="trace .jsonl files or directories")
     tb.add_argument("--root", default="", help="span name of the loop (default: the longest roots)")
-    tr.set_defaults(fn=cmd_trace)
+    tr.set_defaults(fn=run_module)
 
     d = sub.add_parser("demo", help="start the mesh and run the GRPO demo, then write a report")
     _config_args(d)
-    d.set_defaults(fn=cmd_demo)
+    d.set_defaults(fn=run_module)
 
     sim = sub.add_parser("simulate", help="simulated users against a running gateway")
     simsub = sim.add_subparsers(dest="what", required=True)
@@ -292,7 +274,7 @@ def build_parser() -> argparse.ArgumentParser:
     su.add_argument("--seed", type=int, default=0)
     su.add_argument("--progress", type=float, default=5.0, help="seconds between progress lines (0: none)")
     su.add_argument("--out", default="runs/simulate/requests.jsonl", help="per-request JSONL (appended)")
-    sim.set_defaults(fn=cmd_simulate)
+    sim.set_defaults(fn=run_module)
 
     do = sub.add_parser("demo-online", help="users, gateway and the online trainer: the share of answers "
                         "matching a hidden preference rises; writes runs/<id>/online-report.md")
@@ -308,7 +290,7 @@ def build_parser() -> argparse.ArgumentParser:
     do.add_argument("--out-dir", default="runs")
     do.add_argument("--run-id", default="", help="default: online-<time>")
     do.add_argument("--quiet", action="store_true", help="no mesh start-up lines")
-    do.set_defaults(fn=cmd_demo_online)
+    do.set_defaults(fn=run_module)
     return p
 
 

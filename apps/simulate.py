@@ -11,7 +11,7 @@ Owns:
   first time a token of each version reached a user (the far end of the update loop).
 
 Does not own: the gateway, the trainer or the mesh. It reaches the mesh over HTTP only (the
-gateway URL and a user key from `<run_dir>/mesh.json`, see `hotloop.launcher.MeshInfo`), so it
+gateway URL and a user key from `<run_dir>/mesh.json`, see `apps.launcher.MeshInfo`), so it
 imports nothing from `services/`.
 
 Failure policy: a request or a feedback that fails (HTTP error, dropped stream, timeout) is a
@@ -232,7 +232,7 @@ class Target:
 
 def find_target(run_dir: str | Path) -> Target:
     """The gateway URL and the first user key of a mesh started by `hotloop up`."""
-    from hotloop.launcher import MeshInfo
+    from apps.launcher import MeshInfo
 
     info = MeshInfo.load(run_dir)
     if not info.gateway_url:
@@ -331,6 +331,18 @@ class Simulation:
                 if self._out:
                     self._out.flush()
         return summarize(self.records)
+
+    async def halt(self, run: asyncio.Task) -> None:
+        """Stop the users, wait for `run` (the task of this simulation's `run()`) to end and
+        close the records file. For a caller that is ending anyway: what the task raised is
+        not raised again (its records say what failed)."""
+        self.stop()
+        run.cancel()  # no-op once it has ended
+        try:
+            await run
+        except (asyncio.CancelledError, Exception):
+            pass
+        self.close()
 
     def close(self) -> None:
         if self._out:
