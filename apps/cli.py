@@ -58,11 +58,12 @@ def cmd_models(args) -> int:
 
 
 def cmd_up(args) -> int:
-    from hotloop import config
-
+    from apps import sections
     from apps.launcher import ALL_SERVICES, Mesh, available
 
-    mesh_cfg = config.load_mesh(config.raw_config(args.config, args.set))
+    # Every section of the file checked now, before anything starts: all problems at once.
+    loaded = sections.load(args.config, args.set)
+    mesh_cfg = loaded.mesh
     # Explicitly named services must all exist; the default is every one that does.
     if args.services and args.profile:
         print("hotloop up: give --services or --profile, not both", file=sys.stderr)
@@ -72,7 +73,8 @@ def cmd_up(args) -> int:
     else:
         services = args.services.split(",") if args.services else [s for s in ALL_SERVICES if available(s)]
     try:
-        mesh = Mesh(mesh_cfg, args.config, args.set, services)
+        mesh = Mesh(mesh_cfg, args.config, args.set, services, up=loaded["up"],
+                    rollout=loaded["rollout"])
     except ValueError as e:
         print(f"hotloop up: {e}", file=sys.stderr)
         return 2
@@ -296,7 +298,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return args.fn(args) or 0
+    from hotloop.config import ConfigError  # pydantic only, and only once a command runs
+
+    try:
+        return args.fn(args) or 0
+    except ConfigError as e:  # a mistake in a file or a --set: said plainly, no traceback
+        print(f"hotloop {args.command}: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ import os
 import time
 from pathlib import Path
 
-from apps.train import load_job_configs
+from apps.train import load_job
 from services.trainer.job import run_job
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "demo.toml"
@@ -25,13 +25,12 @@ def main(args) -> int:
 
     logging.basicConfig(level=os.environ.get("HOTLOOP_LOG_LEVEL", "WARNING"))
     config_path = args.config or str(DEFAULT_CONFIG)
-    mesh_cfg, _, _ = load_job_configs(config_path, args.set)
+    mesh_cfg, _, _ = load_job(config_path, args.set, "grpo")  # every section checked, first
     mesh = Mesh(mesh_cfg, config_path, args.set, ["reference", "reward", "rollout"])
     print("[demo] starting the mesh (NATS, reference, reward, rollout with vLLM)...", flush=True)
     t0 = time.monotonic()
     with sigterm_interrupts(), mesh:  # SIGTERM during start-up stops the mesh, like Ctrl-C
-        os.environ.update(mesh.info.env())
-        mesh_cfg, job, trainer_cfg = load_job_configs(config_path, args.set)
+        mesh_cfg, job, trainer_cfg = load_job(config_path, args.set, "grpo", mesh.info)
         if not job.run_id:  # fixed here so that an interrupted run can name itself for resume
             job = job.model_copy(update={"run_id": time.strftime("%Y%m%d-%H%M%S")})
         if job.run_budget_s:  # the demo's bound: its mesh's start counts against it

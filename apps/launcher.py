@@ -36,6 +36,7 @@ from pydantic import Field
 
 from hotloop import config as hconfig
 from hotloop.config import MeshConfig, Section
+from services.rollout.config import RolloutConfig
 
 from apps.natsserver import NatsServer
 from apps.processes import die_with_parent, tail_log
@@ -130,6 +131,8 @@ class MeshInfo:
     """The gateway's API keys (`[security] user_tokens_file`), one `id:key` per line."""
     gateway_url: str = ""
     """The gateway's OpenAI-compatible base URL (`http://host:port/v1`), when it runs."""
+    metrics: dict[str, str] = field(default_factory=dict)
+    """Each process's Prometheus endpoint (`http://host:port/metrics`), by process name."""
 
     def admin_token(self) -> str:
         return Path(self.admin_token_file).read_text().strip()
@@ -149,8 +152,24 @@ class MeshInfo:
             raise FileNotFoundError(f"no running mesh at {run_dir} (start one with `hotloop up`)")
         return cls(**json.loads(path.read_text()))
 
+    def apply(self, mesh: MeshConfig) -> MeshConfig:
+        """`mesh` pointed at this running mesh: its NATS, admin token, run directory, user key
+        file and endpoints (what a job in this process needs; typed, no environment)."""
+        security = {"admin_token": self.admin_token()}
+        if self.user_keys_file:
+            security["user_tokens_file"] = self.user_keys_file
+        endpoints = {k: (v if isinstance(v, list) else [v]) if k == "rollout" else v
+                     for k, v in self.endpoints.items()}
+        return mesh.model_copy(update={
+            "nats": mesh.nats.model_copy(update={"url": self.nats_url}),
+            "security": mesh.security.model_copy(update=security),
+            "endpoints": mesh.endpoints.model_copy(update=endpoints),
+            "run_dir": self.run_dir,
+        })
+
     def env(self) -> dict[str, str]:
-        """Environment overrides that point a process at this mesh."""
+        """Environment overrides that point a service process this launcher starts at the
+        mesh (a process's own config sources; jobs in this process use `apply`)."""
         e = {
             "HOTLOOP__NATS__URL": self.nats_url,
             "HOTLOOP__SECURITY__ADMIN_TOKEN": self.admin_token(),
@@ -172,8 +191,9 @@ def available(name: str) -> bool:
 
 class Mesh:
     def __init__(self, mesh_cfg: MeshConfig, config_path: str | None, overrides: list[str],
-                 services: list[str], quiet: bool = False, up: UpConfig | None = None):
-        """`up`: the `[up]` section; None reads it from `config_path` and `overrides`."""
+                 services: list[str], quiet: bool = False, up: UpConfig | None = None,
+                 rollout: RolloutConfig | None = None):
+        """`up`, `rollout`: those sections; None reads them from `config_path` and `overrides`."""
         unknown = set(services) - set(ALL_SERVICES) - set(OPT_IN_SERVICES)
         if unknown:
             raise ValueError(f"unknown services {sorted(unknown)}; known: {ALL_SERVICES + OPT_IN_SERVICES}")
@@ -181,13 +201,15 @@ class Mesh:
         if unbuilt:
             raise ValueError(f"services {unbuilt} are not implemented yet (their protos exist); "
                              f"available: {[s for s in ALL_SERVICES if available(s)]}")
-        tree = hconfig.raw_config(config_path, overrides)
-        self.up = up if up is not None else hconfig.load_section(tree, "up", UpConfig)
-        rollout = tree.get("rollout", {})
-        if self.up.rollout_replicas > 1 and rollout.get("port"):
-            raise ValueError(f"rollout.port = {rollout['port']} gives every replica one port; "
+        if up is None or rollout is None:
+            _, loaded = hconfig.load_sections(hconfig.raw_config(config_path, overrides),
+                                              {"up": UpConfig, "rollout": RolloutConfig}, only_known=False)
+            up, rollout = up or loaded["up"], rollout or loaded["rollout"]
+        self.up = up
+        if self.up.rollout_replicas > 1 and rollout.port:
+            raise ValueError(f"rollout.port = {rollout.port} gives every replica one port; "
                              f"with up.rollout_replicas = {self.up.rollout_replicas} leave it 0")
-        self._rollout_storage = rollout.get("storage_dir", "")
+        self._rollout_storage = rollout.storage_dir
         self.cfg = mesh_cfg
         self.config_path = config_path
         self.overrides = overrides
@@ -322,8 +344,13 @@ class Mesh:
 
             asyncio.run(wait_healthy(f"127.0.0.1:{proc.port}", max(5.0, deadline - time.monotonic())))
             addr = f"127.0.0.1:{proc.port}"
-            # a restart listens where this one does
+            # a restart listens where this one does, its metrics too (a scraper keeps its target)
             proc.sets.append(f"{PORT_KEYS[proc.kind]}={proc.port}")
+            metrics_port = json.loads(self._port_file(proc).read_text()).get("metrics_port")
+            if metrics_port:
+                section = PORT_KEYS[proc.kind].split(".")[0]
+                proc.sets.append(f"{section}.metrics_port={metrics_port}")
+                self.info.metrics[proc.name] = f"http://127.0.0.1:{metrics_port}/metrics"
             if proc.kind == "rollout":
                 self.info.endpoints.setdefault("rollout", []).append(addr)  # in replica order
             else:

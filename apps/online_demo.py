@@ -102,17 +102,18 @@ def start_stack(config_path: str, overrides: list[str], out: Path, quiet: bool =
     """Start NATS, the rollout, the gateway, the reference (only with kl_beta > 0) and the
     online trainer, with the mesh's files under `out/mesh` and the trainer's under
     `out/trainer`. Raises if any of them does not come up (and stops what did)."""
-    from hotloop import config
+    from apps import sections
     from apps.launcher import Mesh, available
 
     out = out.resolve()
     overrides = [*overrides, f"run_dir={out / 'mesh'}", f"online.out_dir={out}",
                  f"online.run_id={TRAINER_RUN}"]
-    tree = config.raw_config(config_path, overrides)
-    kl_beta = float(tree.get("trainer", {}).get("loss", {}).get("kl_beta", 0.0))
+    loaded = sections.load(config_path, overrides)  # every section checked before anything starts
+    kl_beta = loaded["trainer"].loss.kl_beta
     role = available("trainer")
     services = ["rollout", "gateway"] + (["reference"] if kl_beta > 0 else []) + (["trainer"] if role else [])
-    mesh = Mesh(config.load_mesh(tree), config_path, overrides, services, quiet=quiet)
+    mesh = Mesh(loaded.mesh, config_path, overrides, services, quiet=quiet, up=loaded["up"],
+                rollout=loaded["rollout"])
     mesh.start()
     trainer = None
     try:

@@ -1,7 +1,8 @@
 """`hotloop train grpo|ppo|online` and `hotloop eval`: jobs against a running mesh (`hotloop up`).
 
-The CLI (apps/cli.py) reaches these bodies by module name, so the shared library never
-imports a service. `online` learns from the feedback users give through the gateway.
+The CLI (apps/cli.py) imports these bodies when a command runs. A job gets the running mesh's
+addresses as a typed `MeshConfig` (`MeshInfo.apply`), never through the environment.
+`online` learns from the feedback users give through the gateway.
 """
 
 from __future__ import annotations
@@ -15,59 +16,43 @@ from dataclasses import asdict
 from pathlib import Path
 
 
-def load_job_configs(config_path: str | None, overrides: list[str]):
-    """The mesh, `[grpo]` and `[trainer]` sections from one config (file < env < --set).
-    `[grpo]` includes the asynchronous mode's fields (`max_staleness`, `is_cap`)."""
-    from hotloop import config
-    from services.trainer.config import TrainerConfig
-    from services.trainer.grpo_async import AsyncGrpoJobConfig
+def load_job(config_path: str | None, overrides: list[str], algorithm: str, mesh=None):
+    """The mesh and the job's and `[trainer]`'s sections, every section of the file checked
+    at once; `mesh` (a running mesh's `MeshInfo`) points the mesh sections at it. For `ppo`
+    the trainer's algorithm is PPO whatever the file says."""
+    from apps import sections
 
-    tree = config.raw_config(config_path, overrides)
-    return (config.load_mesh(tree), config.load_section(tree, "grpo", AsyncGrpoJobConfig),
-            config.load_section(tree, "trainer", TrainerConfig))
-
-
-def load_ppo_configs(config_path: str | None, overrides: list[str]):
-    """The mesh, `[ppo]` and `[trainer]` sections from one config (file < env < --set); the
-    trainer's algorithm is PPO whatever the file says."""
-    from hotloop import config
-    from services.trainer.config import TrainerConfig
-    from services.trainer.ppo import PpoJobConfig
-
-    tree = config.raw_config(config_path, overrides)
-    tree.setdefault("trainer", {})["algorithm"] = "ppo"
-    return (config.load_mesh(tree), config.load_section(tree, "ppo", PpoJobConfig),
-            config.load_section(tree, "trainer", TrainerConfig))
+    patch = {"trainer": {"algorithm": "ppo"}} if algorithm == "ppo" else None
+    loaded = sections.load(config_path, overrides, patch)
+    mesh_cfg = mesh.apply(loaded.mesh) if mesh is not None else loaded.mesh
+    return mesh_cfg, loaded[algorithm], loaded["trainer"]
 
 
-def load_online_configs(config_path: str | None, overrides: list[str]):
-    """The mesh, `[online]` and `[trainer]` sections from one config (file < env < --set)."""
-    from hotloop import config
-    from services.trainer.config import OnlineConfig, TrainerConfig
+def _running_mesh(run_dir: str):
+    """The running mesh at `run_dir`, or None after saying why not."""
+    from apps.launcher import MeshInfo
 
-    tree = config.raw_config(config_path, overrides)
-    return (config.load_mesh(tree), config.load_section(tree, "online", OnlineConfig),
-            config.load_section(tree, "trainer", TrainerConfig))
+    try:
+        return MeshInfo.load(run_dir)
+    except FileNotFoundError as e:
+        print(e)
+        return None
 
 
 def train(args) -> int:
-    from apps.launcher import MeshInfo
     from hotloop.threads import pin_configured
 
     logging.basicConfig(level=os.environ.get("HOTLOOP_LOG_LEVEL", "WARNING"))
-    mesh_cfg, _, _ = load_job_configs(args.config, args.set)
-    run_dir = args.run_dir or mesh_cfg.run_dir
-    try:
-        info = MeshInfo.load(run_dir)
-    except FileNotFoundError as e:
-        print(e)
+    mesh_cfg, job, trainer_cfg = load_job(args.config, args.set, args.algorithm)  # the file first
+    info = _running_mesh(args.run_dir or mesh_cfg.run_dir)
+    if info is None:
         return 2
-    os.environ.update(info.env())  # point every section at the running mesh
+    mesh_cfg = info.apply(mesh_cfg)
     if args.algorithm == "online":
         from hotloop.service import run_interruptible
         from services.trainer.job import run_online_job
 
-        mesh_cfg, online_job, trainer_cfg = load_online_configs(args.config, args.set)
+        online_job = job
         pin_configured(trainer_cfg.cpus, "trainer")  # on a core where vLLM spins, <1% of it
         summary, interrupted = run_interruptible(run_online_job(mesh_cfg, online_job, trainer_cfg))
         if interrupted:  # nothing to save: un-acked feedback is redelivered to the next run
@@ -79,8 +64,6 @@ def train(args) -> int:
     from hotloop.service import run_interruptible
     from services.trainer.job import run_job
 
-    load = load_ppo_configs if args.algorithm == "ppo" else load_job_configs
-    mesh_cfg, job, trainer_cfg = load(args.config, args.set)
     pin_configured(trainer_cfg.cpus, "trainer")
     if not job.run_id:  # named here, so that the resume line below can say it
         prefix = "ppo-" if args.algorithm == "ppo" else ""
@@ -100,15 +83,12 @@ def train(args) -> int:
 def evaluate(args) -> int:
     """`hotloop eval`: pass@k of a policy version on held-out tasks or HumanEval."""
     from hotloop.clients import RewardClient, RolloutClient
-    from apps.launcher import MeshInfo
     from hotloop.tasks import load_tasks
     from services.trainer.grpo import evaluate
 
-    mesh_cfg, job, trainer_cfg = load_job_configs(args.config, args.set)
-    try:
-        info = MeshInfo.load(mesh_cfg.run_dir)
-    except FileNotFoundError as e:
-        print(e)
+    mesh_cfg, job, trainer_cfg = load_job(args.config, args.set, "grpo")
+    info = _running_mesh(mesh_cfg.run_dir)
+    if info is None:
         return 2
     tasks = load_tasks(args.tasks, args.split)
     if args.limit:

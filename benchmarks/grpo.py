@@ -409,7 +409,7 @@ def main(args) -> int:
     from hotloop.config import TelemetryConfig
 
     from apps.launcher import Mesh
-    from apps.train import load_job_configs
+    from apps.train import load_job
 
     logging.basicConfig(level=os.environ.get("HOTLOOP_LOG_LEVEL", "WARNING"))
     if args.steps < 2:
@@ -424,7 +424,7 @@ def main(args) -> int:
                  "grpo.train_budget_s=0", "grpo.run_budget_s=0", f"grpo.eval_tasks={out / 'no-heldout.jsonl'}",
                  "grpo.eval_split=all", f"grpo.out_dir={out}"]
 
-    mesh_cfg, job, trainer_cfg = load_job_configs(config_path, overrides)
+    mesh_cfg, job, trainer_cfg = load_job(config_path, overrides, "grpo")
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     mesh = Mesh(mesh_cfg, config_path, overrides, MESH_SERVICES, quiet=True)
     # every sample counts, trained or not (skipped uniform groups too): what each recipe produced
@@ -438,8 +438,7 @@ def main(args) -> int:
     try:
         say("starting the mesh (NATS, reference, reward, rollout)")
         with sigterm_interrupts(), mesh:
-            os.environ.update(mesh.info.env())
-            mesh_cfg, job, trainer_cfg = load_job_configs(config_path, overrides)
+            mesh_cfg = mesh.info.apply(mesh_cfg)
             say(f"mesh up in {time.monotonic() - t_start:.0f} s")
             telemetry.setup("trainer", TelemetryConfig(exporter="memory"))
             sampler.start()

@@ -616,7 +616,7 @@ def notes(bench: Bench, result: dict) -> list[str]:
 
 def main(args) -> int:
     """`hotloop bench joint`."""
-    from hotloop import config
+    from apps import sections
 
     from apps.launcher import Mesh
 
@@ -634,9 +634,10 @@ def main(args) -> int:
     out = (Path(args.out_dir) / time.strftime("bench-joint-%Y%m%d-%H%M%S")).resolve()
     out.mkdir(parents=True, exist_ok=True)
     overrides = [*args.set, f"run_dir={out / 'mesh'}"]
-    tree = config.raw_config(config_path, overrides)
-    default_policy = str(tree.get("ppo", {}).get("users_first", "none"))
-    mesh = Mesh(config.load_mesh(tree), config_path, overrides, MESH_SERVICES, quiet=True)
+    loaded = sections.load(config_path, overrides)
+    default_policy = loaded["ppo"].users_first
+    mesh = Mesh(loaded.mesh, config_path, overrides, MESH_SERVICES, quiet=True, up=loaded["up"],
+                rollout=loaded["rollout"])
     bench = Bench(out, mesh, config_path, list(args.set), args.users, args.phase_s, args.max_tokens, policies)
     say(f"starting the colocated mesh ({', '.join(MESH_SERVICES)}); run files under {out}; then "
         f"{args.users} users: idle {args.phase_s:g} s, then {args.phase_s:g} s beside PPO per policy "

@@ -28,6 +28,18 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 ENV_PREFIX = "HOTLOOP__"
 
 
+def from_mesh(path: str, default: Any) -> Any:
+    """A field of a service's section that is declared once, in a shared section (`path`,
+    e.g. "model.dtype"): the loader fills it from there, and setting it in the service's own
+    section is an error. Standalone (tests, benchmarks) the field is an ordinary one."""
+    return Field(default, json_schema_extra={"from_mesh": path})
+
+
+def _mesh_path(field) -> str:
+    extra = field.json_schema_extra
+    return extra.get("from_mesh", "") if isinstance(extra, dict) else ""
+
+
 class Section(BaseModel):
     """Base for every config section: unknown keys are errors, not silently ignored."""
 
@@ -43,11 +55,16 @@ class ServiceSection(Section):
 
 
 class ModelConfig(Section):
+    """The base model, declared once for every process that holds a copy of it."""
+
     name: str = "smollm2-135m-instruct"
-    """Base model: a known name (`hotloop models list`), a local HF directory, or a hub id."""
+    """Base model: a known name (`hotloop models list`), a local HF directory, or a hub id.
+    The rollout serves it, the trainer trains LoRA on it, the reference scores with it."""
     dtype: Literal["auto", "bfloat16", "float32"] = "auto"
-    """Weights dtype of the rollout engine. `auto`: bf16 where the hardware computes it
-    fast (CUDA, AMX-BF16 CPUs; measured), else fp32 (`hotloop.hardware`)."""
+    """Dtype of every copy of the base model: the rollout engine's weights, the trainer's and
+    the reference's compute (the KL compares the two, so they must agree). `auto`: bf16 where
+    the hardware computes it fast (CUDA, AMX-BF16 CPUs; measured), else fp32
+    (`hotloop.hardware`)."""
     max_model_len: int = Field(2048, ge=64, le=131072)
     """Longest prompt + completion, in tokens, that any service accepts."""
 
@@ -296,8 +313,10 @@ def load_sections(
                 problems.append(f"{tree.source(name)}: {name}: {err['msg']} (got {err.get('input')!r})")
     loaded: dict[str, BaseModel] = {}
     for name, model in sections.items():
+        values, moved = _inherit(tree, name, model, mesh)
+        problems += moved
         try:
-            loaded[name] = model.model_validate(tree.get(name, {}))
+            loaded[name] = model.model_validate(values)
         except ValidationError as e:
             problems += _problems(tree, name, model, e.errors(include_url=False), everything)
     if only_known:
@@ -315,18 +334,36 @@ def load_sections(
     return mesh, loaded
 
 
+def _inherit(tree: ConfigTree, name: str, model: type[BaseModel], mesh: MeshConfig | None
+             ) -> tuple[dict, list[str]]:
+    """The section's values with its `from_mesh` fields filled from the shared sections, and
+    a problem for each such field the section sets itself."""
+    values = dict(tree.get(name, {})) if isinstance(tree.get(name, {}), dict) else tree.get(name)
+    problems = []
+    for key, field in model.model_fields.items():
+        path = _mesh_path(field)
+        if not path or not isinstance(values, dict):
+            continue
+        if key in values:
+            problems.append(f"{tree.source(f'{name}.{key}')}: [{name}] {key}: declared once, as "
+                            f"{path}; remove it here (every service takes it from there)")
+            values.pop(key)
+        if mesh is not None:
+            node: Any = mesh
+            for part in path.split("."):
+                node = getattr(node, part)
+            values[key] = node
+    return values, problems
+
+
 def load_mesh(tree: dict) -> MeshConfig:
     """The shared sections alone (other sections of the file are not looked at)."""
     return load_sections(_as_tree(tree), {}, only_known=False)[0]
 
 
 def load_section(tree: dict, name: str, model: type[S]) -> S:
-    """One section alone; its problems as a `ConfigError`."""
-    tree = _as_tree(tree)
-    try:
-        return model.model_validate(tree.get(name, {}))
-    except ValidationError as e:
-        raise ConfigError(_problems(tree, name, model, e.errors(include_url=False))) from None
+    """One section (with what it takes from the shared ones); its problems as a `ConfigError`."""
+    return load_sections(_as_tree(tree), {name: model}, only_known=False)[1][name]  # type: ignore[return-value]
 
 
 def _as_tree(tree: dict) -> ConfigTree:

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import logging
 import os
 import signal
+import sys
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,14 +51,24 @@ def parse_args(name: str) -> argparse.Namespace:
     return p.parse_args()
 
 
-def run(name: str, section: type, build: Callable[[hconfig.MeshConfig, Any], Awaitable[Running]]) -> None:
+def run(name: str, section: type, build: Callable[..., Awaitable[Running]],
+        also: dict[str, type] | None = None) -> None:
+    """Serve `build(mesh, cfg, **also_loaded)`: `cfg` is the `[name]` section, `also` names
+    further sections the service reads (each passed by its name). Every section is checked
+    before anything starts; a config problem prints them all and exits with status 2."""
     args = parse_args(name)
     logging.basicConfig(
         level=os.environ.get("HOTLOOP_LOG_LEVEL", "INFO"),
         format=f"%(asctime)s {name} %(levelname)s %(name)s: %(message)s",
     )
-    mesh, cfg = hconfig.load(name, section, args.config, args.set)
-    asyncio.run(_main(name, mesh, cfg, build, args.port_file))
+    try:
+        tree = hconfig.raw_config(args.config, args.set)
+        mesh, loaded = hconfig.load_sections(tree, {name: section, **(also or {})}, only_known=False)
+    except hconfig.ConfigError as e:
+        print(f"{name}: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    cfg = loaded.pop(name)
+    asyncio.run(_main(name, mesh, cfg, functools.partial(build, **loaded), args.port_file))
 
 
 async def _main(name, mesh, cfg, build, port_file) -> None:

@@ -18,7 +18,7 @@ def test_async_grpo_job_through_the_mesh(tiny_model, tmp_path, monkeypatch):
     from hotloop import config
     from hotloop.clients import RolloutClient
     from apps.launcher import Mesh
-    from apps.train import load_job_configs
+    from apps.train import load_job
     from services.trainer.job import run_job
 
     cfg_path = tmp_path / "e2e.toml"
@@ -50,9 +50,7 @@ kl_beta = 0.04
     mesh_cfg = config.load_mesh(config.raw_config(cfg_path, environ={}))
     mesh = Mesh(mesh_cfg, str(cfg_path), [], ["reference", "reward", "rollout"], quiet=True)
     with mesh:
-        for k, v in mesh.info.env().items():
-            monkeypatch.setenv(k, v)
-        mesh_cfg, job, trainer_cfg = load_job_configs(str(cfg_path), [])
+        mesh_cfg, job, trainer_cfg = load_job(str(cfg_path), [], "grpo", mesh.info)
         assert job.max_staleness == 1
         spans = trainer_spans(mesh_cfg)
         summary, report = asyncio.run(run_job(mesh_cfg, job, trainer_cfg, progress=False))

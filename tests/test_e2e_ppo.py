@@ -21,7 +21,7 @@ def test_ppo_job_beside_users_through_the_colocated_mesh(tiny_model, tmp_path, m
     from hotloop import config
     from apps.cli import PROFILES
     from apps.launcher import Mesh
-    from apps.train import load_ppo_configs
+    from apps.train import load_job
 
     cfg_path = tmp_path / "ppo.toml"
     cfg_path.write_text(f"""
@@ -80,13 +80,11 @@ kl_target = 0.1
                 failures.append(repr(e))
 
     with mesh:
-        for k, v in mesh.info.env().items():
-            monkeypatch.setenv(k, v)
         t = threading.Thread(target=user, args=(mesh.info.gateway_url, mesh.info.user_key(),
                                                  str(tiny_model)))
         t.start()
         try:
-            mesh_cfg, job, trainer_cfg = load_ppo_configs(str(cfg_path), [])
+            mesh_cfg, job, trainer_cfg = load_job(str(cfg_path), [], "ppo", mesh.info)
             assert trainer_cfg.algorithm == "ppo"
             from services.trainer.job import run_job
 

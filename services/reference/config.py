@@ -10,22 +10,24 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from hotloop.config import from_mesh
+
 
 class ReferenceConfig(BaseModel):
     """Frozen base-model logprobs for the KL term."""
 
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
-    model: str = "smollm2-135m-instruct"
-    """Base model: a known name, a local HF directory, or a hub id (see hotloop.models). Must be
-    the trainer's base model, or the KL anchors to the wrong distribution."""
+    model: str = from_mesh("model.name", "smollm2-135m-instruct")
+    """Base model: `[model] name`, the trainer's base model, or the KL anchors to the wrong
+    distribution (not set in `[reference]`)."""
     backend: Literal["torch"] = "torch"
     """Scoring engine. "torch": HF model, completion-only chunked logprobs (the trainer's own
     code, so both agree by construction). A "vllm" backend (prompt_logprobs, engine built
     without LoRA) plugs in at `core.make_backend`."""
-    dtype: Literal["auto", "bfloat16", "float32"] = "auto"
-    """Compute dtype (`auto` as for the trainer: bf16 only where native); use the trainer's, or the KL picks up the bf16/fp32 gap (~1e-2 per token
-    on logprobs) as if it were policy drift."""
+    dtype: Literal["auto", "bfloat16", "float32"] = from_mesh("model.dtype", "auto")
+    """Compute dtype: `[model] dtype`, the trainer's too, or the KL picks up the bf16/fp32 gap
+    (~1e-2 per token on logprobs) as if it were policy drift (not set in `[reference]`)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where the model computes: `auto` is the first CUDA device when torch sees one, else the
     CPU (`dtype = "auto"` follows it, as in the trainer)."""

@@ -16,9 +16,10 @@ import logging
 
 from pydantic import Field
 
-from hotloop import config as hconfig
 from hotloop import metrics, service
 from hotloop.config import MeshConfig, ServiceSection
+
+from .config import OnlineConfig, TrainerConfig
 
 log = logging.getLogger("trainer")
 STOP_TIMEOUT_S = 10.0  # per stage of a stop: the loop's cancellation, then closing connections
@@ -33,26 +34,22 @@ class TrainerServerConfig(ServiceSection):
     """Port to listen on; 0 picks a free one (written to the port file)."""
 
 
-async def build(mesh: MeshConfig, cfg: TrainerServerConfig) -> service.Running:
+async def build(mesh: MeshConfig, cfg: TrainerServerConfig, *, online: OnlineConfig,
+                trainer: TrainerConfig) -> service.Running:
     # torch and peft load inside the loop, after every section has parsed
     from hotloop import models
     from hotloop.errors import FatalError
     from hotloop.threads import pin_configured
 
-    from . import online
-    from .config import OnlineConfig, TrainerConfig
+    from . import online as online_loop
     from .job import close_online, online_status, open_online
 
-    # `service.run` hands over one section; the loop's two come from the same sources.
-    args = service.parse_args("trainer")
-    tree = hconfig.raw_config(args.config, args.set)
-    job = hconfig.load_section(tree, "online", OnlineConfig)
-    trainer_cfg = hconfig.load_section(tree, "trainer", TrainerConfig)
+    job, trainer_cfg = online, trainer
     pin_configured(trainer_cfg.cpus, "trainer")
     edge, omesh, run_dir = await open_online(mesh, job, trainer_cfg, f"{cfg.host}:{cfg.port}")
-    loop = asyncio.create_task(online.run(job, trainer_cfg, models.resolve(mesh.model.name), omesh,
-                                          run_dir, on_step=online_status(edge.state),
-                                          metrics=online.OnlineMetrics(metrics.registry())))
+    loop = asyncio.create_task(online_loop.run(job, trainer_cfg, models.resolve(mesh.model.name), omesh,
+                                               run_dir, on_step=online_status(edge.state),
+                                               metrics=online_loop.OnlineMetrics(metrics.registry())))
 
     def check() -> None:
         if loop.done() and not loop.cancelled() and loop.exception() is not None:
@@ -80,4 +77,5 @@ async def build(mesh: MeshConfig, cfg: TrainerServerConfig) -> service.Running:
 
 
 if __name__ == "__main__":
-    service.run("trainer_server", TrainerServerConfig, build)
+    service.run("trainer_server", TrainerServerConfig, build,
+                also={"online": OnlineConfig, "trainer": TrainerConfig})

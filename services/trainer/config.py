@@ -12,6 +12,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from hotloop.config import from_mesh
+
 
 class _Strict(BaseModel):
     # A misspelled key in a config file is an error, not a silently ignored default.
@@ -140,8 +142,8 @@ class PpoSettings(_Strict):
 class TrainerConfig(_Strict):
     """The trainer core: LoRA policy, algorithm, batching, precision and checkpoints."""
 
-    model: str = "smollm2-135m-instruct"
-    """Base model: a known name, a local HF directory, or a hub id (see hotloop.models)."""
+    model: str = from_mesh("model.name", "smollm2-135m-instruct")
+    """Base model: `[model] name`, the one the rollout serves (not set in `[trainer]`)."""
     algorithm: Literal["grpo", "reinforce", "ppo"] = "grpo"
     """Advantage estimator; all use the clipped objective. `ppo`: a critic (`[trainer.critic]`)
     and GAE over a KL-penalised reward (`[trainer.ppo]`); run it with `hotloop train ppo`."""
@@ -166,11 +168,12 @@ class TrainerConfig(_Strict):
     logprob_chunk_tokens: int = Field(512, ge=1)
     """Completion positions per output-head chunk (each chunk holds a [chunk, vocab] fp32
     block)."""
-    dtype: Literal["auto", "bfloat16", "float32"] = "auto"
-    """Compute dtype. `auto`: bf16 on CUDA and AMX CPUs, where it measured faster, else fp32
-    (`hotloop.hardware.resolve_dtype`; on an AVX2-only CPU bf16 is 40x slower, on AVX512-BF16
-    without AMX 1.7x). bfloat16 stores the frozen base in bf16 and runs under CPU/CUDA autocast;
-    the LoRA weights, optimizer state and log-softmax stay float32."""
+    dtype: Literal["auto", "bfloat16", "float32"] = from_mesh("model.dtype", "auto")
+    """Compute dtype: `[model] dtype`, the one every copy of the base model uses (not set in
+    `[trainer]`). `auto`: bf16 on CUDA and AMX CPUs, where it measured faster, else fp32
+    (`hotloop.hardware.resolve_dtype`; on an AVX2-only CPU bf16 is 40x slower, on
+    AVX512-BF16 without AMX 1.7x). bfloat16 stores the frozen base in bf16 and runs under
+    CPU/CUDA autocast; the LoRA weights, optimizer state and log-softmax stay float32."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where the policy (and PPO's critic and colocated reference) computes. `auto`: the first
     CUDA device when torch sees one, else the CPU; `dtype = "auto"` follows the device."""

@@ -37,8 +37,8 @@ async def check_dtype(trainer_cfg: TrainerConfig, reference: ReferenceClient | N
         if theirs and theirs != dtype:
             raise SystemExit(
                 f"the reference service computes in {theirs} but the trainer in {dtype} "
-                f"(configured {trainer_cfg.dtype!r}): set [reference] dtype and [trainer] dtype "
-                f"to the same value (\"auto\" resolves identically on one host)")
+                f"(configured {trainer_cfg.dtype!r}): start both from a config with the same "
+                f"[model] dtype (\"auto\" resolves identically on one host)")
     return dtype
 
 

@@ -2,6 +2,7 @@
 reference (the tiny model) and NATS; the restart policy on its own with an explicit clock."""
 
 import asyncio
+import json
 import os
 import signal
 import time
@@ -64,6 +65,8 @@ def test_a_killed_service_is_restarted_on_its_port_while_the_others_keep_running
     info = mesh.start(timeout_s=180)
     try:
         pids, endpoints, nats_pid = dict(info.pids), dict(info.endpoints), mesh.nats.proc.pid
+        metrics = dict(info.metrics)
+        assert set(metrics) == {"reward", "reference"}
         reward = proc(mesh, "reward")
 
         os.kill(pids["reward"], signal.SIGKILL)
@@ -73,6 +76,11 @@ def test_a_killed_service_is_restarted_on_its_port_while_the_others_keep_running
         assert after.pids["reward"] == reward.popen.pid != pids["reward"]
         assert after.pids["reference"] == pids["reference"] and mesh.nats.proc.pid == nats_pid
         assert after.endpoints == endpoints  # the same port again
+        # and the same metrics endpoint, now served by the new process: a scraper keeps its target
+        assert after.metrics == metrics
+        served = json.loads((tmp_path / "ports" / "reward.json").read_text())
+        assert (served["pid"], metrics["reward"]) == (
+            reward.popen.pid, f"http://127.0.0.1:{served['metrics_port']}/metrics")
         asyncio.run(wait_healthy(endpoints["reward"], 30))
 
         os.kill(nats_pid, signal.SIGKILL)  # NATS too, on its port and store

@@ -64,7 +64,7 @@ class Trainer:
         sets = {
             "nats.url": nats_url, "endpoints.rollout": json.dumps([rollout]), "model.name": str(model),
             "security.admin_token": TOKEN, "run_dir": str(self.dir),
-            "trainer.dtype": "float32", "trainer.torch_threads": "1",
+            "model.dtype": "float32", "trainer.torch_threads": "1",
             "online.batch_size": "1", "online.batch_window_s": "0", "online.durable": self.durable,
             "online.out_dir": str(self.dir), "online.run_id": "run",
             "online.max_staleness_versions": "1000",  # earlier tests' feedback trains too

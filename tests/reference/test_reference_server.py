@@ -16,7 +16,6 @@ import pytest
 
 from hotloop import config as hconfig
 from hotloop import grpcutil
-from hotloop.errors import FatalError
 from hotloop.proto.v1 import reference_pb2, reference_pb2_grpc
 from services.reference.config import ReferenceConfig
 from services.reference.core import LogprobsRequest, LogprobsResult, ReferenceCore
@@ -162,7 +161,7 @@ async def test_main_builds_on_the_mesh_model_and_refuses_another(tiny_model: Pat
 
     mesh, cfg = hconfig.load(
         "reference", ReferenceServiceConfig,
-        overrides=[f"model.name={tiny_model}", "reference.dtype=float32", "reference.port=0"],
+        overrides=[f"model.name={tiny_model}", "model.dtype=float32", "reference.port=0"],
     )
     running = await build(mesh, cfg)
     try:
@@ -178,9 +177,7 @@ async def test_main_builds_on_the_mesh_model_and_refuses_another(tiny_model: Pat
     finally:
         await running.server.stop(None)
 
-    mesh, cfg = hconfig.load(
-        "reference", ReferenceServiceConfig,
-        overrides=[f"model.name={tiny_model}", "reference.model=some-other-model"],
-    )
-    with pytest.raises(FatalError, match="trainer's base model"):
-        await build(mesh, cfg)
+    assert (cfg.model, cfg.dtype) == (str(tiny_model), "float32")  # the mesh's, declared once
+    with pytest.raises(hconfig.ConfigError, match=r"\[reference\] model: declared once, as model.name"):
+        hconfig.load("reference", ReferenceServiceConfig,
+                     overrides=[f"model.name={tiny_model}", "reference.model=some-other-model"])

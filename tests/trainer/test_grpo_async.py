@@ -296,11 +296,12 @@ def test_max_staleness_zero_runs_the_synchronous_recipe(tmp_path):
 
 
 def test_the_grpo_section_reads_the_async_fields(tmp_path):
-    from apps.train import load_job_configs
+    from apps.train import load_job
+    from hotloop.config import ConfigError
 
     cfg = tmp_path / "c.toml"
     cfg.write_text("[grpo]\nmax_staleness = 1\nis_cap = 1.5\n")
-    _, j, _ = load_job_configs(str(cfg), [])
+    _, j, _ = load_job(str(cfg), [], "grpo")
     assert (j.max_staleness, j.is_cap) == (1, 1.5)
-    with pytest.raises(Exception):
-        load_job_configs(str(cfg), ["grpo.max_staleness=-1"])
+    with pytest.raises(ConfigError, match=r"\[grpo\] max_staleness"):
+        load_job(str(cfg), ["grpo.max_staleness=-1"], "grpo")
