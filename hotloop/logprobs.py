@@ -7,7 +7,7 @@ trainer (policy logprobs, with gradients) and the reference service (frozen base
 so that the two agree by construction.
 
 Why not `model(...).logits`: SmolLM2's vocabulary is 49,152 wide, so full logits over every
-position (prompt included) dominate time and memory on a CPU (NOTES.md). Here the transformer
+position (prompt included) dominate time and memory on a CPU (docs/results.md). Here the transformer
 body runs once, the hidden states at the positions that predict completion tokens are gathered,
 and the output head plus a float32 log-softmax run over those rows only, in chunks.
 

@@ -137,7 +137,7 @@ def make_backend(cfg: ReferenceConfig, model_dir: Path | None = None) -> Referen
 
     Extension point for "vllm": add the literal to `ReferenceConfig.backend` and a case here
     returning a backend that asks an engine built *without* LoRA for `prompt_logprobs` of
-    prompt+completion (NOTES.md: that works without LoRA, crashes with `enable_lora=True`).
+    prompt+completion (docs/results.md: that works without LoRA, crashes with `enable_lora=True`).
     """
     match cfg.backend:
         case "torch":

@@ -51,7 +51,7 @@ class RolloutConfig(ServiceSection):
     enforce_eager: bool = True
     """Skip torch.compile. Measured on the AVX512 (no AMX) CPU, fp32, SmolLM2-135M, 8 x 8 x 128
     tokens: compiled 418 tok/s vs eager 387 (1.08x) for 76 s of start-up vs 16 s, which a
-    15-minute run does not win back; on the AMX machine compiled ran ~1.35x (NOTES.md)."""
+    15-minute run does not win back; on the AMX machine compiled ran ~1.35x (docs/results.md)."""
     kv_cache_gib: int = Field(2, ge=1)
     """CPU KV cache size (VLLM_CPU_KVCACHE_SPACE)."""
     cpu_omp_threads_bind: str = "auto"

@@ -280,7 +280,7 @@ def resolve_mode(cfg: RolloutConfig) -> str:
         return cfg.update_mode
     import torch
 
-    # Measured on the CPU backend (NOTES.md, `hotloop bench rollout`): LoRA slots generate at
+    # Measured on the CPU backend (docs/results.md, `hotloop bench rollout`): LoRA slots generate at
     # ~0.25x base speed, a merged update at base speed. On CUDA, punica kernels make slots
     # cheap and give per-request pinning for free.
     return "lora" if torch.cuda.is_available() else "merged"
