@@ -20,7 +20,7 @@ def load_job_configs(config_path: str | None, overrides: list[str]):
     `[grpo]` includes the asynchronous mode's fields (`max_staleness`, `is_cap`)."""
     from hotloop import config
     from services.trainer.config import TrainerConfig
-    from services.trainer.grpo_async import AsyncGrpoJobConfig
+    from services.trainer.recipes.grpo_async import AsyncGrpoJobConfig
 
     tree = config.raw_config(config_path, overrides)
     return (config.load_mesh(tree), config.load_section(tree, "grpo", AsyncGrpoJobConfig),
@@ -32,7 +32,7 @@ def load_ppo_configs(config_path: str | None, overrides: list[str]):
     trainer's algorithm is PPO whatever the file says."""
     from hotloop import config
     from services.trainer.config import TrainerConfig
-    from services.trainer.ppo import PpoJobConfig
+    from services.trainer.recipes.ppo import PpoJobConfig
 
     tree = config.raw_config(config_path, overrides)
     tree.setdefault("trainer", {})["algorithm"] = "ppo"
@@ -65,7 +65,7 @@ def train(args) -> int:
     os.environ.update(info.env())  # point every section at the running mesh
     if args.algorithm == "online":
         from hotloop.service import run_interruptible
-        from services.trainer.job import run_online_job
+        from services.trainer.recipes.job import run_online_job
 
         mesh_cfg, online_job, trainer_cfg = load_online_configs(args.config, args.set)
         pin_configured(trainer_cfg.cpus, "trainer")  # on a core where vLLM spins, <1% of it
@@ -77,7 +77,7 @@ def train(args) -> int:
               f"counters {summary['counters']}")
         return 0
     from hotloop.service import run_interruptible
-    from services.trainer.job import run_job
+    from services.trainer.recipes.job import run_job
 
     load = load_ppo_configs if args.algorithm == "ppo" else load_job_configs
     mesh_cfg, job, trainer_cfg = load(args.config, args.set)
@@ -102,7 +102,7 @@ def evaluate(args) -> int:
     from hotloop.clients import RewardClient, RolloutClient
     from apps.launcher import MeshInfo
     from hotloop.tasks import load_tasks
-    from services.trainer.grpo import evaluate
+    from services.trainer.recipes.grpo import evaluate
 
     mesh_cfg, job, trainer_cfg = load_job_configs(args.config, args.set)
     try:

@@ -53,7 +53,7 @@ kl_beta = 0.04
         for k, v in mesh.info.env().items():
             monkeypatch.setenv(k, v)
         mesh_cfg, job, trainer_cfg = load_job_configs(str(cfg_path), [])
-        from services.trainer.job import run_job
+        from services.trainer.recipes.job import run_job
 
         summary, report = asyncio.run(run_job(mesh_cfg, job, trainer_cfg, progress=False))
 

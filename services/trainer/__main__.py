@@ -39,9 +39,9 @@ async def build(mesh: MeshConfig, cfg: TrainerServerConfig) -> service.Running:
     from hotloop.errors import FatalError
     from hotloop.threads import pin_configured
 
-    from . import online
+    from .recipes import online
     from .config import OnlineConfig, TrainerConfig
-    from .job import close_online, online_status, open_online
+    from .recipes.job import close_online, online_status, open_online
 
     # `service.run` hands over one section; the loop's two come from the same sources.
     args = service.parse_args("trainer")

@@ -240,10 +240,10 @@ async def run(job: AsyncGrpoJobConfig, trainer_cfg, model_dir: Path, mesh: Mesh,
     from opentelemetry import trace
     from tqdm import tqdm
 
-    from .algorithms import make_offpolicy_algorithm
-    from .batching import Sample
-    from .checkpoint import latest_checkpoint
-    from .policy import LoraPolicy
+    from ..learner.algorithms import make_offpolicy_algorithm
+    from ..learner.batching import Sample
+    from ..learner.checkpoint import latest_checkpoint
+    from ..learner.policy import LoraPolicy
 
     tracer = trace.get_tracer("hotloop.trainer")
     run_t0 = time.monotonic()

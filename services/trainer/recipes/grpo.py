@@ -243,7 +243,7 @@ class Mesh:
     rollout: list[RolloutClient]
     reward: RewardClient
     reference: ReferenceClient | None
-    publisher: object  # services.trainer.publisher.Publisher
+    publisher: object  # services.trainer.recipes.publisher.Publisher
 
 
 async def serve_policy(policy, mesh: Mesh, run_dir: Path, version: int) -> int:
@@ -272,10 +272,10 @@ async def run(job: GrpoJobConfig, trainer_cfg, model_dir: Path, mesh: Mesh, run_
     from opentelemetry import trace
     from tqdm import tqdm
 
-    from .algorithms import make_algorithm
-    from .batching import Sample
-    from .checkpoint import latest_checkpoint
-    from .policy import LoraPolicy
+    from ..learner.algorithms import make_algorithm
+    from ..learner.batching import Sample
+    from ..learner.checkpoint import latest_checkpoint
+    from ..learner.policy import LoraPolicy
 
     tracer = trace.get_tracer("hotloop.trainer")
     run_t0 = time.monotonic()
@@ -448,7 +448,7 @@ async def train_and_publish(policy, samples: list, stop, mesh: Mesh, run_dir: Pa
             except asyncio.CancelledError:
                 # The thread runs on: stop it before its next micro-batch and wait for it, so
                 # the caller's checkpoint never races an optimizer step.
-                from .policy import Interrupted
+                from ..learner.policy import Interrupted
 
                 stop.set()
                 with contextlib.suppress(Interrupted):
@@ -472,7 +472,7 @@ async def train_and_publish(policy, samples: list, stop, mesh: Mesh, run_dir: Pa
 def paired(first: EvalRecord, last: EvalRecord, job: GrpoJobConfig) -> dict:
     """Before/after on the same tasks: per-task differences with a bootstrap CI (stats.py).
     "greedy" is the main evaluation when it is greedy (eval_samples == 1), else "main"."""
-    from .stats import paired_bootstrap
+    from ..learner.stats import paired_bootstrap
 
     key = "greedy" if job.eval_samples == 1 else "main"
     out = {key: {**paired_bootstrap(first.per_task, last.per_task),

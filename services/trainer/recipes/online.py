@@ -78,7 +78,7 @@ from hotloop.errors import Unavailable
 from hotloop.metrics import STEP_BUCKETS, StateCollector, counter, gauge
 from hotloop.proto.v1 import bus_pb2, common_pb2
 
-from .config import OnlineConfig, TrainerConfig
+from ..config import OnlineConfig, TrainerConfig
 from .usersfirst import UsersFirst
 
 log = logging.getLogger(__name__)
@@ -91,7 +91,7 @@ class OnlineMesh:
     """What the loop talks to."""
 
     bus: Bus
-    publisher: Any  # services.trainer.publisher.Publisher
+    publisher: Any  # services.trainer.recipes.publisher.Publisher
     reference: ReferenceClient | None = None
     rollout: list[RolloutClient] = field(default_factory=list)  # read for their latest version
 
@@ -353,10 +353,10 @@ async def run(job: OnlineConfig, trainer_cfg: TrainerConfig, model_dir: Path, me
     """
     import torch
 
-    from .algorithms import EmaBaseline, make_online_algorithm
-    from .batching import Sample
-    from .checkpoint import latest_checkpoint, prune_checkpoints
-    from .policy import LoraPolicy
+    from ..learner.algorithms import EmaBaseline, make_online_algorithm
+    from ..learner.batching import Sample
+    from ..learner.checkpoint import latest_checkpoint, prune_checkpoints
+    from ..learner.policy import LoraPolicy
 
     if trainer_cfg.temperature != 1.0:
         # traffic logprobs are vLLM's raw (T=1) logprobs whatever the user's temperature

@@ -171,11 +171,11 @@ async def run(job: PpoJobConfig, trainer_cfg, model_dir: Path, mesh: Mesh, run_d
     from opentelemetry import trace
     from tqdm import tqdm
 
-    from .algorithms import AdaptiveKl, ppo_targets
-    from .batching import Sample
-    from .checkpoint import latest_checkpoint
-    from .critic import make_critic
-    from .policy import Interrupted, LoraPolicy
+    from ..learner.algorithms import AdaptiveKl, ppo_targets
+    from ..learner.batching import Sample
+    from ..learner.checkpoint import latest_checkpoint
+    from ..learner.critic import make_critic
+    from ..learner.policy import Interrupted, LoraPolicy
 
     tracer = trace.get_tracer("hotloop.trainer")
     run_t0 = time.monotonic()
@@ -389,7 +389,7 @@ def _mean_metrics(results) -> dict[str, float]:
 
 def summarize(steps: list[PpoStep], evals: list[HeldOut], heldout: list[CodeTask],
               job: PpoJobConfig, trainer_cfg) -> dict:
-    from .stats import paired_bootstrap
+    from ..learner.stats import paired_bootstrap
 
     totals = {s: sum(r.stage_seconds.get(s, 0.0) for r in steps) for s in STAGES}
     total = sum(totals.values()) or 1.0
