@@ -296,17 +296,10 @@ async def start_on_tasks(run: Run, policy, job: TaskJobConfig, mesh: Mesh,
     return stream, await serve_policy(policy, mesh, run.dir, pos.get("version", 0)), pos
 
 
-async def publish(policy, mesh: Mesh, run_dir: Path, version: int, step: int, skipped: bool,
-                  why: str) -> int:
-    """Publish `policy` as the next version unless the step's update was skipped; returns the
-    version the replicas serve."""
-    if skipped:
-        log.warning("step %d: no update (%s); nothing published", step, why)
-        return version
-    version += 1
+async def publish(policy, mesh: Mesh, run_dir: Path, version: int) -> None:
+    """Make `policy` the mesh's `version`: its adapter under the run, pushed and announced."""
     adapter = policy.save_adapter(run_dir / "adapters" / f"v{version}")
     await mesh.publisher.publish(version, adapter)  # opens the "publish" span
-    return version
 
 
 # ---- the recipe ------------------------------------------------------------------------------
@@ -414,8 +407,11 @@ class Grpo(Recipe):
         secs["train"] = time.perf_counter() - t
 
         t = time.perf_counter()
-        self.version = await publish(self.policy, self.mesh, self.run.dir, self.version, step,
-                                     skipped, why)
+        if skipped:
+            log.warning("step %d: no update (%s); nothing published", step, why)
+        else:  # the version counts once it is published (a stop during the push: not yet)
+            await publish(self.policy, self.mesh, self.run.dir, self.version + 1)
+            self.version += 1
         secs["publish"] = time.perf_counter() - t
         self.consumed, self.consumed_at = batch.position, self.policy.step
         return StepRecord(

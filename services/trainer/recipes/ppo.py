@@ -24,29 +24,28 @@ minibatches updated publishes nothing; Ctrl-C checkpoints the last completed ste
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import json
 import logging
 import math
 import statistics
-import threading
 import time
+from collections import Counter
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from opentelemetry import trace
 from pydantic import Field
 
-from hotloop.aio import raise_if_cancelled
 from hotloop.clients import TRAINING_PRIORITY, Completion, ScoreItem
 from hotloop.tasks import CodeTask, load_tasks
 
-from .budget import StepBudget
-from .grpo import Mesh, TaskJobConfig, TaskStream, chat, serve_policy
+from .base import Recipe, Run, Schedule, run_recipe
+from .grpo import Mesh, TaskJobConfig, chat, publish, start_on_tasks
 from .usersfirst import UsersFirst
 
 log = logging.getLogger(__name__)
+_tracer = trace.get_tracer("hotloop.trainer")
 STAGES = ("generate", "score", "reference", "values", "train", "publish")
 
 
@@ -152,7 +151,7 @@ async def _rewards(mesh: Mesh, tasks: list[CodeTask], scorer: str, n: int, tempe
     return per, comps
 
 
-async def evaluate(mesh: Mesh, tasks: list[CodeTask], scorer: str, max_tokens: int, step: int,
+async def evaluate_heldout(mesh: Mesh, tasks: list[CodeTask], scorer: str, max_tokens: int, step: int,
                    samples: int = 0, temperature: float = 1.0, stop: Sequence[str] = ()) -> HeldOut:
     greedy, comps = await _rewards(mesh, tasks, scorer, 1, 0.0, max_tokens, stop)
     rec = HeldOut(step=step, version=comps[0].policy_version if comps else 0, per_task=greedy,
@@ -163,222 +162,162 @@ async def evaluate(mesh: Mesh, tasks: list[CodeTask], scorer: str, max_tokens: i
     return rec
 
 
+class Ppo(Recipe):
+    """PPO on LoRA with a critic, beside the users the same engine serves."""
+
+    name = "ppo"
+
+    def __init__(self, job: PpoJobConfig, trainer_cfg, model_dir: Path, mesh: Mesh) -> None:
+        self.job, self.cfg, self.model_dir, self.mesh = job, trainer_cfg, model_dir, mesh
+        self.users = UsersFirst(job.users_first, mesh.rollout[0].address, job.max_pause_s)
+        self.evals: list[HeldOut] = []
+
+    async def setup(self, run: Run) -> Schedule:
+        import random
+
+        from ..learner.algorithms import AdaptiveKl
+        from ..learner.critic import make_critic
+        from ..learner.policy import LoraPolicy
+
+        job, cfg, pc = self.job, self.cfg, self.cfg.ppo
+        self.run, self.rng = run, random.Random(job.seed)
+        self.heldout = load_tasks(job.eval_tasks, job.eval_split)[: job.eval_limit] if job.eval_limit else []
+        self.users.start()  # before the policy loads: torch's threads inherit a lower priority
+        self.policy = LoraPolicy(cfg, self.model_dir)
+        self.critic = make_critic(self.policy, cfg.critic)
+        self.users.attach(self.policy.model)  # `pause`: every forward and backward in this process holds
+        self.kl = AdaptiveKl(pc.kl_coef, pc.kl_target, pc.kl_horizon)
+        # CriticMismatch names what differs from the checkpoint's critic
+        self.stream, self.version, pos = await start_on_tasks(
+            run, self.policy, job, self.mesh, extras={"critic": self.critic.load})
+        self.done, self.kl.coef = pos.get("ppo_step", 0), pos.get("kl_coef", self.kl.coef)
+        self.users.watch()
+        return Schedule(self.done, cfg.num_steps, cfg.checkpoint_interval, evaluate=bool(self.heldout),
+                        train_budget_s=job.train_budget_s, run_budget_s=job.run_budget_s)
+
+    async def step(self, step: int) -> PpoStep:
+        from ..learner.algorithms import ppo_targets
+        from ..learner.batching import Sample
+
+        cfg, job, pc, mesh = self.cfg, self.job, self.cfg.ppo, self.mesh
+        secs: dict[str, float] = {}
+        paused0 = self.users.paused_s
+        tasks = self.stream.take(cfg.batch_prompts)
+        t = time.perf_counter()
+        with _tracer.start_as_current_span("generate"):
+            comps = await mesh.rollout[0].generate(
+                [chat(tk) for tk in tasks], n=cfg.group_size, max_tokens=cfg.max_new_tokens,
+                temperature=job.sample_temperature, seed=job.seed * 100_003 + step,
+                priority=TRAINING_PRIORITY, stop=job.stop)
+        secs["generate"] = time.perf_counter() - t
+
+        t = time.perf_counter()
+        with _tracer.start_as_current_span("score"):
+            scores = await mesh.reward.score(score_items(tasks, comps, job.scorer))
+        secs["score"] = time.perf_counter() - t
+
+        pairs = [(c.prompt_token_ids, c.token_ids) for c in comps]
+        t = time.perf_counter()
+        with _tracer.start_as_current_span("reference"):
+            ref = await self.reference_logprobs(pairs)
+        secs["reference"] = time.perf_counter() - t
+
+        t = time.perf_counter()
+        with _tracer.start_as_current_span("values"):
+            values = await asyncio.to_thread(self.critic.values, pairs)
+        secs["values"] = time.perf_counter() - t
+
+        est = ppo_targets(
+            [{"score": s.reward, "logprobs": c.logprobs, "ref": r, "values": v}
+             for s, c, r, v in zip(scores, comps, ref, values)], self.kl.coef, pc)
+        samples = [
+            Sample(prompt_ids=c.prompt_token_ids, completion_ids=c.token_ids,
+                   old_logprobs=c.logprobs, advantage=a, returns=ret, old_values=v)
+            for c, a, ret, v in zip(comps, est["advantages"], est["returns"], values)
+            if c.token_ids  # an empty completion has no token to train
+        ]
+
+        t = time.perf_counter()
+        results = []
+        with _tracer.start_as_current_span("train"):
+            for _ in range(pc.epochs):
+                order = list(range(len(samples)))
+                self.rng.shuffle(order)
+                k = min(pc.minibatches, max(1, len(order)))
+                for part in (order[i::k] for i in range(k)):
+                    if part:
+                        results.append(await self.run.train(self.policy, [samples[i] for i in part],
+                                                            self.critic))
+        secs["train"] = time.perf_counter() - t
+
+        applied = [m for m in results if not m.skipped]
+        skipped = not applied
+        why = "; ".join(sorted({m.skip_reason or "" for m in results if m.skipped}))
+        t = time.perf_counter()
+        if skipped:
+            log.warning("step %d: no update (%s); nothing published", step, why or "no samples")
+        else:  # the version counts from its push on (a stop during it checkpoints this one)
+            self.version += 1
+            await publish(self.policy, mesh, self.run.dir, self.version)
+        secs["publish"] = time.perf_counter() - t
+        self.kl.update(est["kl"], len(comps))
+
+        train = _mean_metrics(applied)
+        rec = PpoStep(
+            step=step + 1, version=self.version, samples=len(comps),
+            reward_mean=statistics.fmean(s.reward for s in scores) if scores else math.nan,
+            kl=est["kl"], kl_coef=self.kl.coef, value_loss=train.get("value_loss", math.nan),
+            explained_variance=est["explained_variance"], stage_seconds=secs,
+            tokens=sum(len(c.token_ids) for c in comps), updates=len(applied),
+            skipped=skipped, skip_reason=why if skipped else "",
+            paused_s=self.users.paused_s - paused0, train=train,
+            statuses=dict(Counter(s.status for s in scores)))
+        if not skipped and len(applied) < len(results):
+            rec.skip_reason = f"{len(results) - len(applied)} minibatch update(s) skipped: {why}"
+        self.done = step + 1
+        return rec
+
+    async def reference_logprobs(self, pairs):
+        if self.job.reference == "colocated":
+            return await asyncio.to_thread(self.policy.base_logprobs, pairs)
+        if self.mesh.reference is None:
+            raise RuntimeError("[ppo] reference = 'service' but no reference endpoint is configured")
+        return await self.mesh.reference.logprobs(pairs)
+
+    async def save(self) -> None:
+        # After a stop mid-step, the minibatch updates it applied stay in the weights and the
+        # position is past its tasks: the resumed run samples fresh ones from those weights.
+        position = {**self.stream.position(), "version": self.version, "ppo_step": self.done,
+                    "kl_coef": self.kl.coef}
+        self.policy.save_checkpoint(self.run.checkpoints, data_position=position,
+                                    extras={"critic": self.critic.save})
+
+    async def evaluate(self, step: int) -> dict:
+        job = self.job
+        rec = await evaluate_heldout(self.mesh, self.heldout, job.scorer, self.cfg.max_new_tokens, step,
+                                     job.eval_sampled, job.sample_temperature, job.stop)
+        self.evals.append(rec)
+        log.info("held-out reward at step %d (v%d): greedy %.3f, sampled %.3f", step,
+                 rec.version, rec.mean, rec.sampled_mean)
+        return {"step": step, "version": rec.version, "reward_mean": rec.mean,
+                "sampled_reward_mean": rec.sampled_mean}
+
+    def progress(self, rec: PpoStep) -> str:
+        return (f"reward {rec.reward_mean:.2f} kl {rec.kl:.3f} "
+                f"vloss {rec.value_loss:.3f} ev {rec.explained_variance:.2f}")
+
+    async def close(self) -> None:
+        await self.users.close()
+
+    def summary(self, records: list[PpoStep]) -> dict:
+        return summarize(records, self.evals, self.heldout, self.job, self.cfg)
+
+
 async def run(job: PpoJobConfig, trainer_cfg, model_dir: Path, mesh: Mesh, run_dir: Path,
               progress: bool = True, on_step=None) -> dict:
     """Train; returns the summary written to `run_dir/summary.json`."""
-    import random
-
-    from opentelemetry import trace
-    from tqdm import tqdm
-
-    from ..learner.algorithms import AdaptiveKl, ppo_targets
-    from ..learner.batching import Sample
-    from ..learner.checkpoint import latest_checkpoint
-    from ..learner.critic import make_critic
-    from ..learner.policy import Interrupted, LoraPolicy
-
-    tracer = trace.get_tracer("hotloop.trainer")
-    run_t0 = time.monotonic()
-    run_dir.mkdir(parents=True, exist_ok=True)
-    rollout = mesh.rollout[0]
-    users = UsersFirst(job.users_first, rollout.address, job.max_pause_s)
-
-    # ---- setup -------------------------------------------------------------------------
-    train_tasks = load_tasks(job.tasks, job.train_split)
-    heldout = load_tasks(job.eval_tasks, job.eval_split)[: job.eval_limit] if job.eval_limit else []
-    users.start()  # before the policy loads: torch's threads inherit a lower priority
-    policy = LoraPolicy(trainer_cfg, model_dir)
-    critic = make_critic(policy, trainer_cfg.critic)
-    users.attach(policy.model)  # `pause`: every forward and backward in this process holds
-    pc = trainer_cfg.ppo
-    kl_ctl = AdaptiveKl(pc.kl_coef, pc.kl_target, pc.kl_horizon)
-    stream = TaskStream(train_tasks, job.seed)
-    start_step, version = 0, 0
-    ckpt_root = run_dir / "checkpoints"
-    if (ckpt := latest_checkpoint(ckpt_root)) is not None:
-        state = policy.restore(ckpt)
-        critic.load(ckpt / "critic")  # CriticMismatch names what differs
-        pos = state.data_position
-        start_step, kl_ctl.coef, version = pos["ppo_step"], pos["kl_coef"], pos.get("version", 0)
-        stream = TaskStream(train_tasks, job.seed, pos["epoch"], pos["offset"])
-        log.info("resumed from %s at step %d", ckpt, start_step)
-    version = await serve_policy(policy, mesh, run_dir, version)
-
-    def position(step: int) -> dict:
-        return {**stream.position(), "version": version, "ppo_step": step, "kl_coef": kl_ctl.coef}
-
-    def checkpoint(step: int) -> None:
-        policy.save_checkpoint(ckpt_root, data_position=position(step),
-                               extras={"critic": critic.save})
-
-    async def reference_logprobs(pairs):
-        if job.reference == "colocated":
-            return await asyncio.to_thread(policy.base_logprobs, pairs)
-        if mesh.reference is None:
-            raise RuntimeError("[ppo] reference = 'service' but no reference endpoint is configured")
-        return await mesh.reference.logprobs(pairs)
-
-    metrics_file = open(run_dir / "metrics.jsonl", "a")
-    evals: list[HeldOut] = []
-    steps: list[PpoStep] = []
-    rng = random.Random(job.seed)
-
-    async def do_eval(step: int) -> None:
-        with tracer.start_as_current_span("evaluate"):
-            rec = await evaluate(mesh, heldout, job.scorer, trainer_cfg.max_new_tokens, step,
-                                 job.eval_sampled, job.sample_temperature, job.stop)
-        evals.append(rec)
-        metrics_file.write(json.dumps({"eval": {"step": step, "version": rec.version,
-                                                "reward_mean": rec.mean,
-                                                "sampled_reward_mean": rec.sampled_mean}}) + "\n")
-        metrics_file.flush()
-        log.info("held-out reward at step %d (v%d): greedy %.3f, sampled %.3f", step,
-                 rec.version, rec.mean, rec.sampled_mean)
-
-    stop = threading.Event()  # set on cancellation: the train thread stops within a micro-batch
-    train_job: asyncio.Future | None = None
-    done_step = start_step
-
-    def poll() -> bool:  # polled by the train thread before each micro-batch
-        return stop.is_set()
-
-    try:
-        users.watch()
-        t = time.monotonic()
-        if heldout:
-            await do_eval(start_step)
-        budget = StepBudget(job.train_budget_s, job.run_budget_s, run_t0, time.monotonic() - t)
-
-        # ---- train -----------------------------------------------------------------------
-        bar = tqdm(range(start_step, trainer_cfg.num_steps), initial=start_step,
-                   total=trainer_cfg.num_steps, desc="ppo", unit="step", disable=not progress,
-                   dynamic_ncols=True)
-        for step in bar:
-            raise_if_cancelled()  # a Ctrl-C that a library swallowed mid-step (hotloop.aio)
-            secs: dict[str, float] = {}
-            paused0 = users.paused_s
-            with tracer.start_as_current_span("ppo.step", attributes={"step": step}):
-                tasks = stream.take(trainer_cfg.batch_prompts)
-                t = time.perf_counter()
-                with tracer.start_as_current_span("generate"):
-                    comps = await rollout.generate(
-                        [chat(tk) for tk in tasks], n=trainer_cfg.group_size,
-                        max_tokens=trainer_cfg.max_new_tokens, temperature=job.sample_temperature,
-                        seed=job.seed * 100_003 + step, priority=TRAINING_PRIORITY, stop=job.stop)
-                secs["generate"] = time.perf_counter() - t
-
-                t = time.perf_counter()
-                with tracer.start_as_current_span("score"):
-                    scores = await mesh.reward.score(score_items(tasks, comps, job.scorer))
-                secs["score"] = time.perf_counter() - t
-
-                pairs = [(c.prompt_token_ids, c.token_ids) for c in comps]
-                t = time.perf_counter()
-                with tracer.start_as_current_span("reference"):
-                    ref = await reference_logprobs(pairs)
-                secs["reference"] = time.perf_counter() - t
-
-                t = time.perf_counter()
-                with tracer.start_as_current_span("values"):
-                    values = await asyncio.to_thread(critic.values, pairs)
-                secs["values"] = time.perf_counter() - t
-
-                est = ppo_targets(
-                    [{"score": s.reward, "logprobs": c.logprobs, "ref": r, "values": v}
-                     for s, c, r, v in zip(scores, comps, ref, values)], kl_ctl.coef, pc)
-                samples = [
-                    Sample(prompt_ids=c.prompt_token_ids, completion_ids=c.token_ids,
-                           old_logprobs=c.logprobs, advantage=a, returns=ret, old_values=v)
-                    for c, a, ret, v in zip(comps, est["advantages"], est["returns"], values)
-                    if c.token_ids  # an empty completion has no token to train
-                ]
-
-                t = time.perf_counter()
-                results = []
-                with tracer.start_as_current_span("train"):
-                    for _ in range(pc.epochs):
-                        order = list(range(len(samples)))
-                        rng.shuffle(order)
-                        k = min(pc.minibatches, max(1, len(order)))
-                        for part in (order[i::k] for i in range(k)):
-                            if not part:
-                                continue
-                            batch = [samples[i] for i in part]
-                            train_job = asyncio.ensure_future(
-                                asyncio.to_thread(policy.train_step, batch, poll, critic))
-                            results.append(await asyncio.shield(train_job))
-                secs["train"] = time.perf_counter() - t
-
-                applied = [m for m in results if not m.skipped]
-                skipped = not applied
-                why = "; ".join(sorted({m.skip_reason or "" for m in results if m.skipped}))
-                t = time.perf_counter()
-                if skipped:
-                    log.warning("step %d: no update (%s); nothing published", step,
-                                why or "no samples")
-                else:
-                    version += 1
-                    adapter = policy.save_adapter(run_dir / "adapters" / f"v{version}")
-                    await mesh.publisher.publish(version, adapter)
-                secs["publish"] = time.perf_counter() - t
-                kl_ctl.update(est["kl"], len(comps))
-
-            statuses: dict[str, int] = {}
-            for s in scores:
-                statuses[s.status] = statuses.get(s.status, 0) + 1
-            train = _mean_metrics(applied)
-            rec = PpoStep(
-                step=step + 1, version=version, samples=len(comps),
-                reward_mean=statistics.fmean(s.reward for s in scores) if scores else math.nan,
-                kl=est["kl"], kl_coef=kl_ctl.coef, value_loss=train.get("value_loss", math.nan),
-                explained_variance=est["explained_variance"], stage_seconds=secs,
-                tokens=sum(len(c.token_ids) for c in comps), updates=len(applied),
-                skipped=skipped, skip_reason=why if skipped else "",
-                paused_s=users.paused_s - paused0, train=train, statuses=statuses)
-            if not skipped and len(applied) < len(results):
-                rec.skip_reason = f"{len(results) - len(applied)} minibatch update(s) skipped: {why}"
-            steps.append(rec)
-            metrics_file.write(json.dumps({"step": asdict(rec)}) + "\n")
-            metrics_file.flush()
-            bar.set_postfix_str(f"reward {rec.reward_mean:.2f} kl {rec.kl:.3f} "
-                                f"vloss {rec.value_loss:.3f} ev {rec.explained_variance:.2f}")
-            if (step + 1) % trainer_cfg.checkpoint_interval == 0 or step + 1 == trainer_cfg.num_steps:
-                checkpoint(step + 1)
-            if on_step is not None:
-                on_step(rec)
-            done_step = step + 1
-            if budget.spent(len(steps)):
-                if (step + 1) % trainer_cfg.checkpoint_interval and step + 1 != trainer_cfg.num_steps:
-                    checkpoint(step + 1)
-                log.warning("%s reached after %d steps (%.0f s of training)", budget.why, step + 1,
-                            budget.took())
-                break
-        bar.close()
-    except asyncio.CancelledError:
-        # Ctrl-C / SIGTERM: stop the train thread within a micro-batch, then checkpoint
-        # (adapter, critic, optimizers) so `run_id` resumes after the last completed step. The
-        # minibatch updates an interrupted step already applied stay in the weights; the
-        # resumed run samples that step afresh from them.
-        stop.set()
-        if train_job is not None and not train_job.done():
-            with contextlib.suppress(Interrupted):
-                await train_job
-        last = latest_checkpoint(ckpt_root)
-        if last is None or not last.name.endswith(f"{policy.step:08d}"):  # else: already saved
-            checkpoint(done_step)
-        log.warning("interrupted after step %d; checkpoint under %s", done_step, ckpt_root)
-        raise
-    finally:
-        metrics_file.flush()
-        await users.close()
-
-    # ---- evaluate and save ---------------------------------------------------------------
-    if heldout and (not evals or evals[-1].step != done_step):
-        await do_eval(done_step)
-    metrics_file.close()
-    summary = summarize(steps, evals, heldout, job, trainer_cfg)
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-    return summary
+    return await run_recipe(Ppo(job, trainer_cfg, model_dir, mesh), run_dir, progress=progress,
+                            on_step=on_step)
 
 
 def _mean_metrics(results) -> dict[str, float]:
