@@ -133,6 +133,7 @@ async def test_batch_of_one_trains_publishes_then_acks_in_one_linked_trace(
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+    from services.trainer.recipes import base as recipe_base
     from services.trainer.recipes import publisher as publisher_module
     from services.trainer.recipes.job import online_status
     from services.trainer.server import TrainerState, serve
@@ -142,6 +143,7 @@ async def test_batch_of_one_trains_publishes_then_acks_in_one_linked_trace(
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     tracer = provider.get_tracer("test")
     monkeypatch.setattr(online, "_tracer", tracer)
+    monkeypatch.setattr(recipe_base, "_tracer", tracer)  # the runner opens each step's span
     monkeypatch.setattr(publisher_module, "_tracer", tracer)
 
     await gateway.serve("r1")
