@@ -22,8 +22,8 @@ implements, top to bottom, `setup` (build a `LoraPolicy` with the algorithm's ob
 `run.restore` it, make the replicas serve it, return a `Schedule`), `step` (sample, score,
 update through `run.train`, publish; return the step's record, a dataclass with `step`,
 `version` and `stage_seconds`), `save` (`policy.save_checkpoint` with the data position a
-resume needs), `evaluate` if it evaluates, `close` and `summary`; plus a `run(...)` function
-that hands an instance to `run_recipe`, which job.py calls by the recipe's name. grpo.py is
+resume needs), `evaluate` if it evaluates, `close` and `summary`; then `run = runner(TheClass)`,
+the entry point job.py calls by the recipe's name. grpo.py is
 the shortest example; ppo.py adds a critic and users-first; online.py steps on feedback as
 it arrives.
 
@@ -40,7 +40,7 @@ import logging
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -269,3 +269,16 @@ async def run_recipe(recipe: Recipe, run_dir: Path, *, progress: bool = True,
         return summary
     finally:
         run._close()
+
+
+def runner(recipe: Callable[..., Recipe]) -> Callable[..., Awaitable[dict]]:
+    """The entry point of a recipe built from a job's sections and a mesh: what job.py and the
+    tests call as `run(job, trainer_cfg, model_dir, mesh, run_dir, progress=True, on_step=None)`."""
+
+    async def run(job, trainer_cfg, model_dir: Path, mesh, run_dir: Path, progress: bool = True,
+                  on_step: Callable[[Any], None] | None = None) -> dict:
+        """Train; returns the summary written to `run_dir/summary.json`."""
+        return await run_recipe(recipe(job, trainer_cfg, model_dir, mesh), run_dir,
+                                progress=progress, on_step=on_step)
+
+    return run

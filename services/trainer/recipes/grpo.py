@@ -30,7 +30,7 @@ from hotloop.clients import Completion, ReferenceClient, RewardClient, RolloutCl
 from hotloop.config import Section
 from hotloop.tasks import CodeTask, load_tasks
 
-from .base import Recipe, Run, Schedule, run_recipe
+from .base import Recipe, Run, Schedule, runner
 
 log = logging.getLogger(__name__)
 _tracer = trace.get_tracer("hotloop.trainer")
@@ -452,11 +452,7 @@ class Grpo(Recipe):
         return summarize(records, self.evals, self.job, self.cfg, self.heldout)
 
 
-async def run(job: GrpoJobConfig, trainer_cfg, model_dir: Path, mesh: Mesh, run_dir: Path,
-              progress: bool = True, on_step=None) -> dict:
-    """Train; returns the summary written to `run_dir/summary.json`."""
-    return await run_recipe(Grpo(job, trainer_cfg, model_dir, mesh), run_dir, progress=progress,
-                            on_step=on_step)
+run = runner(Grpo)
 
 
 def paired(first: EvalRecord, last: EvalRecord, job: GrpoJobConfig) -> dict:

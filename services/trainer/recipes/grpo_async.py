@@ -39,7 +39,7 @@ from pydantic import Field
 from hotloop.clients import Completion, Score
 from hotloop.tasks import CodeTask
 
-from .base import Recipe, Run, Schedule, run_recipe
+from .base import Recipe, Run, Schedule, runner
 from .grpo import Batch, Grpo, GrpoJobConfig, Mesh, StepRecord, chat, score_item
 
 log = logging.getLogger(__name__)
@@ -306,9 +306,4 @@ class AsyncGrpo(Recipe):
         return summary
 
 
-async def run(job: AsyncGrpoJobConfig, trainer_cfg, model_dir: Path, mesh: Mesh, run_dir: Path,
-              progress: bool = True, on_step=None) -> dict:
-    """Train with the rollout one batch (up to `max_staleness`) ahead of the trainer; returns
-    the summary written to `run_dir/summary.json`."""
-    return await run_recipe(AsyncGrpo(job, trainer_cfg, model_dir, mesh), run_dir,
-                            progress=progress, on_step=on_step)
+run = runner(AsyncGrpo)

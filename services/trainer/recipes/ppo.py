@@ -40,7 +40,7 @@ from pydantic import Field
 from hotloop.clients import TRAINING_PRIORITY, Completion, ScoreItem
 from hotloop.tasks import CodeTask, load_tasks
 
-from .base import Recipe, Run, Schedule, run_recipe
+from .base import Recipe, Run, Schedule, runner
 from .grpo import Mesh, TaskJobConfig, chat, publish, start_on_tasks
 from .usersfirst import UsersFirst
 
@@ -313,11 +313,7 @@ class Ppo(Recipe):
         return summarize(records, self.evals, self.heldout, self.job, self.cfg)
 
 
-async def run(job: PpoJobConfig, trainer_cfg, model_dir: Path, mesh: Mesh, run_dir: Path,
-              progress: bool = True, on_step=None) -> dict:
-    """Train; returns the summary written to `run_dir/summary.json`."""
-    return await run_recipe(Ppo(job, trainer_cfg, model_dir, mesh), run_dir, progress=progress,
-                            on_step=on_step)
+run = runner(Ppo)
 
 
 def _mean_metrics(results) -> dict[str, float]:
