@@ -125,14 +125,8 @@ def _watch(metrics: dict[str, float], mean: Callable[[Tensor], float], logprobs:
 
 
 def policy_loss(
-    logprobs: Tensor,
-    old_logprobs: Tensor,
-    ref_logprobs: Tensor | None,
-    advantages: Tensor,
-    mask: Tensor,
-    cfg: LossSettings,
-    *,
-    normalizer: float | None = None,
+    logprobs: Tensor, old_logprobs: Tensor, ref_logprobs: Tensor | None, advantages: Tensor,
+    mask: Tensor, cfg: LossSettings, *, normalizer: float | None = None,
     entropy: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """Clipped importance-ratio policy-gradient loss plus beta * k3 KL. Returns (loss, metrics).
@@ -201,15 +195,8 @@ def truncated_is_weights(logprobs: Tensor, behaviour_logprobs: Tensor, cap: floa
 
 
 def tis_reinforce_loss(
-    logprobs: Tensor,
-    old_logprobs: Tensor,
-    ref_logprobs: Tensor | None,
-    advantages: Tensor,
-    mask: Tensor,
-    cfg: LossSettings,
-    *,
-    is_cap: float,
-    normalizer: float | None = None,
+    logprobs: Tensor, old_logprobs: Tensor, ref_logprobs: Tensor | None, advantages: Tensor,
+    mask: Tensor, cfg: LossSettings, *, is_cap: float, normalizer: float | None = None,
     entropy: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """REINFORCE with truncated importance sampling plus beta * k3 KL. Returns (loss, metrics).
