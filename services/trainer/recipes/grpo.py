@@ -1,8 +1,11 @@
 """The GRPO recipe: sample -> score -> reference -> advantages -> LoRA step -> publish.
 
-Reads top to bottom like a recipe (setup, train, evaluate, save). Every stage is a span in
-one trace per step and a number in the step's metrics; nothing here knows about gRPC or
-NATS beyond the clients and the publisher it is given.
+`Grpo` reads top to bottom (setup, step = sample then learn, save, evaluate) on the runner
+that every recipe shares (base.py). Every stage is a span in one trace per step and a number
+in the step's metrics; nothing here knows about gRPC or NATS beyond the clients and the
+publisher it is given. This module also holds what the recipes over code tasks share (PPO
+and asynchronous GRPO import it): the `Mesh`, the task stream, `start_on_tasks`, `publish`,
+`Batch`, and the held-out evaluation and summary.
 
 Failure policy: a reward or reference service that is down fails the step after bounded
 retries (hotloop.clients), never a silent zero reward; a NaN/inf loss skips the update and
@@ -279,7 +282,7 @@ async def serve_policy(policy, mesh: Mesh, run_dir: Path, version: int) -> int:
     if version == 0 and serving == 0 and stored is None:
         return 0
     version = max(version, stored.version if stored else 0, serving) + 1
-    await mesh.publisher.publish(version, policy.save_adapter(run_dir / "adapters" / f"v{version}"))
+    await publish(policy, mesh, run_dir, version)
     log.info("the replicas now serve this run's policy as version %d", version)
     return version
 
@@ -308,9 +311,9 @@ async def publish(policy, mesh: Mesh, run_dir: Path, version: int) -> None:
 class Grpo(Recipe):
     """Each step samples, scores, references, trains and publishes, one stage after another.
 
-    `algorithm(trainer_cfg)`: the objective the policy trains with instead of its own
-    (`make_algorithm`); grpo_async.py passes the off-policy one and composes `sample`'s
-    place with its own pipeline, and `learn` as it is."""
+    `algorithm(trainer_cfg)`: an objective to train with instead of the policy's own
+    (`make_algorithm`). grpo_async.py composes this class: its off-policy objective, batches
+    produced ahead in place of `sample`, and `learn` as it is."""
 
     name = "grpo"
 

@@ -107,7 +107,6 @@ async def produce(step: int, tasks: list[CodeTask], position: dict, mesh: Mesh, 
     and the group is kept). Advantages are per group, so per-group computation is exact."""
     import torch
 
-    tracer = _tracer
     B, G = len(tasks), trainer_cfg.group_size
     need_ref = trainer_cfg.loss.kl_beta > 0 and mesh.reference is not None
     comps: list[Completion | None] = [None] * (B * G)
@@ -122,7 +121,7 @@ async def produce(step: int, tasks: list[CodeTask], position: dict, mesh: Mesh, 
     t0 = time.perf_counter()
     ends: dict[str, float] = {}
 
-    @_traced(tracer, "generate")
+    @_traced(_tracer, "generate")
     async def generate() -> None:
         try:
             async for c in mesh.rollout[0].generate_each(
@@ -137,7 +136,7 @@ async def produce(step: int, tasks: list[CodeTask], position: dict, mesh: Mesh, 
         if (missing := sum(c is None for c in comps)) > 0:
             raise RuntimeError(f"rollout returned {B * G - missing} completions, expected {B * G}")
 
-    @_traced(tracer, "score")
+    @_traced(_tracer, "score")
     async def score() -> None:
         try:
             async for s in mesh.reward.score_each(_drain(to_score)):
@@ -160,7 +159,7 @@ async def produce(step: int, tasks: list[CodeTask], position: dict, mesh: Mesh, 
             ends["score"] = time.perf_counter()
             await to_ref.put(None)
 
-    @_traced(tracer, "reference")
+    @_traced(_tracer, "reference")
     async def reference() -> None:
         async for i, lp in mesh.reference.logprobs_each(_drain(to_ref)):
             ref[int(i)] = lp
