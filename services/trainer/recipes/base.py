@@ -14,7 +14,8 @@ the same for every recipe and lives here, in `run_recipe`:
                    evaluation, summary.json
     a stop         (Ctrl-C or SIGTERM cancel the task) the train thread stops within its
                    micro-batch (`Run.train`), the recipe checkpoints what it trained, so that
-                   the same `run_id` resumes there, and the cancellation propagates
+                   the same `run_id` resumes there (not one that checkpoints inside its steps:
+                   `Schedule.checkpoint_every`), and the cancellation propagates
     always         `Recipe.close`
 
 Adding an algorithm is one file beside grpo.py: a class that subclasses `Recipe` and
@@ -22,10 +23,11 @@ implements, top to bottom, `setup` (build a `LoraPolicy` with the algorithm's ob
 `run.restore` it, make the replicas serve it, return a `Schedule`), `step` (sample, score,
 update through `run.train`, publish; return the step's record, a dataclass with `step`,
 `version` and `stage_seconds`), `save` (`policy.save_checkpoint` with the data position a
-resume needs), `evaluate` if it evaluates, `close` and `summary`; then `run = runner(TheClass)`,
-the entry point job.py calls by the recipe's name. grpo.py is
-the shortest example; ppo.py adds a critic and users-first; online.py steps on feedback as
-it arrives.
+resume needs), `evaluate` if it evaluates, `close` and `summary`; then `run = runner(TheClass)`
+is its entry point. `hotloop train <name>` reaches it through job.py's `run_job`, which maps
+the name to the recipe and its report (apps/train.py loads its config section). grpo.py is the
+shortest example; ppo.py adds a critic and users-first; online.py steps on feedback as it
+arrives.
 
 Does not own: the mesh's clients and the trainer's own server (job.py), or the update's math
 (services.trainer.learner).
