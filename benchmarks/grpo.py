@@ -329,8 +329,8 @@ class Bench:
     async def run(self, mesh_cfg, trainer_cfg, job, model_dir: Path) -> None:
         from hotloop.clients import RewardClient, RolloutClient
 
-        from services.trainer import grpo, grpo_async
-        from services.trainer.job import open_edge
+        from services.trainer.recipes import grpo, grpo_async
+        from services.trainer.recipes.job import open_edge
 
         ep = mesh_cfg.endpoints
         edge = await open_edge(mesh_cfg, trainer_cfg, self.out / "trainer", "grpo")

@@ -100,7 +100,7 @@ def test_colocated_profile_runs_ppo_without_a_reference_service():
         if "colocated" in svc.get("profiles", ["colocated"]):  # profile-less services start too
             assert "reference" not in svc.get("depends_on", {}), name
     from hotloop import config
-    from services.trainer.ppo import PpoJobConfig
+    from services.trainer.recipes.ppo import PpoJobConfig
 
     tree = config.raw_config(ROOT / ppo["command"][3], environ={})
     assert config.load_section(tree, "ppo", PpoJobConfig).reference == "colocated"

@@ -94,8 +94,8 @@ def test_every_config_file_parses(path):
     from services.gateway.config import GatewayConfig
     from services.trainer.__main__ import TrainerServerConfig
     from services.trainer.config import OnlineConfig
-    from services.trainer.grpo_async import AsyncGrpoJobConfig
-    from services.trainer.ppo import PpoJobConfig
+    from services.trainer.recipes.grpo_async import AsyncGrpoJobConfig
+    from services.trainer.recipes.ppo import PpoJobConfig
 
     from apps.launcher import UpConfig
 

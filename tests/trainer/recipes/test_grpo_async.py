@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from hotloop.clients import Completion, Score
-from services.trainer import algorithms
-from services.trainer.grpo_async import AsyncGrpoJobConfig, StalenessGate, produce, recipe, run
+from services.trainer.learner import algorithms
+from services.trainer.recipes.grpo_async import AsyncGrpoJobConfig, StalenessGate, produce, recipe, run
 
 G, B = 4, 2
 
@@ -120,7 +120,7 @@ class FakePublisher:
 
 
 def make_mesh(behind: int = 0, delay: float = 0.01, hold_until_ahead: tuple[int, int] | None = None):
-    from services.trainer.grpo import Mesh
+    from services.trainer.recipes.grpo import Mesh
 
     rollout = FakeRollout(delay)
     return Mesh([rollout], FakeReward(), FakeReference(),
@@ -287,8 +287,8 @@ async def test_a_sample_past_the_bound_is_an_error(tcfg, tiny_model, tmp_path):
 
 
 def test_max_staleness_zero_runs_the_synchronous_recipe(tmp_path):
-    from services.trainer import grpo, grpo_async
-    from services.trainer.grpo import GrpoJobConfig
+    from services.trainer.recipes import grpo, grpo_async
+    from services.trainer.recipes.grpo import GrpoJobConfig
 
     assert recipe(AsyncGrpoJobConfig()) is grpo.run and AsyncGrpoJobConfig().max_staleness == 0
     assert recipe(GrpoJobConfig()) is grpo.run

@@ -19,9 +19,9 @@ from hotloop import grpcutil
 from hotloop.bus import DEAD, FEEDBACK, Bus, traffic_subject
 from hotloop.clients import ReferenceClient, RolloutClient
 from hotloop.proto.v1 import bus_pb2, common_pb2, trainer_pb2, trainer_pb2_grpc
-from services.trainer import online
+from services.trainer.recipes import online
 from services.trainer.config import OnlineConfig
-from services.trainer.publisher import Publisher
+from services.trainer.recipes.publisher import Publisher
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 TOKEN = "test-admin-token"
@@ -133,8 +133,9 @@ async def test_batch_of_one_trains_publishes_then_acks_in_one_linked_trace(
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-    from services.trainer import publisher as publisher_module
-    from services.trainer.job import online_status
+    from services.trainer.recipes import base as recipe_base
+    from services.trainer.recipes import publisher as publisher_module
+    from services.trainer.recipes.job import online_status
     from services.trainer.server import TrainerState, serve
 
     exporter = InMemorySpanExporter()
@@ -142,6 +143,7 @@ async def test_batch_of_one_trains_publishes_then_acks_in_one_linked_trace(
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     tracer = provider.get_tracer("test")
     monkeypatch.setattr(online, "_tracer", tracer)
+    monkeypatch.setattr(recipe_base, "_tracer", tracer)  # the runner opens each step's span
     monkeypatch.setattr(publisher_module, "_tracer", tracer)
 
     await gateway.serve("r1")
@@ -191,7 +193,7 @@ async def test_batch_of_one_trains_publishes_then_acks_in_one_linked_trace(
 
 async def test_positive_feedback_raises_the_rewarded_completion_and_negative_lowers(
         gateway, nats_server, rollout, reference, tmp_path, make_cfg, tiny_model):
-    from services.trainer.policy import LoraPolicy
+    from services.trainer.learner.policy import LoraPolicy
 
     good = await gateway.serve("good", prompt="write add", seed=1)
     bad = await gateway.serve("bad", prompt="write sub", seed=2)
@@ -326,7 +328,7 @@ def _kill_current_task():
 @pytest.mark.parametrize("kill_at", ["after_publish", "after_checkpoint"])
 async def test_killed_trainer_resumes_with_nothing_lost_and_nothing_trained_twice(
         kill_at, gateway, nats_server, rollout, tmp_path, make_cfg, tiny_model, monkeypatch):
-    from services.trainer.policy import LoraPolicy
+    from services.trainer.learner.policy import LoraPolicy
 
     await gateway.serve("x", seed=3)
     await gateway.serve("y", seed=4)
@@ -456,7 +458,7 @@ async def test_a_flood_meets_the_bounded_queue_and_nothing_is_lost(
 async def test_reference_in_another_dtype_stops_the_job_before_training(
         nats_server, rollout, reference, tmp_path, make_cfg):
     from hotloop.config import MeshConfig
-    from services.trainer.job import open_online
+    from services.trainer.recipes.job import open_online
 
     mesh_cfg = MeshConfig.model_validate({
         "nats": {"url": nats_server.url},

@@ -1,4 +1,4 @@
-"""The memory plan of a colocated PPO host (services/trainer/memplan.py) and the shipped CUDA
+"""The memory plan of a colocated PPO host (services/trainer/learner/memplan.py) and the shipped CUDA
 config checked against it: the base weights are held once by the trainer, and everything fits
 the device with headroom."""
 
@@ -11,9 +11,9 @@ import pytest
 from hotloop import config
 from services.rollout.config import RolloutConfig
 from services.trainer.config import TrainerConfig
-from services.trainer.memplan import GIB, ModelShape, plan, plan_for
+from services.trainer.learner.memplan import GIB, ModelShape, plan, plan_for
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 # SmolLM2-135M (config.json of HuggingFaceTB/SmolLM2-135M-Instruct) and Llama-3.1-8B.
 SMOLLM2_135M = ModelShape(hidden=576, layers=30, intermediate=1536, vocab=49152, heads=9, kv_heads=3)
 LLAMA_8B = ModelShape(hidden=4096, layers=32, intermediate=14336, vocab=128256, heads=32,

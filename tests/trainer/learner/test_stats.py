@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from services.trainer.stats import paired_bootstrap, verdict
+from services.trainer.learner.stats import paired_bootstrap, verdict
 
 
 def test_a_consistent_gain_is_resolved_where_independent_cis_overlap() -> None:

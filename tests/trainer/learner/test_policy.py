@@ -11,8 +11,8 @@ from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
 from hotloop.logprobs import collate, completion_logprobs
-from services.trainer.checkpoint import latest_checkpoint
-from services.trainer.policy import LoraPolicy, Sample
+from services.trainer.learner.checkpoint import latest_checkpoint
+from services.trainer.learner.policy import LoraPolicy, Sample
 
 
 def _perturb_adapter(policy: LoraPolicy, seed: int = 0) -> None:
@@ -201,7 +201,7 @@ def test_latest_checkpoint_ignores_partial_writes(tmp_path) -> None:
 
 
 def test_a_stop_request_interrupts_the_step_before_its_update(make_cfg, random_pairs) -> None:
-    from services.trainer.policy import Interrupted
+    from services.trainer.learner.policy import Interrupted
 
     # a token budget of 32 splits the batch into several micro-batches
     policy = LoraPolicy(make_cfg(micro_batch_tokens=32))

@@ -1,8 +1,11 @@
 """The GRPO recipe: sample -> score -> reference -> advantages -> LoRA step -> publish.
 
-Reads top to bottom like a recipe (setup, train, evaluate, save). Every stage is a span in
-one trace per step and a number in the step's metrics; nothing here knows about gRPC or
-NATS beyond the clients and the publisher it is given.
+`Grpo` reads top to bottom (setup, step = sample then learn, save, evaluate) on the runner
+that every recipe shares (base.py). Every stage is a span in one trace per step and a number
+in the step's metrics; nothing here knows about gRPC or NATS beyond the clients and the
+publisher it is given. This module also holds what the recipes over code tasks share (PPO
+and asynchronous GRPO import it): the `Mesh`, the task stream, `start_on_tasks`, `publish`,
+`Batch`, and the held-out evaluation and summary.
 
 Failure policy: a reward or reference service that is down fails the step after bounded
 retries (hotloop.clients), never a silent zero reward; a NaN/inf loss skips the update and
@@ -12,29 +15,28 @@ publishes nothing; everything a resumed run needs is in the checkpoint.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import json
 import logging
 import math
 import random
 import statistics
-import threading
 import time
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated
 
+from opentelemetry import trace
 from pydantic import ConfigDict, Field
 
-from hotloop.aio import raise_if_cancelled
-from hotloop.clients import Completion, ReferenceClient, RewardClient, RolloutClient, ScoreItem
+from hotloop.clients import Completion, ReferenceClient, RewardClient, RolloutClient, Score, ScoreItem
 from hotloop.config import Section
 from hotloop.tasks import CodeTask, load_tasks
 
-from .budget import StepBudget
+from .base import Recipe, Run, Schedule, runner
 
 log = logging.getLogger(__name__)
+_tracer = trace.get_tracer("hotloop.trainer")
 STAGES = ("generate", "score", "reference", "train", "publish")
 
 
@@ -136,6 +138,26 @@ class EvalRecord:
         if d["sampled"] is not None:
             d["sampled"].pop("texts")
         return d
+
+
+@dataclass
+class Batch:
+    """One step's samples, scored, with advantages and (kept samples') reference logprobs.
+    Flat index i = prompt * G + sample."""
+
+    step: int
+    tasks: list[CodeTask]
+    position: dict  # the task stream's position after this batch's tasks
+    comps: list[Completion]  # [B * G]
+    scores: list[Score]  # [B * G]
+    rewards: object  # torch.Tensor [B, G]
+    advantages: object  # torch.Tensor [B * G]; zero for groups with equal rewards
+    keep: list[int]  # flat indices to train on, ascending
+    ref: dict[int, list[float]]  # flat index -> reference logprobs (kept samples, kl_beta > 0)
+    # The seconds of its stages. Sampled in the step: each stage's own. Produced ahead
+    # (grpo_async.produce): generate is first request -> last completion; score and reference
+    # how much longer each ran after the stage before it ended; the sum is the batch's wall time.
+    seconds: dict[str, float] = field(default_factory=dict)
 
 
 def chat(task: CodeTask) -> list[dict[str, str]]:
@@ -243,7 +265,7 @@ class Mesh:
     rollout: list[RolloutClient]
     reward: RewardClient
     reference: ReferenceClient | None
-    publisher: object  # services.trainer.publisher.Publisher
+    publisher: object  # services.trainer.recipes.publisher.Publisher
 
 
 async def serve_policy(policy, mesh: Mesh, run_dir: Path, version: int) -> int:
@@ -260,219 +282,186 @@ async def serve_policy(policy, mesh: Mesh, run_dir: Path, version: int) -> int:
     if version == 0 and serving == 0 and stored is None:
         return 0
     version = max(version, stored.version if stored else 0, serving) + 1
-    await mesh.publisher.publish(version, policy.save_adapter(run_dir / "adapters" / f"v{version}"))
+    await publish(policy, mesh, run_dir, version)
     log.info("the replicas now serve this run's policy as version %d", version)
     return version
 
 
-async def run(job: GrpoJobConfig, trainer_cfg, model_dir: Path, mesh: Mesh, run_dir: Path,
-              progress: bool = True, on_step=None) -> dict:
-    """Train; returns the summary written to `run_dir/summary.json`."""
-    import torch
-    from opentelemetry import trace
-    from tqdm import tqdm
+async def start_on_tasks(run: Run, policy, job: TaskJobConfig, mesh: Mesh,
+                         extras: dict | None = None) -> tuple[TaskStream, int, dict]:
+    """Where a recipe over code tasks starts: `policy` (and `extras`, as `Run.restore`)
+    restored from the run's latest checkpoint, the task stream at the position that checkpoint
+    recorded, and the replicas serving the policy. Returns (the stream, the version they serve,
+    the checkpoint's data position: empty for a fresh run)."""
+    pos = run.restore(policy, extras) or {}
+    stream = TaskStream(load_tasks(job.tasks, job.train_split), job.seed, pos.get("epoch", 0),
+                        pos.get("offset", 0))
+    return stream, await serve_policy(policy, mesh, run.dir, pos.get("version", 0)), pos
 
-    from .algorithms import make_algorithm
-    from .batching import Sample
-    from .checkpoint import latest_checkpoint
-    from .policy import LoraPolicy
 
-    tracer = trace.get_tracer("hotloop.trainer")
-    run_t0 = time.monotonic()
-    run_dir.mkdir(parents=True, exist_ok=True)
+async def publish(policy, mesh: Mesh, run_dir: Path, version: int) -> None:
+    """Make `policy` the mesh's `version`: its adapter under the run, pushed and announced."""
+    adapter = policy.save_adapter(run_dir / "adapters" / f"v{version}")
+    await mesh.publisher.publish(version, adapter)  # opens the "publish" span
 
-    # ---- setup -------------------------------------------------------------------------
-    train_tasks = load_tasks(job.tasks, job.train_split)
-    heldout = load_tasks(job.eval_tasks, job.eval_split)
-    if job.eval_limit:
-        heldout = heldout[: job.eval_limit]
-    policy = LoraPolicy(trainer_cfg, model_dir)
-    algo = make_algorithm(trainer_cfg)
-    stream = TaskStream(train_tasks, job.seed)
-    start_step, version = 0, 0
-    ckpt_root = run_dir / "checkpoints"
-    if (ckpt := latest_checkpoint(ckpt_root)) is not None:
-        state = policy.restore(ckpt)
-        start_step = state.step
-        stream = TaskStream(train_tasks, job.seed, state.data_position["epoch"], state.data_position["offset"])
-        version = state.data_position.get("version", 0)
-        log.info("resumed from %s at step %d", ckpt, start_step)
-    version = await serve_policy(policy, mesh, run_dir, version)
-    rollout = mesh.rollout[0]  # sampling goes to one replica; every replica gets each version
-    metrics_file = open(run_dir / "metrics.jsonl", "a")
-    evals: list[EvalRecord] = []
-    steps: list[StepRecord] = []
 
-    async def do_eval(step: int) -> None:
-        with tracer.start_as_current_span("evaluate"):
-            rec = await evaluate_both(rollout, mesh.reward, heldout, job, trainer_cfg, step)
-        evals.append(rec)
-        metrics_file.write(json.dumps({"eval": rec.as_dict()}) + "\n")
-        metrics_file.flush()
-        log.info("held-out pass@1 at step %d (v%d): %.3f ± %.3f", step, rec.version, rec.pass_at_1, rec.ci95)
+# ---- the recipe ------------------------------------------------------------------------------
+
+
+class Grpo(Recipe):
+    """Each step samples, scores, references, trains and publishes, one stage after another.
+
+    `algorithm(trainer_cfg)`: an objective to train with instead of the policy's own
+    (`make_algorithm`). grpo_async.py composes this class: its off-policy objective, batches
+    produced ahead in place of `sample`, and `learn` as it is."""
+
+    name = "grpo"
+
+    def __init__(self, job: GrpoJobConfig, trainer_cfg, model_dir: Path, mesh: Mesh,
+                 algorithm: Callable | None = None) -> None:
+        self.job, self.cfg, self.model_dir, self.mesh = job, trainer_cfg, model_dir, mesh
+        self.algorithm = algorithm
+        self.evals: list[EvalRecord] = []
+
+    async def setup(self, run: Run) -> Schedule:
+        from ..learner.policy import LoraPolicy
+
+        job, cfg = self.job, self.cfg
+        self.run = run
+        self.heldout = load_tasks(job.eval_tasks, job.eval_split)
+        if job.eval_limit:
+            self.heldout = self.heldout[: job.eval_limit]
+        self.policy = LoraPolicy(cfg, self.model_dir)
+        if self.algorithm is not None:
+            self.policy.algorithm = self.algorithm(cfg)
+        self.stream, self.version, _ = await start_on_tasks(run, self.policy, job, self.mesh)
+        # The task position the policy's weights have consumed, and its step then: what a
+        # checkpoint records, so that a resume neither repeats a batch nor skips one.
+        self.consumed, self.consumed_at = self.stream.position(), self.policy.step
+        self.batch_position = self.consumed  # of the batch `learn` trains now
+        return Schedule(self.policy.step, cfg.num_steps, cfg.checkpoint_interval,
+                        evaluate=bool(self.heldout), evaluate_every=job.eval_every,
+                        train_budget_s=job.train_budget_s, run_budget_s=job.run_budget_s)
+
+    async def step(self, step: int) -> StepRecord:
+        batch = await self.sample(step)
+        return await self.learn(batch, step, batch.seconds)
+
+    async def sample(self, step: int) -> Batch:
+        """G completions for each of the next tasks, their rewards and group advantages, and
+        the kept samples' reference logprobs: one stage after another."""
+        import torch
+
+        cfg, job, mesh = self.cfg, self.job, self.mesh
+        tasks, G = self.stream.take(cfg.batch_prompts), cfg.group_size
+        secs: dict[str, float] = {}
+
+        t = time.perf_counter()
+        with _tracer.start_as_current_span("generate"):
+            # one replica samples; every replica gets each version
+            comps = await mesh.rollout[0].generate(
+                [chat(tk) for tk in tasks], n=G, max_tokens=cfg.max_new_tokens,
+                temperature=job.sample_temperature, seed=job.seed * 100_003 + step, stop=job.stop)
+        secs["generate"] = time.perf_counter() - t
+        if len(comps) != len(tasks) * G:
+            raise RuntimeError(f"rollout returned {len(comps)} completions, expected {len(tasks) * G}")
+
+        t = time.perf_counter()
+        with _tracer.start_as_current_span("score"):
+            scores = await mesh.reward.score(
+                [score_item(tasks[c.prompt_index], c, i) for i, c in enumerate(comps)])
+        secs["score"] = time.perf_counter() - t
+
+        rewards = torch.tensor([s.reward for s in scores], dtype=torch.float32).view(len(tasks), G)
+        adv = self.policy.algorithm.advantages(rewards).view(-1)  # [B*G], 0 for uniform groups
+        keep = informative(rewards) if job.skip_uniform_groups else list(range(len(comps)))
+
+        t = time.perf_counter()
+        ref: dict[int, list[float]] = {}
+        if cfg.loss.kl_beta > 0 and mesh.reference is not None and keep:
+            with _tracer.start_as_current_span("reference"):
+                ref = dict(zip(keep, await mesh.reference.logprobs(
+                    [(comps[i].prompt_token_ids, comps[i].token_ids) for i in keep])))
+        secs["reference"] = time.perf_counter() - t
+        return Batch(step, tasks, self.stream.position(), comps, scores, rewards, adv, keep, ref, secs)
+
+    async def learn(self, batch: Batch, step: int, secs: dict[str, float],
+                    **train_extra: float) -> StepRecord:
+        """Train on the batch's kept samples (none: the step is skipped), publish the update
+        as the next version; the step's record. Adds "train" and "publish" to `secs`, the
+        step's stage seconds; `train_extra` goes into the record's `train`."""
+        from ..learner.batching import Sample
+
+        comps, rewards = batch.comps, batch.rewards
+        self.batch_position = batch.position
+        samples = [
+            Sample(prompt_ids=comps[i].prompt_token_ids, completion_ids=comps[i].token_ids,
+                   old_logprobs=comps[i].logprobs, advantage=float(batch.advantages[i]),
+                   ref_logprobs=batch.ref.get(i) if batch.ref else None)
+            for i in batch.keep
+        ]
+        t = time.perf_counter()
+        if samples:
+            with _tracer.start_as_current_span("train"):
+                m = await self.run.train(self.policy, samples)
+            skipped, why = m.skipped, m.skip_reason or ""
+        else:
+            m, skipped, why = None, True, "every group got uniform rewards: no signal"
+        secs["train"] = time.perf_counter() - t
+
+        t = time.perf_counter()
+        if skipped:
+            log.warning("step %d: no update (%s); nothing published", step, why)
+        else:  # the version counts once it is published (a stop during the push: not yet)
+            await publish(self.policy, self.mesh, self.run.dir, self.version + 1)
+            self.version += 1
+        secs["publish"] = time.perf_counter() - t
+        self.consumed, self.consumed_at = batch.position, self.policy.step
+        return StepRecord(
+            step=step + 1, version=self.version,
+            reward_mean=float(rewards.mean()), reward_std=float(rewards.std()),
+            pass_rate=float((rewards >= 1.0).float().mean()), stage_seconds=secs,
+            tokens=sum(len(c.token_ids) for c in comps), skipped=skipped, skip_reason=why,
+            train={**(m.as_dict() if m is not None else {}), "trained_samples": len(samples),
+                   **train_extra},
+            statuses=dict(Counter(s.status for s in batch.scores)),
+        )
+
+    async def save(self) -> None:
+        # a step stopped after its update applied has consumed its batch all the same
+        position = self.batch_position if self.policy.step > self.consumed_at else self.consumed
+        self.policy.save_checkpoint(self.run.checkpoints,
+                                    data_position={**position, "version": self.version})
+
+    async def evaluate(self, step: int) -> dict:
+        rec = await evaluate_both(self.mesh.rollout[0], self.mesh.reward, self.heldout, self.job,
+                                  self.cfg, step)
+        self.evals.append(rec)
+        log.info("held-out pass@1 at step %d (v%d): %.3f ± %.3f", step, rec.version, rec.pass_at_1,
+                 rec.ci95)
         if rec.sampled is not None:
             log.info("held-out sampled pass@1 at step %d: %.3f ± %.3f", step, rec.sampled.pass_at_1,
                      rec.sampled.ci95)
+        return rec.as_dict()
 
-    t = time.monotonic()
-    if heldout:
-        await do_eval(start_step)
-    budget = StepBudget(job.train_budget_s, job.run_budget_s, run_t0, time.monotonic() - t)
+    def progress(self, rec: StepRecord) -> str:
+        return (f"reward {rec.reward_mean:.2f} pass {rec.pass_rate:.2f} "
+                + " ".join(f"{k[:3]} {v:.1f}s" for k, v in rec.stage_seconds.items()))
 
-    # ---- train -------------------------------------------------------------------------
-    bar = tqdm(range(start_step, trainer_cfg.num_steps), initial=start_step, total=trainer_cfg.num_steps,
-               desc="grpo", unit="step", disable=not progress, dynamic_ncols=True)
-    done_step = start_step
-    stop = threading.Event()  # set on cancellation: the train thread stops within a micro-batch
-    resume_at = ({**stream.position(), "version": version}, policy.step)
-    try:
-        for step in bar:
-            raise_if_cancelled()  # a Ctrl-C that a library swallowed mid-step (hotloop.aio)
-            secs: dict[str, float] = {}
-            resume_at = ({**stream.position(), "version": version}, policy.step)
-            with tracer.start_as_current_span("grpo.step", attributes={"step": step}):
-                tasks = stream.take(trainer_cfg.batch_prompts)
-                G = trainer_cfg.group_size
+    async def close(self) -> None:
+        """Nothing runs beside the steps."""
 
-                t = time.perf_counter()
-                with tracer.start_as_current_span("generate"):
-                    comps = await rollout.generate(
-                        [chat(tk) for tk in tasks], n=G, max_tokens=trainer_cfg.max_new_tokens,
-                        temperature=job.sample_temperature, seed=job.seed * 100_003 + step,
-                        stop=job.stop,
-                    )
-                secs["generate"] = time.perf_counter() - t
-                if len(comps) != len(tasks) * G:
-                    raise RuntimeError(f"rollout returned {len(comps)} completions, expected {len(tasks) * G}")
-
-                t = time.perf_counter()
-                with tracer.start_as_current_span("score"):
-                    scores = await mesh.reward.score(
-                        [score_item(tasks[c.prompt_index], c, i) for i, c in enumerate(comps)])
-                secs["score"] = time.perf_counter() - t
-
-                rewards = torch.tensor([s.reward for s in scores], dtype=torch.float32).view(len(tasks), G)
-                adv = algo.advantages(rewards).view(-1)  # [B*G], zero for groups with equal rewards
-                keep = informative(rewards) if job.skip_uniform_groups else list(range(len(comps)))
-
-                t = time.perf_counter()
-                ref = None
-                if trainer_cfg.loss.kl_beta > 0 and mesh.reference is not None and keep:
-                    with tracer.start_as_current_span("reference"):
-                        ref = await mesh.reference.logprobs(
-                            [(comps[i].prompt_token_ids, comps[i].token_ids) for i in keep])
-                secs["reference"] = time.perf_counter() - t
-
-                samples = [
-                    Sample(prompt_ids=comps[i].prompt_token_ids, completion_ids=comps[i].token_ids,
-                           old_logprobs=comps[i].logprobs, advantage=float(adv[i]),
-                           ref_logprobs=None if ref is None else ref[j])
-                    for j, i in enumerate(keep)
-                ]
-                m, skipped, why, version = await train_and_publish(
-                    policy, samples, stop, mesh, run_dir, version, step, secs)
-
-            statuses: dict[str, int] = {}
-            for s in scores:
-                statuses[s.status] = statuses.get(s.status, 0) + 1
-            rec = StepRecord(
-                step=step + 1, version=version,
-                reward_mean=float(rewards.mean()), reward_std=float(rewards.std()),
-                pass_rate=float((rewards >= 1.0).float().mean()), stage_seconds=secs,
-                tokens=sum(len(c.token_ids) for c in comps), skipped=skipped, skip_reason=why,
-                train={**(m.as_dict() if m is not None else {}), "trained_samples": len(samples)},
-                statuses=statuses,
-            )
-            steps.append(rec)
-            metrics_file.write(json.dumps({"step": asdict(rec)}) + "\n")
-            metrics_file.flush()
-            bar.set_postfix_str(
-                f"reward {rec.reward_mean:.2f} pass {rec.pass_rate:.2f} "
-                + " ".join(f"{k[:3]} {v:.1f}s" for k, v in secs.items())
-            )
-            if (step + 1) % trainer_cfg.checkpoint_interval == 0 or step + 1 == trainer_cfg.num_steps:
-                pos = {**stream.position(), "version": version}
-                policy.save_checkpoint(ckpt_root, data_position=pos)
-            if on_step is not None:
-                on_step(rec)
-            done_step = step + 1
-            if job.eval_every and (step + 1) % job.eval_every == 0 and step + 1 < trainer_cfg.num_steps:
-                await do_eval(step + 1)
-            if budget.spent(len(steps)):
-                if (step + 1) % trainer_cfg.checkpoint_interval and step + 1 != trainer_cfg.num_steps:
-                    policy.save_checkpoint(ckpt_root, data_position={**stream.position(), "version": version})
-                log.warning("%s reached after %d steps (%.0f s of training); evaluating",
-                            budget.why, step + 1, budget.took())
-                break
-    except asyncio.CancelledError:
-        # Ctrl-C / SIGTERM: stop the train thread, then checkpoint the last completed state
-        # (cheap: adapter + optimizer) so `run_id` resumes exactly where this run stopped.
-        stop.set()  # the train stage itself waits for its thread (`train_and_publish`)
-        position, trained = resume_at
-        if policy.step > trained:  # the interrupted step still applied its update
-            position = {**stream.position(), "version": version}
-        last = latest_checkpoint(ckpt_root)
-        if last is None or not last.name.endswith(f"{policy.step:08d}"):  # else: already saved
-            policy.save_checkpoint(ckpt_root, data_position=position)
-        log.warning("interrupted after step %d; checkpoint under %s", policy.step, ckpt_root)
-        raise
-    finally:
-        metrics_file.flush()
-    bar.close()
-
-    # ---- evaluate and save ---------------------------------------------------------------
-    if heldout and (not evals or evals[-1].step != done_step):
-        await do_eval(done_step)
-    metrics_file.close()
-    summary = summarize(steps, evals, job, trainer_cfg, heldout)
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-    return summary
+    def summary(self, records: list[StepRecord]) -> dict:
+        return summarize(records, self.evals, self.job, self.cfg, self.heldout)
 
 
+run = runner(Grpo)
 
-async def train_and_publish(policy, samples: list, stop, mesh: Mesh, run_dir: Path, version: int,
-                            step: int, secs: dict[str, float]):
-    """A step's update and its publication, shared by the synchronous and asynchronous
-    recipes: train `samples` (none: the step is skipped), then publish the next version unless
-    the update was skipped. Adds "train" and "publish" to `secs`; returns (metrics or None,
-    skipped, why, the version now served)."""
-    from opentelemetry import trace
-
-    tracer = trace.get_tracer("hotloop.trainer")
-    t = time.perf_counter()
-    if samples:
-        with tracer.start_as_current_span("train"):
-            train_job = asyncio.ensure_future(asyncio.to_thread(policy.train_step, samples, stop.is_set))
-            try:
-                m = await asyncio.shield(train_job)
-            except asyncio.CancelledError:
-                # The thread runs on: stop it before its next micro-batch and wait for it, so
-                # the caller's checkpoint never races an optimizer step.
-                from .policy import Interrupted
-
-                stop.set()
-                with contextlib.suppress(Interrupted):
-                    await train_job
-                raise
-        skipped, why = m.skipped, m.skip_reason or ""
-    else:
-        m, skipped, why = None, True, "every group got uniform rewards: no signal"
-    secs["train"] = time.perf_counter() - t
-
-    t = time.perf_counter()
-    if skipped:
-        log.warning("step %d: no update (%s); nothing published", step, why)
-    else:
-        version += 1
-        adapter = policy.save_adapter(run_dir / "adapters" / f"v{version}")
-        await mesh.publisher.publish(version, adapter)  # opens the "publish" span
-    secs["publish"] = time.perf_counter() - t
-    return m, skipped, why, version
 
 def paired(first: EvalRecord, last: EvalRecord, job: GrpoJobConfig) -> dict:
     """Before/after on the same tasks: per-task differences with a bootstrap CI (stats.py).
     "greedy" is the main evaluation when it is greedy (eval_samples == 1), else "main"."""
-    from .stats import paired_bootstrap
+    from ..learner.stats import paired_bootstrap
 
     key = "greedy" if job.eval_samples == 1 else "main"
     out = {key: {**paired_bootstrap(first.per_task, last.per_task),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from services.trainer.budget import FINAL_EVAL_MARGIN, StepBudget
+from services.trainer.recipes.budget import FINAL_EVAL_MARGIN, StepBudget
 
 
 class Clock:

@@ -31,12 +31,12 @@ import torch
 from torch import Tensor, nn
 
 from hotloop.logprobs import CompletionHidden, completion_hidden, plan_batches, prompt_states
-from services.trainer.algorithms import value_loss
+from services.trainer.learner.algorithms import value_loss
 from services.trainer.config import CriticSettings
 
 if TYPE_CHECKING:
-    from services.trainer.batching import MicroBatch
-    from services.trainer.policy import LoraPolicy
+    from services.trainer.learner.batching import MicroBatch
+    from services.trainer.learner.policy import LoraPolicy
 
 CRITIC_ADAPTER = "critic"
 POLICY_ADAPTER = "default"  # peft's name for the first adapter

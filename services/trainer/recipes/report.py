@@ -11,7 +11,7 @@ import re
 from pathlib import Path
 
 from .grpo import STAGES
-from .stats import verdict
+from ..learner.stats import verdict
 
 
 def _plots(summary: dict, out: Path) -> list[str]:

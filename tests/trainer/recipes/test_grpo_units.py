@@ -4,7 +4,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from services.trainer.grpo import TaskStream, informative, pass_at_k
+from services.trainer.recipes.grpo import TaskStream, informative, pass_at_k
 
 
 def test_informative_keeps_only_groups_with_varied_rewards():
@@ -33,7 +33,7 @@ def test_task_stream_resumes_exactly():
 
 
 def _eval(step: int, greedy: list[float], sampled: list[float], tag: str):
-    from services.trainer.grpo import EvalRecord
+    from services.trainer.recipes.grpo import EvalRecord
 
     n = len(greedy)
     texts = [f"{tag} greedy {i}\n```python\ndef f(): pass\n```" for i in range(n)]
@@ -48,8 +48,8 @@ def test_report_carries_paired_greedy_and_sampled_and_says_what_changed(tmp_path
     import json
 
     from hotloop.tasks import load_tasks
-    from services.trainer import report
-    from services.trainer.grpo import GrpoJobConfig, StepRecord, summarize
+    from services.trainer.recipes import report
+    from services.trainer.recipes.grpo import GrpoJobConfig, StepRecord, summarize
 
     tasks = load_tasks("builtin", "test")
     n = len(tasks)
@@ -92,7 +92,7 @@ def test_report_carries_paired_greedy_and_sampled_and_says_what_changed(tmp_path
 
 
 def test_demo_aim_needs_ten_points_and_greedy_not_worse():
-    from services.trainer.report import aim_line
+    from services.trainer.recipes.report import aim_line
 
     def p(diff, lo, hi):
         return {"diff": diff, "ci95": [lo, hi]}
@@ -109,7 +109,7 @@ def test_evaluate_both_scores_the_same_tasks_greedy_and_sampled():
 
     from hotloop.clients import Completion, Score
     from hotloop.tasks import load_tasks
-    from services.trainer.grpo import GrpoJobConfig, evaluate_both
+    from services.trainer.recipes.grpo import GrpoJobConfig, evaluate_both
 
     tasks = load_tasks("builtin", "test")[:5]
     calls = []

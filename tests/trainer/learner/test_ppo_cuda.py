@@ -46,12 +46,12 @@ def test_ppo_update_on_cuda_within_the_memory_plan(tmp_path, name, mode, micro_b
     from services.reference.config import ReferenceConfig
     from services.reference.core import TorchBackend
     from services.rollout.config import RolloutConfig
-    from services.trainer.batching import Sample
+    from services.trainer.learner.batching import Sample
     from services.trainer.config import TrainerConfig
-    from services.trainer.critic import make_critic
-    from services.trainer.memplan import GIB, ModelShape, plan_for
-    from services.trainer.policy import LoraPolicy
-    from services.trainer.algorithms import ppo_targets
+    from services.trainer.learner.critic import make_critic
+    from services.trainer.learner.memplan import GIB, ModelShape, plan_for
+    from services.trainer.learner.policy import LoraPolicy
+    from services.trainer.learner.algorithms import ppo_targets
 
     path, hf_cfg = _model(tmp_path, name)
     tc = TrainerConfig(model=str(path), algorithm="ppo", micro_batch_tokens=micro_batch_tokens,

@@ -9,7 +9,7 @@ Owns: an upper-bound estimate, from a model's shape and the configuration, of th
   micro-batch, and the float32 logits block of one log-softmax chunk;
 - an optional reward model (weights plus one batch's activations).
 and `check`, which says whether they fit the device with headroom. A configuration test
-checks the shipped CUDA config against it (tests/trainer/test_memplan.py), and a GPU run
+checks the shipped CUDA config against it (tests/trainer/learner/test_memplan.py), and a GPU run
 measured the trainer's real peak beside the estimate (docs/architecture.md).
 
 Why two copies of the base remain: vLLM allocates its weights inside its own process and
@@ -72,7 +72,7 @@ class ModelShape:
     def activation_bytes_per_token(self, dtype_bytes: int) -> int:
         """What a backward keeps per token: per layer, the inputs of every linear layer and
         its LoRA branch, the attention and MLP intermediates, and RMSNorm's float32 copies.
-        Calibrated on an H200 (bf16, SDPA, tests/trainer/test_ppo_cuda.py): the measured peaks
+        Calibrated on an H200 (bf16, SDPA, tests/trainer/learner/test_ppo_cuda.py): the measured peaks
         of the 135M and 1B shapes were 75-80% of this plan's trainer total."""
         per_layer = (12 * self.hidden + 8 * self.intermediate) * dtype_bytes
         return self.layers * per_layer + 4 * self.hidden * dtype_bytes

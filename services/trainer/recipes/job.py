@@ -20,7 +20,7 @@ from hotloop.clients import ReferenceClient, RewardClient, RolloutClient
 from hotloop.config import MeshConfig
 
 from . import grpo, grpo_async, report
-from .config import TrainerConfig
+from ..config import TrainerConfig
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +97,7 @@ async def open_edge(mesh_cfg: MeshConfig, trainer_cfg: TrainerConfig, run_dir: P
     """Connect the bus (if configured) and the reference, check dtypes, start the trainer's
     Status/FetchAdapter server on `address`. Close with `Edge.close()`."""
     from .publisher import Publisher
-    from .server import TrainerState, serve
+    from ..server import TrainerState, serve
 
     ep = mesh_cfg.endpoints
     bus = None

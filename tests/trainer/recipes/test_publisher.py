@@ -32,7 +32,7 @@ from hotloop.proto.v1 import (
     trainer_pb2,
     trainer_pb2_grpc,
 )
-from services.trainer.publisher import (
+from services.trainer.recipes.publisher import (
     PublishError,
     Publisher,
     ReplicaRefused,
@@ -336,7 +336,7 @@ async def test_publish_span_has_one_child_span_per_replica(tmp_path, replicas, m
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-    from services.trainer import publisher as publisher_module
+    from services.trainer.recipes import publisher as publisher_module
 
     exporter = InMemorySpanExporter()
     provider = TracerProvider()
@@ -361,7 +361,7 @@ async def test_the_online_loop_trains_on_when_an_away_replica_can_catch_up(tmp_p
     """`online.publish_tolerant`: a replica that could not be reached does not stop training
     once another one took the version (it is announced: the away one catches up from the
     store); a refusal, or a version nobody took, still raises."""
-    from services.trainer.online import OnlineMesh, mesh_latest, publish_tolerant
+    from services.trainer.recipes.online import OnlineMesh, mesh_latest, publish_tolerant
 
     up, down = await replicas.start(FakeReplica()), f"127.0.0.1:{free_port()}"
     bus = await Bus.connect(nats_server.url, "trainer")

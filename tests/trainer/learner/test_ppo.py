@@ -9,8 +9,8 @@ import math
 import pytest
 import torch
 
-from services.trainer.algorithms import AdaptiveKl, explained_variance, kl_penalised_rewards, whiten
-from services.trainer.batching import Sample
+from services.trainer.learner.algorithms import AdaptiveKl, explained_variance, kl_penalised_rewards, whiten
+from services.trainer.learner.batching import Sample
 from services.trainer.config import PpoSettings
 
 
@@ -52,7 +52,7 @@ def test_adaptive_kl_moves_toward_its_target_and_fixed_stays():
 
 
 def test_advantages_and_returns_end_to_end():
-    from services.trainer.algorithms import ppo_targets
+    from services.trainer.learner.algorithms import ppo_targets
 
     cfg = PpoSettings(gamma=1.0, lam=1.0, whiten_advantages=False)
     out = ppo_targets(
@@ -87,8 +87,8 @@ def _fit(policy, critic, samples, steps):
 
 @pytest.mark.parametrize("mode", ["shared", "lora"])
 def test_critic_learns_values(make_cfg, random_pairs, mode):
-    from services.trainer.critic import make_critic
-    from services.trainer.policy import LoraPolicy
+    from services.trainer.learner.critic import make_critic
+    from services.trainer.learner.policy import LoraPolicy
 
     cfg = make_cfg(algorithm="ppo", critic={"mode": mode, "lr": 3e-3, "value_clip": 10.0,
                                              "vf_coef": 1.0})
@@ -115,8 +115,8 @@ def test_critic_learns_values(make_cfg, random_pairs, mode):
 def test_lora_critic_leaves_the_policy_alone_and_shared_does_not(make_cfg, random_pairs):
     """With zero advantages the policy loss has no gradient: a `lora` critic's fit must not move
     the policy's logprobs, while a `shared` critic trains through the policy's adapter."""
-    from services.trainer.critic import make_critic
-    from services.trainer.policy import LoraPolicy
+    from services.trainer.learner.critic import make_critic
+    from services.trainer.learner.policy import LoraPolicy
 
     pairs = random_pairs(4, seed=2)
     samples = _samples(pairs, [1.0, 0.0, 1.0, 0.0])
@@ -134,8 +134,8 @@ def test_lora_critic_leaves_the_policy_alone_and_shared_does_not(make_cfg, rando
 
 
 def test_value_loss_divergence_skips_the_update(make_cfg, random_pairs):
-    from services.trainer.critic import make_critic
-    from services.trainer.policy import LoraPolicy
+    from services.trainer.learner.critic import make_critic
+    from services.trainer.learner.policy import LoraPolicy
 
     cfg = make_cfg(algorithm="ppo", critic={"max_value_loss": 10.0})
     policy = LoraPolicy(cfg)
@@ -151,9 +151,9 @@ def test_value_loss_divergence_skips_the_update(make_cfg, random_pairs):
 
 
 def test_critic_checkpoint_round_trip_and_mismatch(make_cfg, random_pairs, tmp_path):
-    from services.trainer.checkpoint import latest_checkpoint
-    from services.trainer.critic import CriticMismatch, make_critic
-    from services.trainer.policy import LoraPolicy
+    from services.trainer.learner.checkpoint import latest_checkpoint
+    from services.trainer.learner.critic import CriticMismatch, make_critic
+    from services.trainer.learner.policy import LoraPolicy
 
     pairs = random_pairs(4, seed=4)
     cfg = make_cfg(algorithm="ppo", critic={"mode": "lora", "lr": 3e-2})

@@ -89,15 +89,44 @@ def aggregate(
     return per_seq.sum() / normalizer
 
 
+def _with_kl(pg: Tensor, logprobs: Tensor, ref_logprobs: Tensor | None,
+             cfg: LossSettings) -> tuple[Tensor, Tensor | None]:
+    """The per-token loss [B, T]: `pg` plus kl_beta * k3 to the reference, and that k3 term
+    [B, T] (None when kl_beta is 0)."""
+    if cfg.kl_beta <= 0:
+        return pg, None
+    if ref_logprobs is None:
+        raise ValueError("kl_beta > 0 needs ref_logprobs")
+    kl = k3_kl(logprobs, ref_logprobs)
+    return pg + cfg.kl_beta * kl, kl
+
+
+def _token_mean(mask: Tensor) -> Callable[[Tensor], float]:
+    """The mean of a [B, T] tensor over the real tokens of `mask` [B, T]."""
+    n = mask.sum().clamp(min=1)
+
+    def mean(x: Tensor) -> float:
+        return float(torch.where(mask, x, torch.zeros_like(x)).sum() / n)
+
+    return mean
+
+
+def _watch(metrics: dict[str, float], mean: Callable[[Tensor], float], logprobs: Tensor,
+           ref_logprobs: Tensor | None, kl: Tensor | None, entropy: Tensor | None) -> None:
+    """Add to `metrics` the KL to the reference (still worth watching when kl_beta is 0, so
+    computed here when the loss did not) and the entropy, when there is one. Call it under
+    no_grad."""
+    if kl is None and ref_logprobs is not None:
+        kl = k3_kl(logprobs, ref_logprobs)
+    if kl is not None:
+        metrics["kl"] = mean(kl)
+    if entropy is not None:
+        metrics["entropy"] = mean(entropy)
+
+
 def policy_loss(
-    logprobs: Tensor,
-    old_logprobs: Tensor,
-    ref_logprobs: Tensor | None,
-    advantages: Tensor,
-    mask: Tensor,
-    cfg: LossSettings,
-    *,
-    normalizer: float | None = None,
+    logprobs: Tensor, old_logprobs: Tensor, ref_logprobs: Tensor | None, advantages: Tensor,
+    mask: Tensor, cfg: LossSettings, *, normalizer: float | None = None,
     entropy: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """Clipped importance-ratio policy-gradient loss plus beta * k3 KL. Returns (loss, metrics).
@@ -130,21 +159,11 @@ def policy_loss(
         # Only A < 0 needs it: for A > 0 the min above already stops at 1 + eps_high.
         pg = torch.where(advantages < 0, torch.minimum(pg, -cfg.ratio_cap * advantages), pg)
 
-    per_token = pg
-    kl = None
-    if cfg.kl_beta > 0:
-        if ref_logprobs is None:
-            raise ValueError("kl_beta > 0 needs ref_logprobs")
-        kl = k3_kl(logprobs, ref_logprobs)
-        per_token = pg + cfg.kl_beta * kl
+    per_token, kl = _with_kl(pg, logprobs, ref_logprobs, cfg)
     loss = aggregate(per_token, mask, cfg.aggregation, normalizer)
 
     with torch.no_grad():
-        n = mask.sum().clamp(min=1)
-
-        def mean(x: Tensor) -> float:
-            return float(torch.where(mask, x, torch.zeros_like(x)).sum() / n)
-
+        mean = _token_mean(mask)
         # A token is clipped when the clip, not the ratio, sets its gradient (to zero).
         is_clipped = ((advantages > 0) & (ratio > 1.0 + cfg.clip_eps_high)) | (
             (advantages < 0) & (ratio < 1.0 - cfg.clip_eps_low)
@@ -157,12 +176,7 @@ def policy_loss(
         }
         if cfg.ratio_cap is not None:
             metrics["capped_frac"] = mean(((advantages < 0) & (ratio > cfg.ratio_cap)).float())
-        if kl is None and ref_logprobs is not None:
-            kl = k3_kl(logprobs, ref_logprobs)  # still worth watching when beta is 0
-        if kl is not None:
-            metrics["kl"] = mean(kl)
-        if entropy is not None:
-            metrics["entropy"] = mean(entropy)
+        _watch(metrics, mean, logprobs, ref_logprobs, kl, entropy)
     return loss, metrics
 
 
@@ -181,15 +195,8 @@ def truncated_is_weights(logprobs: Tensor, behaviour_logprobs: Tensor, cap: floa
 
 
 def tis_reinforce_loss(
-    logprobs: Tensor,
-    old_logprobs: Tensor,
-    ref_logprobs: Tensor | None,
-    advantages: Tensor,
-    mask: Tensor,
-    cfg: LossSettings,
-    *,
-    is_cap: float,
-    normalizer: float | None = None,
+    logprobs: Tensor, old_logprobs: Tensor, ref_logprobs: Tensor | None, advantages: Tensor,
+    mask: Tensor, cfg: LossSettings, *, is_cap: float, normalizer: float | None = None,
     entropy: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """REINFORCE with truncated importance sampling plus beta * k3 KL. Returns (loss, metrics).
@@ -211,21 +218,11 @@ def tis_reinforce_loss(
     advantages = advantages.to(logprobs.dtype)
     w = truncated_is_weights(logprobs, old_logprobs, is_cap)  # [B, T]
     pg = -w * advantages * logprobs  # [B, T]
-    per_token = pg
-    kl = None
-    if cfg.kl_beta > 0:
-        if ref_logprobs is None:
-            raise ValueError("kl_beta > 0 needs ref_logprobs")
-        kl = k3_kl(logprobs, ref_logprobs)
-        per_token = pg + cfg.kl_beta * kl
+    per_token, kl = _with_kl(pg, logprobs, ref_logprobs, cfg)
     loss = aggregate(per_token, mask, cfg.aggregation, normalizer)
 
     with torch.no_grad():
-        n = mask.sum().clamp(min=1)
-
-        def mean(x: Tensor) -> float:
-            return float(torch.where(mask, x, torch.zeros_like(x)).sum() / n)
-
+        mean = _token_mean(mask)
         ratio = torch.exp((logprobs - old_logprobs).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO))
         metrics = {
             "pg_loss": mean(pg),
@@ -234,12 +231,7 @@ def tis_reinforce_loss(
             "capped_frac": mean((ratio > is_cap).float()),
             "tokens": float(mask.sum()),
         }
-        if kl is None and ref_logprobs is not None:
-            kl = k3_kl(logprobs, ref_logprobs)
-        if kl is not None:
-            metrics["kl"] = mean(kl)
-        if entropy is not None:
-            metrics["entropy"] = mean(entropy)
+        _watch(metrics, mean, logprobs, ref_logprobs, kl, entropy)
     return loss, metrics
 
 

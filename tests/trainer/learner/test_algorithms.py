@@ -8,7 +8,7 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from services.trainer.algorithms import (
+from services.trainer.learner.algorithms import (
     aggregate,
     gae,
     group_advantages,

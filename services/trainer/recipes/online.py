@@ -48,24 +48,24 @@ they are written to metrics.jsonl) and observes each update's seconds, per stage
 each trained feedback's loop: from its arrival at the gateway to its version serving.
 
 Does not own: the services it talks to, the policy's update math (policy.py, algorithms.py),
-or the process around it (job.py, __main__.py).
+the loop around its steps and the stop handling (base.py), or the process around it (job.py,
+__main__.py).
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import math
 import shutil
 import statistics
-import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from opentelemetry import trace
+from opentelemetry.context import Context
 from prometheus_client import CollectorRegistry
 from prometheus_client import Counter as PromCounter
 from prometheus_client import Histogram
@@ -78,7 +78,8 @@ from hotloop.errors import Unavailable
 from hotloop.metrics import STEP_BUCKETS, StateCollector, counter, gauge
 from hotloop.proto.v1 import bus_pb2, common_pb2
 
-from .config import OnlineConfig, TrainerConfig
+from ..config import OnlineConfig, TrainerConfig
+from .base import Recipe, Run, Schedule, run_recipe
 from .usersfirst import UsersFirst
 
 log = logging.getLogger(__name__)
@@ -91,7 +92,7 @@ class OnlineMesh:
     """What the loop talks to."""
 
     bus: Bus
-    publisher: Any  # services.trainer.publisher.Publisher
+    publisher: Any  # services.trainer.recipes.publisher.Publisher
     reference: ReferenceClient | None = None
     rollout: list[RolloutClient] = field(default_factory=list)  # read for their latest version
 
@@ -126,7 +127,7 @@ DEAD_REASONS = ("malformed", "missing_traffic", "bad_traffic", "not_finite")  # 
 class OnlineMetrics:
     """The online trainer's Prometheus metrics, on `registry` (a private one by default).
 
-    `counters` is the loop's own count (`run` uses this object's), read when scraped; steps,
+    `counters` is the loop's own count (`Online` uses this object's), read when scraped; steps,
     stage seconds, published versions and the loop latency are observed as they happen, once
     per update or per trained feedback, never inside the training step."""
 
@@ -134,8 +135,8 @@ class OnlineMetrics:
         self.registry = reg = registry if registry is not None else CollectorRegistry()
         self.counters = Counters()
         self.version = 0  # the last version published
-        self.queue: asyncio.Queue | None = None  # set by `run`: fetched, not yet in a batch
-        self.held: dict | None = None  # set by `run`: fetched, not yet acked
+        self.queue: asyncio.Queue | None = None  # set by `Online.setup`: fetched, not yet in a batch
+        self.held: dict | None = None  # set by `Online.setup`: fetched, not yet acked
         self.steps = PromCounter(
             "hotloop_trainer_steps", "Updates of the online loop, by result: published, or "
             "skipped (a non-finite loss or gradient: nothing published, the batch dead-lettered).",
@@ -345,251 +346,260 @@ async def mesh_latest(mesh: OnlineMesh) -> int:
 # ---- the recipe --------------------------------------------------------------------------------
 
 
+class Online(Recipe):
+    """Trains on feedback as it arrives: each step takes what is queued within the batch
+    window, joins it with its traffic, trains, publishes, and every `checkpoint_interval`
+    updates checkpoints and acks (`save`). `policy`: an already built `LoraPolicy` (tests),
+    else built in `setup`; `metrics`: where the loop counts (the service's registry), else a
+    private one."""
+
+    name = "online"
+
+    def __init__(self, job: OnlineConfig, trainer_cfg: TrainerConfig, model_dir: Path,
+                 mesh: OnlineMesh, policy=None, metrics: OnlineMetrics | None = None) -> None:
+        if trainer_cfg.temperature != 1.0:
+            # traffic logprobs are vLLM's raw (T=1) logprobs whatever the user's temperature
+            raise SystemExit("online training compares against raw (temperature-1) behaviour logprobs: "
+                             f"[trainer] temperature must be 1.0, got {trainer_cfg.temperature}")
+        self.job, self.cfg, self.model_dir, self.mesh = job, trainer_cfg, model_dir, mesh
+        self.policy = policy
+        self.metrics = metrics if metrics is not None else OnlineMetrics()
+        self.counters = self.metrics.counters
+        self.users = UsersFirst(job.users_first, mesh.rollout[0].address if mesh.rollout else None,
+                                job.max_pause_s)
+        self.version = 0
+        self.trained: set[int] = set()  # stream sequences trained into the checkpointed policy
+        self.held: dict[int, Pending] = {}  # fetched, not yet acked
+        self.uncommitted: list[Pending] = []  # trained and published, waiting for a checkpoint and ack
+        self.updates = 0
+        self.intake: asyncio.Task | None = None
+
+    async def setup(self, run: Run) -> Schedule:
+        from ..learner.algorithms import EmaBaseline, make_online_algorithm
+        from ..learner.policy import LoraPolicy
+
+        job, mesh = self.job, self.mesh
+        self.run = run
+        if self.policy is None:
+            self.policy = LoraPolicy(self.cfg, self.model_dir)
+        self.policy.algorithm = make_online_algorithm(self.policy.cfg, is_cap=job.is_cap)
+        self.baseline = EmaBaseline(job.baseline_ema)
+        if (pos := run.restore(self.policy)) is not None:
+            self.version, self.baseline.value = pos["version"], pos["baseline"]
+            self.trained = set(pos["trained"])
+            log.info("resumed at version %d, %d feedback awaiting ack", self.version, len(self.trained))
+        if (seen := await mesh_latest(mesh)) > self.version:
+            # Serving runs weights this policy does not have (an update lost in a crash, or another
+            # run): publish this policy above them, so serving and staleness refer to it.
+            self.version = seen + 1
+            await publish(self.policy, mesh, run.dir, self.version)
+            self.metrics.published.inc()
+            log.info("published the %s policy as version %d", "restored" if pos else "initial", self.version)
+        elif self.version:
+            # Replicas that restarted while no trainer was up serve older weights and may know no
+            # address to fetch this one from: tell them (services/rollout/catchup.py).
+            await mesh.publisher.reannounce()
+
+        await mesh.bus.ensure_streams()
+        in_flight = job.batch_size * job.checkpoint_interval  # trained, waiting for a checkpoint
+        self.consumer = await mesh.bus.pull(
+            "FEEDBACK", FEEDBACK, job.durable, bus_pb2.FeedbackEvent, batch=job.batch_size,
+            ack_wait_s=job.ack_wait_s, max_ack_pending=job.max_queue + in_flight)
+        self.queue: asyncio.Queue[Pending] = asyncio.Queue(maxsize=job.max_queue)
+        self.metrics.version, self.metrics.queue, self.metrics.held = self.version, self.queue, self.held
+        intake = Intake(self.consumer, self.queue, self.held, self.trained, self.counters, job.batch_size)
+        self.intake = asyncio.create_task(intake.run(), name="intake")
+        self.users.attach(self.policy.model)  # `pause`: the update holds while users wait for a first token
+        self.users.watch()
+        return Schedule(0, job.max_steps or None, checkpoint_every=0)
+
+    async def before_step(self) -> Context:
+        """Idle until feedback arrives (not a stage); the step continues its trace."""
+        self.first = await _take(self.queue, self.intake, None)
+        return telemetry.extract_context(self.first.msg.headers)
+
+    async def step(self, step: int) -> OnlineStepRecord | None:
+        import torch
+
+        from ..learner.batching import Sample
+
+        job, mesh, metrics = self.job, self.mesh, self.metrics
+        secs: dict[str, float] = {}
+        t_step = time.perf_counter()
+        root = trace.get_current_span()  # the step's, whose parent is the first feedback's
+        t = time.perf_counter()
+        with _tracer.start_as_current_span("consume"):
+            batch = [self.first]
+            deadline = self.first.arrived + job.batch_window_s
+            while len(batch) < job.batch_size:
+                left = deadline - time.monotonic()
+                if left <= 0:  # window closed: take only what is already queued
+                    if self.queue.empty():
+                        break
+                    batch.append(self.queue.get_nowait())
+                elif (nxt := await _take(self.queue, self.intake, left)) is not None:
+                    batch.append(nxt)
+                else:
+                    break
+        for p in batch[1:]:
+            root.add_link(trace.get_current_span(telemetry.extract_context(p.msg.headers))
+                          .get_span_context())
+        secs["consume"] = time.perf_counter() - t
+
+        t = time.perf_counter()
+        joined_at = self.version  # staleness is measured against the version that trains
+        with _tracer.start_as_current_span("join"):
+            rows = await self.join(batch)  # (pending, feedback, traffic)
+        secs["join"] = time.perf_counter() - t
+        root.set_attribute("hotloop.feedback", len(batch))
+        if not rows:
+            return None
+
+        scores = torch.tensor([fb.score for _, fb, _ in rows], dtype=torch.float32)  # [N]
+        adv = self.baseline.advantages(scores)  # [N], against the baseline before this batch
+        self.baseline.update(scores)
+
+        t = time.perf_counter()
+        ref = None
+        if self.cfg.loss.kl_beta > 0:
+            with _tracer.start_as_current_span("reference"):
+                ref = await mesh.reference.logprobs(
+                    [(list(tr.prompt_ids), list(tr.completion_ids)) for _, _, tr in rows])
+        secs["reference"] = time.perf_counter() - t
+
+        samples = [
+            Sample(prompt_ids=list(tr.prompt_ids), completion_ids=list(tr.completion_ids),
+                   old_logprobs=list(tr.logprobs), advantage=float(adv[i]),
+                   ref_logprobs=None if ref is None else ref[i])
+            for i, (_, _, tr) in enumerate(rows)
+        ]
+        t = time.perf_counter()
+        with _tracer.start_as_current_span("train"):
+            m = await self.run.train(self.policy, samples)
+        secs["train"] = time.perf_counter() - t
+        if m.skipped:
+            log.warning("update skipped (%s): its %d feedback are dead-lettered", m.skip_reason, len(rows))
+            for p, _, _ in rows:
+                await self.settle(p, "not_finite", f"training skipped: {m.skip_reason}", dead=True)
+            metrics.steps.labels("skipped").inc()
+            return None
+
+        self.version += 1
+        t = time.perf_counter()
+        with _tracer.start_as_current_span("pack"):
+            adapter = self.policy.save_adapter(self.run.dir / "adapters" / f"v{self.version}")
+        secs["pack"] = time.perf_counter() - t
+        t = time.perf_counter()
+        await publish_tolerant(mesh, self.version, adapter)  # opens the "publish" span
+        served_at = time.time()  # the version serves on the replicas that took it
+        shutil.rmtree(adapter)  # the publisher's store keeps the archive
+        secs["publish"] = time.perf_counter() - t
+        metrics.version = self.version
+        metrics.published.inc()
+        for _, fb, _ in rows:
+            if fb.received_at > 0:  # 0: a gateway that did not say
+                metrics.loop_seconds.observe(max(0.0, served_at - fb.received_at))
+
+        for p, _, _ in rows:
+            self.trained.add(p.seq)
+            self.uncommitted.append(p)
+        self.counters.trained += len(rows)
+        self.updates += 1
+        t = time.perf_counter()
+        if self.updates % job.checkpoint_interval == 0:
+            await self.save()
+        secs["commit"] = time.perf_counter() - t
+        metrics.steps.labels("published").inc()
+        metrics.step_seconds.observe(time.perf_counter() - t_step)
+        for stage, seconds in secs.items():
+            metrics.stage_seconds.labels(stage).observe(seconds)
+
+        return OnlineStepRecord(
+            step=self.policy.step, version=self.version, feedback=len(rows),
+            seqs=[p.seq for p, _, _ in rows], score_mean=float(scores.mean()),
+            baseline=self.baseline.value, advantage_mean=float(adv.mean()),
+            staleness_versions_max=max(joined_at - served_version(tr) for _, _, tr in rows),
+            temperature_mean=statistics.fmean(tr.temperature for _, _, tr in rows),
+            stage_seconds=secs, tokens=m.tokens, train=m.as_dict(),
+            counters=asdict(self.counters), queue_depth=self.queue.qsize(),
+        )
+
+    async def join(self, batch: list[Pending]) -> list[tuple[Pending, Any, Any]]:
+        """Each feedback with its traffic record; the ones that cannot train are settled."""
+        rows = []
+        now = time.time()
+        for p in batch:
+            fb = p.msg.payload
+            if (why := malformed(fb)) is not None:
+                await self.settle(p, "malformed", why, dead=True)
+                continue
+            try:
+                tr = await self.mesh.bus.traffic(fb.response_id, fb.choice)
+            except BusError as e:  # a response id that cannot be a subject
+                await self.settle(p, "malformed", f"malformed feedback: {e}", dead=True)
+                continue
+            if tr is None:
+                await self.settle(p, "missing_traffic", f"no traffic record for "
+                                  f"{fb.response_id}:{fb.choice} (never served or aged out)", dead=True)
+            elif (why := bad_traffic(tr)) is not None:
+                await self.settle(p, "bad_traffic", why, dead=True)
+            elif (kind := stale(tr, self.version, now, self.job)) is not None:
+                await self.settle(p, kind, f"served by v{served_version(tr)} "
+                                  f"{now - tr.served_at:.0f}s ago; trainer at v{self.version}", dead=False)
+            else:
+                rows.append((p, fb, tr))
+        return rows
+
+    async def settle(self, p: Pending, kind: str, reason: str, dead: bool) -> None:
+        """Finish a feedback that will never train: dead letter (then ack) or ack."""
+        if dead:
+            await self.consumer.dead_letter(p.msg.raw, reason)
+            self.counters.count(self.counters.dead_lettered, kind)
+        else:
+            await p.msg.ack()
+            self.counters.count(self.counters.dropped, kind)
+        self.held.pop(p.seq, None)
+        self.run.write("settled", {"seq": p.seq, "kind": kind, "reason": reason})
+
+    async def save(self) -> None:
+        """Checkpoint (with the trained set), then ack what it covers. A stop saves nothing:
+        what was not acked is redelivered to the next run."""
+        from ..learner.checkpoint import prune_checkpoints
+
+        if not self.uncommitted:
+            return
+        with _tracer.start_as_current_span("checkpoint"):
+            floor = await self.consumer.ack_floor()
+            self.trained.difference_update({s for s in self.trained if s <= floor})  # never redelivered
+            self.policy.save_checkpoint(self.run.checkpoints, data_position={
+                "version": self.version, "baseline": self.baseline.value, "trained": sorted(self.trained)})
+            prune_checkpoints(self.run.checkpoints, self.job.keep_checkpoints)
+        with _tracer.start_as_current_span("ack"):
+            await ack_all(self.uncommitted, self.mesh.bus)
+        for p in self.uncommitted:
+            self.held.pop(p.seq, None)
+        self.uncommitted.clear()
+
+    async def close(self) -> None:
+        await self.users.close()
+        if self.intake is not None:
+            self.intake.cancel()
+            try:
+                await self.intake
+            except (asyncio.CancelledError, Exception):  # its error, if any, was raised in _take
+                pass
+
+    def summary(self, records: list[OnlineStepRecord]) -> dict:
+        return {"steps": self.policy.step, "updates": self.updates, "version": self.version,
+                "baseline": self.baseline.value, "counters": asdict(self.counters)}
+
+
 async def run(job: OnlineConfig, trainer_cfg: TrainerConfig, model_dir: Path, mesh: OnlineMesh,
               run_dir: Path, on_step=None, policy=None, metrics: OnlineMetrics | None = None) -> dict:
     """Train from feedback until `job.max_steps` updates (0: until cancelled); returns a summary
-    (counters, last version). `policy`: an already built `LoraPolicy` (tests), else built here.
-    `metrics`: where the loop counts (the service's registry), else a private one.
-    """
-    import torch
-
-    from .algorithms import EmaBaseline, make_online_algorithm
-    from .batching import Sample
-    from .checkpoint import latest_checkpoint, prune_checkpoints
-    from .policy import LoraPolicy
-
-    if trainer_cfg.temperature != 1.0:
-        # traffic logprobs are vLLM's raw (T=1) logprobs whatever the user's temperature
-        raise SystemExit("online training compares against raw (temperature-1) behaviour logprobs: "
-                         f"[trainer] temperature must be 1.0, got {trainer_cfg.temperature}")
-    run_dir.mkdir(parents=True, exist_ok=True)
-
-    # ---- setup -------------------------------------------------------------------------------
-    if policy is None:
-        policy = LoraPolicy(trainer_cfg, model_dir)
-    policy.algorithm = make_online_algorithm(policy.cfg, is_cap=job.is_cap)
-    baseline = EmaBaseline(job.baseline_ema)
-    metrics = metrics if metrics is not None else OnlineMetrics()
-    counters = metrics.counters
-    trained: set[int] = set()  # stream sequences trained into the checkpointed policy
-    version = 0
-    ckpt_root = run_dir / "checkpoints"
-    if (ckpt := latest_checkpoint(ckpt_root)) is not None:
-        pos = policy.restore(ckpt).data_position
-        version, baseline.value = pos["version"], pos["baseline"]
-        trained = set(pos["trained"])
-        log.info("resumed from %s: step %d, version %d, %d feedback awaiting ack",
-                 ckpt, policy.step, version, len(trained))
-    if (seen := await mesh_latest(mesh)) > version:
-        # Serving runs weights this policy does not have (an update lost in a crash, or another
-        # run): publish this policy above them, so serving and staleness refer to it.
-        version = seen + 1
-        await publish(policy, mesh, run_dir, version)
-        metrics.published.inc()
-        log.info("published the %s policy as version %d", "restored" if ckpt else "initial", version)
-    elif version:
-        # Replicas that restarted while no trainer was up serve older weights and may know no
-        # address to fetch this one from: tell them (services/rollout/catchup.py).
-        await mesh.publisher.reannounce()
-
-    await mesh.bus.ensure_streams()
-    in_flight = job.batch_size * job.checkpoint_interval  # trained, waiting for a checkpoint
-    consumer = await mesh.bus.pull(
-        "FEEDBACK", FEEDBACK, job.durable, bus_pb2.FeedbackEvent, batch=job.batch_size,
-        ack_wait_s=job.ack_wait_s, max_ack_pending=job.max_queue + in_flight)
-    queue: asyncio.Queue[Pending] = asyncio.Queue(maxsize=job.max_queue)
-    held: dict[int, Pending] = {}
-    metrics.version, metrics.queue, metrics.held = version, queue, held
-    intaker = Intake(consumer, queue, held, trained, counters, job.batch_size)
-    intake = asyncio.create_task(intaker.run(), name="intake")
-    metrics_file = open(run_dir / "metrics.jsonl", "a")
-
-    def write(kind: str, rec: dict) -> None:
-        metrics_file.write(json.dumps({kind: rec}) + "\n")
-        metrics_file.flush()
-
-    async def settle(p: Pending, kind: str, reason: str, dead: bool) -> None:
-        """Finish a feedback that will never train: dead letter (then ack) or ack."""
-        if dead:
-            await consumer.dead_letter(p.msg.raw, reason)
-            counters.count(counters.dead_lettered, kind)
-        else:
-            await p.msg.ack()
-            counters.count(counters.dropped, kind)
-        held.pop(p.seq, None)
-        write("settled", {"seq": p.seq, "kind": kind, "reason": reason})
-
-    uncommitted: list[Pending] = []  # trained and published, waiting for a checkpoint and ack
-    updates = 0
-    stop = threading.Event()  # a cancelled loop's train thread stops within one micro-batch
-
-    async def commit() -> None:
-        """Checkpoint (with the trained set), then ack what it covers."""
-        with _tracer.start_as_current_span("checkpoint"):
-            floor = await consumer.ack_floor()
-            trained.difference_update({s for s in trained if s <= floor})  # never redelivered
-            policy.save_checkpoint(ckpt_root, data_position={
-                "version": version, "baseline": baseline.value, "trained": sorted(trained)})
-            prune_checkpoints(ckpt_root, job.keep_checkpoints)
-        with _tracer.start_as_current_span("ack"):
-            await ack_all(uncommitted, mesh.bus)
-        for p in uncommitted:
-            held.pop(p.seq, None)
-        uncommitted.clear()
-
-    users = UsersFirst(job.users_first, mesh.rollout[0].address if mesh.rollout else None,
-                       job.max_pause_s)
-    users.attach(policy.model)  # `pause`: the update holds while users wait for a first token
-
-    # ---- train -------------------------------------------------------------------------------
-    try:
-        users.watch()
-        while job.max_steps == 0 or updates < job.max_steps:
-            # A stop that a library swallowed mid-step (hotloop.aio) ends the loop here rather
-            # than leaving it idle in `_take` until the process gives up on it.
-            raise_if_cancelled()
-            first = await _take(queue, intake, None)  # idle until feedback arrives: not a stage
-            secs: dict[str, float] = {}
-            t_step = time.perf_counter()
-            parent = telemetry.extract_context(first.msg.headers)
-            with _tracer.start_as_current_span("online.step", context=parent) as root:
-                t = time.perf_counter()
-                with _tracer.start_as_current_span("consume"):
-                    batch = [first]
-                    deadline = first.arrived + job.batch_window_s
-                    while len(batch) < job.batch_size:
-                        left = deadline - time.monotonic()
-                        if left <= 0:  # window closed: take only what is already queued
-                            if queue.empty():
-                                break
-                            batch.append(queue.get_nowait())
-                        elif (nxt := await _take(queue, intake, left)) is not None:
-                            batch.append(nxt)
-                        else:
-                            break
-                for p in batch[1:]:
-                    root.add_link(trace.get_current_span(telemetry.extract_context(p.msg.headers))
-                                  .get_span_context())
-                secs["consume"] = time.perf_counter() - t
-
-                t = time.perf_counter()
-                rows = []  # (pending, feedback, traffic)
-                joined_at = version  # staleness is measured against the version that trains
-                with _tracer.start_as_current_span("join"):
-                    now = time.time()
-                    for p in batch:
-                        fb = p.msg.payload
-                        if (why := malformed(fb)) is not None:
-                            await settle(p, "malformed", why, dead=True)
-                            continue
-                        try:
-                            tr = await mesh.bus.traffic(fb.response_id, fb.choice)
-                        except BusError as e:  # a response id that cannot be a subject
-                            await settle(p, "malformed", f"malformed feedback: {e}", dead=True)
-                            continue
-                        if tr is None:
-                            await settle(p, "missing_traffic", f"no traffic record for "
-                                         f"{fb.response_id}:{fb.choice} (never served or aged out)",
-                                         dead=True)
-                        elif (why := bad_traffic(tr)) is not None:
-                            await settle(p, "bad_traffic", why, dead=True)
-                        elif (kind := stale(tr, version, now, job)) is not None:
-                            await settle(p, kind, f"served by v{served_version(tr)} "
-                                         f"{now - tr.served_at:.0f}s ago; trainer at v{version}", dead=False)
-                        else:
-                            rows.append((p, fb, tr))
-                secs["join"] = time.perf_counter() - t
-                root.set_attribute("hotloop.feedback", len(batch))
-                if not rows:
-                    continue
-
-                scores = torch.tensor([fb.score for _, fb, _ in rows], dtype=torch.float32)  # [N]
-                adv = baseline.advantages(scores)  # [N], against the baseline before this batch
-                baseline.update(scores)
-
-                t = time.perf_counter()
-                ref = None
-                if trainer_cfg.loss.kl_beta > 0:
-                    with _tracer.start_as_current_span("reference"):
-                        ref = await mesh.reference.logprobs(
-                            [(list(tr.prompt_ids), list(tr.completion_ids)) for _, _, tr in rows])
-                secs["reference"] = time.perf_counter() - t
-
-                samples = [
-                    Sample(prompt_ids=list(tr.prompt_ids), completion_ids=list(tr.completion_ids),
-                           old_logprobs=list(tr.logprobs), advantage=float(adv[i]),
-                           ref_logprobs=None if ref is None else ref[i])
-                    for i, (_, _, tr) in enumerate(rows)
-                ]
-                t = time.perf_counter()
-                with _tracer.start_as_current_span("train"):
-                    m = await asyncio.to_thread(policy.train_step, samples, stop.is_set)
-                secs["train"] = time.perf_counter() - t
-                if m.skipped:
-                    log.warning("update skipped (%s): its %d feedback are dead-lettered", m.skip_reason, len(rows))
-                    for p, _, _ in rows:
-                        await settle(p, "not_finite", f"training skipped: {m.skip_reason}", dead=True)
-                    metrics.steps.labels("skipped").inc()
-                    continue
-
-                version += 1
-                t = time.perf_counter()
-                with _tracer.start_as_current_span("pack"):
-                    adapter = policy.save_adapter(run_dir / "adapters" / f"v{version}")
-                secs["pack"] = time.perf_counter() - t
-                t = time.perf_counter()
-                await publish_tolerant(mesh, version, adapter)  # opens the "publish" span
-                served_at = time.time()  # the version serves on the replicas that took it
-                shutil.rmtree(adapter)  # the publisher's store keeps the archive
-                secs["publish"] = time.perf_counter() - t
-                metrics.version = version
-                metrics.published.inc()
-                for _, fb, _ in rows:
-                    if fb.received_at > 0:  # 0: a gateway that did not say
-                        metrics.loop_seconds.observe(max(0.0, served_at - fb.received_at))
-
-                for p, _, _ in rows:
-                    trained.add(p.seq)
-                    uncommitted.append(p)
-                counters.trained += len(rows)
-                updates += 1
-                t = time.perf_counter()
-                if updates % job.checkpoint_interval == 0:
-                    await commit()
-                secs["commit"] = time.perf_counter() - t
-                metrics.steps.labels("published").inc()
-                metrics.step_seconds.observe(time.perf_counter() - t_step)
-                for stage, seconds in secs.items():
-                    metrics.stage_seconds.labels(stage).observe(seconds)
-
-            rec = OnlineStepRecord(
-                step=policy.step, version=version, feedback=len(rows), seqs=[p.seq for p, _, _ in rows],
-                score_mean=float(scores.mean()), baseline=baseline.value, advantage_mean=float(adv.mean()),
-                staleness_versions_max=max(joined_at - served_version(tr) for _, _, tr in rows),
-                temperature_mean=statistics.fmean(tr.temperature for _, _, tr in rows),
-                stage_seconds=secs, tokens=m.tokens, train=m.as_dict(),
-                counters=asdict(counters), queue_depth=queue.qsize(),
-            )
-            write("step", asdict(rec))
-            if on_step is not None:
-                on_step(rec)
-        if uncommitted:
-            await commit()
-    except asyncio.CancelledError:
-        stop.set()  # nothing to save: what was not acked is redelivered to the next run
-        raise
-    finally:
-        await users.close()
-        intake.cancel()
-        try:
-            await intake
-        except (asyncio.CancelledError, Exception):  # its error, if any, was raised in _take
-            pass
-        metrics_file.close()
-    summary = {"steps": policy.step, "updates": updates, "version": version,
-               "baseline": baseline.value, "counters": asdict(counters)}
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-    return summary
+    (counters, last version). `policy`, `metrics`: as `Online`."""
+    return await run_recipe(Online(job, trainer_cfg, model_dir, mesh, policy, metrics), run_dir,
+                            progress=False, on_step=on_step)
 
 
 async def publish(policy, mesh: OnlineMesh, run_dir: Path, version: int) -> None:

@@ -37,13 +37,13 @@ from hotloop.logprobs import (
     score_pairs,
 )
 from hotloop.models import resolve
-from services.trainer.algorithms import loss_normalizer, make_algorithm
-from services.trainer.batching import Sample, make_micro_batches
-from services.trainer.checkpoint import TrainerState, load_checkpoint, save_checkpoint
+from services.trainer.learner.algorithms import loss_normalizer, make_algorithm
+from services.trainer.learner.batching import Sample, make_micro_batches
+from services.trainer.learner.checkpoint import TrainerState, load_checkpoint, save_checkpoint
 from services.trainer.config import TrainerConfig
 
 if TYPE_CHECKING:
-    from services.trainer.critic import Critic
+    from services.trainer.learner.critic import Critic
 
 __all__ = ["LoraPolicy", "Sample", "StepMetrics"]
 

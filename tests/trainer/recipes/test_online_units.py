@@ -10,14 +10,14 @@ import torch
 from pydantic import ValidationError
 
 from hotloop.proto.v1 import bus_pb2, common_pb2
-from services.trainer.algorithms import (
+from services.trainer.learner.algorithms import (
     EmaBaseline,
     make_online_algorithm,
     tis_reinforce_loss,
     truncated_is_weights,
 )
 from services.trainer.config import LossSettings, OnlineConfig, TrainerConfig
-from services.trainer.online import bad_traffic, malformed, served_version, stale
+from services.trainer.recipes.online import bad_traffic, malformed, served_version, stale
 
 
 def test_importance_weights_are_truncated_from_above_only_and_carry_no_gradient() -> None:
@@ -134,7 +134,7 @@ def test_a_stopping_intake_ends_even_when_its_fetch_swallows_the_cancel() -> Non
     still end once the loop stops it, not fetch on until the process gives up on it."""
     import asyncio
 
-    from services.trainer.online import Counters, Intake
+    from services.trainer.recipes.online import Counters, Intake
 
     class SwallowingConsumer:  # what the bus's PullConsumer does after a swallowed cancel
         fetches, swallowed = 0, False
