@@ -8,7 +8,8 @@ directory `step-00000042/` holding
     state.json          step, python and numpy RNG states, the loop's data position
 It is written under a temporary name and renamed into place, so a directory named `step-*` is
 always complete; a crash mid-write leaves only a `.tmp-*` directory that `latest_checkpoint`
-ignores. Does not own: when to checkpoint (the loop) or what the data position means (an
+ignores. A second checkpoint at the same policy step (steps that updated nothing moved the data
+position on) supersedes the first. Does not own: when to checkpoint (the loop) or what the data position means (an
 opaque JSON-serializable dict from the loop).
 """
 
@@ -79,8 +80,6 @@ def save_checkpoint(
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step-{step:08d}"
-    if final.exists():
-        raise FileExistsError(f"{final} exists; checkpoints are immutable")
     tmp = root / f".tmp-{final.name}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tensors, plain = _rng_state()
@@ -93,7 +92,17 @@ def save_checkpoint(
         (tmp / "state.json").write_text(json.dumps(state))
         for name, write in (extras or {}).items():
             write(tmp / name)
-        tmp.rename(final)
+        if final.exists():
+            # The same policy step again: steps that updated nothing (a skipped group) moved
+            # the data position on. The new checkpoint supersedes the old; a crash between the
+            # two renames leaves the previous step's checkpoint as the latest, which is
+            # consistent (its position and weights agree).
+            old = root / f".old-{final.name}-{os.getpid()}"
+            final.rename(old)
+            tmp.rename(final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            tmp.rename(final)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return final

@@ -192,6 +192,17 @@ def test_resume_reproduces_training_exactly(make_cfg, random_pairs, tmp_path) ->
         assert torch.equal(p, expected[n]), n
 
 
+def test_a_checkpoint_at_the_same_step_supersedes_the_last(make_cfg, tmp_path) -> None:
+    """Steps that update nothing (a GRPO group with one reward for all) leave the policy's step
+    where it was and move the data on: the next checkpoint must hold the newer position."""
+    policy = LoraPolicy(make_cfg())
+    policy.save_checkpoint(tmp_path, data_position={"index": 8})
+    again = policy.save_checkpoint(tmp_path, data_position={"index": 16})
+    assert latest_checkpoint(tmp_path) == again
+    assert json.loads((again / "state.json").read_text())["data_position"] == {"index": 16}
+    assert sorted(p.name for p in tmp_path.iterdir()) == [again.name]  # nothing left beside it
+
+
 def test_latest_checkpoint_ignores_partial_writes(tmp_path) -> None:
     assert latest_checkpoint(tmp_path / "missing") is None
     (tmp_path / "step-00000003").mkdir()
