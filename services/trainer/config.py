@@ -34,6 +34,12 @@ class LoraSettings(_Strict):
     target_modules: Literal["all-linear"] | list[str] = "all-linear"
     """Modules to adapt: "all-linear" (every linear layer but the output head) or names such as
     ["q_proj", "v_proj"]."""
+    top_layers: int | None = Field(None, ge=1)
+    """Adapt only the top N decoder layers (None: every layer). The layers below hold no
+    trainable weight, so autograd records nothing there: a step runs them forward only and
+    its backward stops at the lowest adapted layer; the adapter, its optimizer state, the
+    push and the replicas' merge shrink in proportion. More than the model has is an error
+    when the policy is built."""
 
 
 class OptimizerSettings(_Strict):
