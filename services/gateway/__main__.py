@@ -37,7 +37,8 @@ async def build(mesh: MeshConfig, cfg: GatewayConfig) -> service.Running:
     if not mesh.nats.url:
         raise SystemExit("gateway: no bus configured ([nats] url): traffic and feedback go there")
 
-    bus = await Bus.connect(mesh.nats.url, "gateway", mesh.nats.connect_timeout_s)
+    bus = await Bus.connect(mesh.nats.url, "gateway", mesh.nats.connect_timeout_s,
+                            replicas=mesh.nats.replicas)
     router = Router([GrpcReplica(a) for a in mesh.endpoints.rollout], cfg.routing,
                     cfg.health_interval_s, cfg.health_timeout_s, cfg.health_failures,
                     cfg.max_version_lag)
