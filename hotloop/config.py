@@ -116,7 +116,11 @@ class Endpoints(Section):
     """Where each service listens, as host:port. `hotloop up` fills these in."""
 
     rollout: list[str] = []
-    """Rollout replicas; the trainer pushes every version to each of them."""
+    """Rollout replicas; the trainer pushes every version to each of them. An entry
+    `dns:///host:port` names replicas by DNS (a compose service scaled with `--scale`, a
+    Kubernetes headless Service): the gateway routes to every address it resolves to and
+    resolves it again as replicas come and go; a trainer's gRPC channel reaches one of them,
+    and the others catch up on their own from the version announcement."""
     reward: str = ""
     reference: str = ""
     trainer: str = ""
