@@ -102,7 +102,9 @@ class TelemetryConfig(Section):
 
 class SecurityConfig(Section):
     admin_token: str = ""
-    """Bearer token required on admin RPCs (PushAdapter). Empty: admin RPCs are refused."""
+    """Bearer token required on admin RPCs (PushAdapter). Empty: admin RPCs are refused.
+    Surrounding whitespace is dropped: a token from a file (a Kubernetes Secret, `openssl rand
+    -hex 24 > file`) ends in a newline, which gRPC metadata cannot carry."""
     user_tokens: list[str] = []
     """API keys the gateway accepts for user traffic, each `key` or `id:key`. The id (given, or
     `key-` + the first 8 hex digits of the key's sha256) is what traffic and feedback record,
@@ -110,6 +112,11 @@ class SecurityConfig(Section):
     user_tokens_file: str = ""
     """A file of further API keys, one per line as above (blank lines and `#` comments are
     skipped). `hotloop up` generates one in the run directory (mode 0600)."""
+
+    @field_validator("admin_token")
+    @classmethod
+    def _strip(cls, token: str) -> str:
+        return token.strip()
 
 
 class Endpoints(Section):

@@ -123,3 +123,11 @@ def test_nats_names_a_cluster_and_its_replica_count():
         config.load_mesh(config.raw_config(None, ["nats.url=nats://a:4222,,nats://b:4222"], environ={}))
     with pytest.raises(ConfigError, match=r"\[nats\] replicas: .*less than or equal to 5"):
         config.load_mesh(config.raw_config(None, ["nats.replicas=7"], environ={}))
+
+
+def test_an_admin_token_read_from_a_file_loses_its_newline():
+    """A Secret written with `openssl rand -hex 24 > file` ends in a newline, which gRPC
+    metadata refuses; both ends of a push read the same stripped token."""
+    mesh = config.load_mesh(config.raw_config(
+        None, environ={"HOTLOOP__SECURITY__ADMIN_TOKEN": "0123abcd\n"}))
+    assert mesh.security.admin_token == "0123abcd"
