@@ -44,9 +44,14 @@ def parse_name(entry: str) -> tuple[str, int] | None:
     if not entry.startswith(DNS):
         return None
     host, sep, port = entry[len(DNS):].rpartition(":")
+    host = host.strip("[]")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise ValueError(f"{entry!r}: want dns:///<host>:<port>, e.g. dns:///rollout:50051")
-    return host.strip("[]"), int(port)
+    try:
+        host.encode("idna")  # what the resolver does first; a bad label would fail every lookup
+    except UnicodeError as e:
+        raise ValueError(f"{entry!r}: {host!r} is not a host name ({e})") from None
+    return host, int(port)
 
 
 class Discovery:

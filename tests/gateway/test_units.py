@@ -233,6 +233,8 @@ async def test_discovery_expands_names_to_every_address_and_follows_them():
     for bad in ("dns:///rollout", "dns:///:50051", "dns:///rollout:port", "dns:///rollout:0"):
         with pytest.raises(ValueError, match="dns:///<host>:<port>"):
             Discovery([bad], make)
+    with pytest.raises(ValueError, match="not a host name"):
+        Discovery(["dns:///roll..out:50051"], make)
 
 
 async def test_the_default_resolver_asks_the_system():
