@@ -1,14 +1,15 @@
 """`hotloop up`: a whole mesh on one machine, as local processes on loopback, kept running.
 
-Owns: starting a NATS server (JetStream, store under the run directory), generating the admin
+Owns: starting NATS (one JetStream server, or a cluster of `[up] nats_servers`, stores under
+the run directory), generating the admin
 token and the gateway's user API key file, starting each service as `python -m services.<name>`
 (the rollout as `[up] rollout_replicas` replicas) with its log file, waiting until each is
 healthy, writing `<run_dir>/mesh.json` (how clients find the mesh, including the gateway's HTTP
 URL), supervising, and stopping everything in order on Ctrl-C.
 
 Supervision (`Mesh.poll`, looped by `watch`): a service that exits without being stopped is
-restarted after a doubling backoff while the others keep running; NATS likewise, on the same
-port and store. Each comes back on the port it had (chosen by the OS at the first start, then
+restarted after a doubling backoff while the others keep running; NATS likewise (each server
+of a cluster on its own), on the same port and store. Each comes back on the port it had (chosen by the OS at the first start, then
 passed as `--set <section>.port`), so the endpoints and mesh.json stay valid and the gateway
 and the trainer find a restarted replica where they knew it; mesh.json is rewritten with the
 new pid. A restarted service reads the endpoints as they are then (a replica restarted after
@@ -32,13 +33,13 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from hotloop import config as hconfig
 from hotloop.config import MeshConfig, Section
 from services.rollout.config import RolloutConfig
 
-from apps.natsserver import NatsServer
+from apps.natsserver import NatsCluster, NatsServer
 from apps.processes import die_with_parent, tail_log
 
 # Start order: the trainer job and the gateway need the others' endpoints.
@@ -70,10 +71,22 @@ class UpConfig(Section):
     """Wait before restarting a crashed process; it doubles with each crash in the window."""
     restart_backoff_max_s: float = Field(60.0, ge=0)
     """Cap on that wait."""
+    nats_servers: int = Field(1, ge=1, le=5)
+    """NATS servers to start on loopback: 1, or a JetStream cluster of 3 (or 5) routed to each
+    other, each with its own store and port. With `[nats] replicas` as large, the mesh loses
+    nothing while one server (two of five) is down. An even count is refused: its extra
+    server is one more that a majority needs, not one more that may fail."""
     start_timeout_s: float = Field(300.0, gt=0)
     """Longest a service may take to listen, at the first start (past it `hotloop up` fails)
     and after a restart (past it the restart counts as a crash). A vLLM engine takes ~20-60 s
     on a small CPU host; a rollout replica also catches up first (`catchup_timeout_s`)."""
+
+    @field_validator("nats_servers")
+    @classmethod
+    def _odd(cls, n: int) -> int:
+        if n % 2 == 0:
+            raise ValueError(f"{n} servers survive no more failures than {n - 1}; use 1, 3 or 5")
+        return n
 
 
 @dataclass
@@ -209,6 +222,9 @@ class Mesh:
         if self.up.rollout_replicas > 1 and rollout.port:
             raise ValueError(f"rollout.port = {rollout.port} gives every replica one port; "
                              f"with up.rollout_replicas = {self.up.rollout_replicas} leave it 0")
+        if mesh_cfg.nats.replicas > self.up.nats_servers:
+            raise ValueError(f"nats.replicas = {mesh_cfg.nats.replicas} needs as many NATS servers; "
+                             f"set up.nats_servers = {mesh_cfg.nats.replicas} (now {self.up.nats_servers})")
         self._rollout_storage = rollout.storage_dir
         self.cfg = mesh_cfg
         self.config_path = config_path
@@ -216,9 +232,9 @@ class Mesh:
         self.services = [s for s in ALL_SERVICES + OPT_IN_SERVICES if s in services]
         self.run_dir = Path(mesh_cfg.run_dir).resolve()
         self.procs: list[Proc] = []
-        self.nats: NatsServer | None = None
-        self._nats_restarts = RestartPolicy.of(self.up)
-        self._nats_due: float | None = None  # when NATS is to be restarted, while it is down
+        self.nats: NatsServer | NatsCluster | None = None
+        self._nats_restarts = RestartPolicy.of(self.up)  # one policy for all of a cluster's servers
+        self._nats_due: dict[Path, float] = {}  # store dir -> when that server is to be restarted
         self.info: MeshInfo | None = None
         self.quiet = quiet
         self._stopping = False
@@ -237,9 +253,14 @@ class Mesh:
         if not token_file.exists():
             token_file.write_text(secrets.token_hex(24))
         token_file.chmod(0o600)
-        self.nats = NatsServer(self.run_dir / "nats", self.run_dir / "logs" / "nats.log").start(
-            preexec_fn=die_with_parent)
-        self.say(f"nats-server (JetStream) on {self.nats.url}")
+        if self.up.nats_servers > 1:
+            self.nats = NatsCluster(self.run_dir / "nats", self.up.nats_servers,
+                                    self.run_dir / "logs").start(preexec_fn=die_with_parent)
+            self.say(f"NATS JetStream cluster of {self.up.nats_servers} on {self.nats.url}")
+        else:
+            self.nats = NatsServer(self.run_dir / "nats", self.run_dir / "logs" / "nats.log").start(
+                preexec_fn=die_with_parent)
+            self.say(f"nats-server (JetStream) on {self.nats.url}")
         self.info = MeshInfo(str(self.run_dir), self.nats.url, {}, str(token_file), self.config_path,
                              user_keys_file=self._user_keys_file())
         try:
@@ -440,25 +461,34 @@ class Mesh:
     def _poll_nats(self, now: float) -> str | None:
         if self.nats is None:
             return None
-        if self._nats_due is None:
-            if self.nats.proc.poll() is None:
+        servers = self.nats.members if isinstance(self.nats, NatsCluster) else [self.nats]
+        for server in servers:
+            if (why := self._poll_nats_server(server, now)) is not None:
+                return why
+        return None
+
+    def _poll_nats_server(self, server: NatsServer, now: float) -> str | None:
+        name = f"nats-server {server.name}" if server.name else "nats-server"
+        due = self._nats_due.get(server.store_dir)
+        if due is None:
+            if server.proc.poll() is None:
                 return None
-            what = f"nats-server died with exit code {self.nats.proc.returncode}"
-        elif now < self._nats_due:
+            what = f"{name} died with exit code {server.proc.returncode}"
+        elif now < due:
             return None
         else:
             try:  # on the same port and store: clients reconnect; streams and KV survive
-                self.nats.restart(preexec_fn=die_with_parent)
+                server.restart(preexec_fn=die_with_parent)
             except (RuntimeError, TimeoutError) as e:
-                what = f"nats-server did not restart ({e})"
+                what = f"{name} did not restart ({e})"
             else:
-                self._nats_due = None
-                self.say(f"nats-server is back on {self.nats.url}")
+                del self._nats_due[server.store_dir]
+                self.say(f"{name} is back on {server.url}")
                 return None
-        wait, tail = self._crash(self._nats_restarts, now, what, self.nats.log_path)
+        wait, tail = self._crash(self._nats_restarts, now, what, server.log_path)
         if wait is None:
             return tail
-        self._nats_due = now + wait
+        self._nats_due[server.store_dir] = now + wait
         self.say(f"{what}; restarting it in {wait:.1f}s on the same port and store. {tail}")
         return None
 

@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 ENV_PREFIX = "HOTLOOP__"
 
@@ -71,9 +71,24 @@ class ModelConfig(Section):
 
 class NatsConfig(Section):
     url: str = ""
-    """NATS server URL. Empty: no bus (services run, nothing is announced)."""
+    """NATS server URL, or the servers of one cluster comma-separated
+    (`nats://n1:4222,nats://n2:4222,nats://n3:4222`): the client connects to any of them and
+    fails over to the others. Empty: no bus (services run, nothing is announced)."""
     connect_timeout_s: float = Field(10.0, gt=0)
     """Give up connecting after this long (bounded retry with backoff inside)."""
+    replicas: int = Field(1, ge=1, le=5)
+    """Copies JetStream keeps of each stream and KV bucket hotloop creates (feedback, traffic,
+    dead letters, the versions KV). 1 on a single server; 3 on a cluster of three, which then
+    loses nothing when one server dies. A service that ensures the streams brings existing
+    ones to this count; a single server refuses more than 1 (the error says so)."""
+
+    @field_validator("url")
+    @classmethod
+    def _servers(cls, url: str) -> str:
+        parts = [p.strip() for p in url.split(",")]
+        if url.strip() and not all(parts):
+            raise ValueError(f"empty server in {url!r} (comma-separated NATS URLs)")
+        return ",".join(parts) if url.strip() else ""
 
 
 class TelemetryConfig(Section):
@@ -87,7 +102,9 @@ class TelemetryConfig(Section):
 
 class SecurityConfig(Section):
     admin_token: str = ""
-    """Bearer token required on admin RPCs (PushAdapter). Empty: admin RPCs are refused."""
+    """Bearer token required on admin RPCs (PushAdapter). Empty: admin RPCs are refused.
+    Surrounding whitespace is dropped: a token from a file (a Kubernetes Secret, `openssl rand
+    -hex 24 > file`) ends in a newline, which gRPC metadata cannot carry."""
     user_tokens: list[str] = []
     """API keys the gateway accepts for user traffic, each `key` or `id:key`. The id (given, or
     `key-` + the first 8 hex digits of the key's sha256) is what traffic and feedback record,
@@ -96,12 +113,21 @@ class SecurityConfig(Section):
     """A file of further API keys, one per line as above (blank lines and `#` comments are
     skipped). `hotloop up` generates one in the run directory (mode 0600)."""
 
+    @field_validator("admin_token")
+    @classmethod
+    def _strip(cls, token: str) -> str:
+        return token.strip()
+
 
 class Endpoints(Section):
     """Where each service listens, as host:port. `hotloop up` fills these in."""
 
     rollout: list[str] = []
-    """Rollout replicas; the trainer pushes every version to each of them."""
+    """Rollout replicas; the trainer pushes every version to each of them. An entry
+    `dns:///host:port` names replicas by DNS (a compose service scaled with `--scale`, a
+    Kubernetes headless Service): the gateway routes to every address it resolves to and
+    resolves it again as replicas come and go; a trainer's gRPC channel reaches one of them,
+    and the others catch up on their own from the version announcement."""
     reward: str = ""
     reference: str = ""
     trainer: str = ""

@@ -147,3 +147,49 @@ def test_services_die_with_a_killed_launcher(tmp_path):
         time.sleep(0.2)
     os.kill(reward_pid, signal.SIGKILL)
     pytest.fail("the reward service outlived its killed launcher")
+
+
+def test_nats_servers_and_replicas_must_fit(tmp_path):
+    """A stream cannot have more copies than there are servers; an even cluster is refused."""
+    three = [f"run_dir={tmp_path}", "nats.replicas=3"]
+    cfg = config.load_mesh(config.raw_config(None, three, environ={}))
+    with pytest.raises(ValueError, match="set up.nats_servers = 3"):
+        Mesh(cfg, None, three, [], quiet=True)
+    with pytest.raises(config.ConfigError, match=r"\[up\] nats_servers: .*use 1, 3 or 5"):
+        Mesh(cfg, None, [*three, "up.nats_servers=2"], [], quiet=True)
+
+
+@pytest.mark.slow
+def test_up_starts_a_nats_cluster_and_restarts_a_killed_server_on_its_port(tmp_path):
+    """`[up] nats_servers = 3`: the mesh's URL lists the three; streams get 3 replicas; a
+    server killed is restarted on its port and store while the other two keep serving."""
+    from hotloop.bus import Bus
+
+    overrides = [f"run_dir={tmp_path}", "nats.replicas=3", "up.nats_servers=3"]
+    cfg = config.load_mesh(config.raw_config(None, overrides, environ={}))
+    mesh = Mesh(cfg, None, overrides, [], quiet=True)
+    try:
+        info = mesh.start(timeout_s=60)
+        members = list(mesh.nats.members)
+        assert info.nats_url == mesh.nats.url and len(info.nats_url.split(",")) == 3
+
+        async def streams() -> int:
+            bus = await Bus.connect(info.nats_url, "test", replicas=cfg.nats.replicas)
+            try:
+                await bus.ensure_streams()
+                return (await bus.js.stream_info("FEEDBACK")).config.num_replicas
+            finally:
+                await bus.close()
+
+        assert asyncio.run(streams()) == 3
+        victim = mesh.nats.members[1]
+        pid, port = victim.proc.pid, victim.port
+        os.kill(pid, signal.SIGKILL)
+        poll_until(mesh, lambda: victim.proc.pid != pid and victim.proc.poll() is None,
+                   "the killed server restarted", timeout_s=60)
+        assert victim.port == port and mesh.nats.url == info.nats_url
+        mesh.nats.wait_healthy(30)  # it rejoined the cluster
+        assert asyncio.run(streams()) == 3
+    finally:
+        mesh.stop()
+    assert all(m.proc.poll() is not None for m in members), "a nats-server was left running"

@@ -110,3 +110,24 @@ def test_every_config_file_parses(path):
             config.load_section(tree, name, sections[name])
         else:
             assert name in config.MeshConfig.model_fields, f"unknown section [{name}] in {path.name}"
+
+
+def test_nats_names_a_cluster_and_its_replica_count():
+    """`[nats] url` lists a cluster's servers comma-separated (spaces trimmed); an empty entry
+    is an error, not a server; `replicas` is 1 unless set, and JetStream's bounds hold."""
+    mesh = config.load_mesh(config.raw_config(
+        None, ["nats.url=nats://a:4222, nats://b:4222", "nats.replicas=3"], environ={}))
+    assert mesh.nats.url == "nats://a:4222,nats://b:4222" and mesh.nats.replicas == 3
+    assert config.load_mesh(config.raw_config(None, environ={})).nats.replicas == 1
+    with pytest.raises(ConfigError, match=r"\[nats\] url: .*empty server"):
+        config.load_mesh(config.raw_config(None, ["nats.url=nats://a:4222,,nats://b:4222"], environ={}))
+    with pytest.raises(ConfigError, match=r"\[nats\] replicas: .*less than or equal to 5"):
+        config.load_mesh(config.raw_config(None, ["nats.replicas=7"], environ={}))
+
+
+def test_an_admin_token_read_from_a_file_loses_its_newline():
+    """A Secret written with `openssl rand -hex 24 > file` ends in a newline, which gRPC
+    metadata refuses; both ends of a push read the same stripped token."""
+    mesh = config.load_mesh(config.raw_config(
+        None, environ={"HOTLOOP__SECURITY__ADMIN_TOKEN": "0123abcd\n"}))
+    assert mesh.security.admin_token == "0123abcd"

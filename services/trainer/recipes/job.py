@@ -104,7 +104,8 @@ async def open_edge(mesh_cfg: MeshConfig, trainer_cfg: TrainerConfig, run_dir: P
     if mesh_cfg.nats.url:
         from hotloop.bus import Bus
 
-        bus = await Bus.connect(mesh_cfg.nats.url, "trainer", mesh_cfg.nats.connect_timeout_s)
+        bus = await Bus.connect(mesh_cfg.nats.url, "trainer", mesh_cfg.nats.connect_timeout_s,
+                                replicas=mesh_cfg.nats.replicas)
     reference = ReferenceClient(ep.reference) if ep.reference else None
     try:
         dtype = await check_dtype(trainer_cfg, reference)
