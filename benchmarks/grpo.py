@@ -327,14 +327,14 @@ class Bench:
         return on_step
 
     async def run(self, mesh_cfg, trainer_cfg, job, model_dir: Path) -> None:
-        from hotloop.clients import RewardClient, RolloutClient
+        from hotloop.replicas import Rewards, Rollouts
 
         from services.trainer.recipes import grpo, grpo_async
         from services.trainer.recipes.job import open_edge
 
         ep = mesh_cfg.endpoints
         edge = await open_edge(mesh_cfg, trainer_cfg, self.out / "trainer", "grpo")
-        mesh = grpo.Mesh(rollout=[RolloutClient(a) for a in ep.rollout], reward=RewardClient(ep.reward),
+        mesh = grpo.Mesh(rollout=Rollouts.connect(ep.rollout), reward=Rewards.connect(ep.reward),
                          reference=edge.reference, publisher=edge.publisher)
         try:
             for mode, staleness in (("sync", 0), ("async", self.max_staleness)):
@@ -343,8 +343,8 @@ class Bench:
                 await grpo_async.recipe(j)(j, trainer_cfg, model_dir, mesh, self.out / mode, progress=False,
                                            on_step=self.on_step(mode))
         finally:
-            for c in [*mesh.rollout, mesh.reward]:
-                await c.close()
+            await mesh.rollout.close()
+            await mesh.reward.close()
             await edge.close()
 
 
