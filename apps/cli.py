@@ -239,6 +239,9 @@ def build_parser() -> argparse.ArgumentParser:
     bg.add_argument("--max-staleness", type=int, default=1, help="the asynchronous mode's bound")
     bg.add_argument("--peer", choices=["trl"], help="also run TRL's GRPOTrainer (pip install -e '.[peer]')")
     bg.add_argument("--peer-steps", type=int, default=3, help="TRL optimizer steps (median of all but the first)")
+    bg.add_argument("--replicas", type=int, default=1, choices=range(1, 17), metavar="N",
+                    help="processes of each service (rollout, reference, reward) the steps spread over; "
+                         "reports each replica's share and any work lost or done twice")
     _out_dir(bg, "bench-grpo")
     bu = _bench_parser(bsub, "update-loop", "feedback sent -> first token from a version trained on it, "
                        "with users streaming; stage budget from the traces", config=True)
