@@ -61,7 +61,9 @@ from hotloop.clients import (
 )
 from hotloop.errors import Unavailable
 
-COOLDOWN_S = 30.0  # a dead replica costs a call the client's own retries (seconds) each time
+# A replica tried while still dead costs that call its retries (~1.5 s) before the work moves
+# on; with steps of seconds to minutes, 30 s keeps that to one call in several.
+COOLDOWN_S = 30.0
 # Where other replicas can take the work, a member tries once before it fails over (its
 # channel still retries UNAVAILABLE in gRPC's service config, ~1.5 s); one replica alone keeps
 # the client's usual attempts.
