@@ -39,7 +39,8 @@ async def check_dtype(trainer_cfg: TrainerConfig,
         for replica in reference if isinstance(reference, References) else [reference]:
             theirs = (await replica.status()).runtime.dtype
             if theirs and theirs != dtype:
-                where = f" at {replica.address}" if isinstance(reference, References) else ""
+                several = isinstance(reference, References) and len(reference) > 1
+                where = f" at {replica.address}" if several else ""
                 raise SystemExit(
                     f"the reference service{where} computes in {theirs} but the trainer in {dtype} "
                     f"(configured {trainer_cfg.dtype!r}): start both from a config with the same "
