@@ -21,9 +21,9 @@ import os
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
 
 ENV_PREFIX = "HOTLOOP__"
 
@@ -119,19 +119,38 @@ class SecurityConfig(Section):
         return token.strip()
 
 
-class Endpoints(Section):
-    """Where each service listens, as host:port. `hotloop up` fills these in."""
+Replicas = Annotated[list[Annotated[str, Field(min_length=1)]], BeforeValidator(
+    lambda v: ([v] if v else []) if isinstance(v, str) else v)]
+"""A service's replicas: a list of gRPC targets, or one target as a string (configs and
+environment overrides written for one replica). A target is `host:port`, or `dns:///name:port`
+for a name that resolves to several addresses, which gRPC balances call by call
+(`grpcutil.channel`)."""
 
-    rollout: list[str] = []
-    """Rollout replicas; the trainer pushes every version to each of them. An entry
-    `dns:///host:port` names replicas by DNS (a compose service scaled with `--scale`, a
-    Kubernetes headless Service): the gateway routes to every address it resolves to and
-    resolves it again as replicas come and go; a trainer's gRPC channel reaches one of them,
-    and the others catch up on their own from the version announcement."""
-    reward: str = ""
-    reference: str = ""
+
+class Endpoints(Section):
+    """Where each service listens, as gRPC targets. `hotloop up` fills these in."""
+
+    rollout: Replicas = []
+    """Rollout replicas; the trainer pushes every version to each of them, and a training
+    job spreads its generation over them (`hotloop.replicas`). An entry `dns:///host:port`
+    names replicas by DNS (a compose service scaled with `--scale`, a Kubernetes headless
+    Service): the gateway routes to every address it resolves to and resolves it again as
+    replicas come and go; a trainer's gRPC channel reaches one of them, and the others catch
+    up on their own from the version announcement."""
+    reward: Replicas = []
+    """Reward replicas; a job spreads its scoring over them."""
+    reference: Replicas = []
+    """Reference replicas; a job spreads its reference passes over them."""
     trainer: str = ""
     gateway: str = ""
+
+    @field_validator("rollout", "reward", "reference")
+    @classmethod
+    def _once_each(cls, targets: list[str]) -> list[str]:
+        twice = sorted({t for t in targets if targets.count(t) > 1})
+        if twice:  # one replica listed twice would get twice the share of every batch
+            raise ValueError(f"{', '.join(twice)} listed more than once")
+        return targets
 
 
 class MeshConfig(Section):
@@ -185,10 +204,11 @@ class ConfigTree(dict):
 
 
 def _parse_value(raw: str) -> Any:
-    """Lists, tables and null from JSON; everything else stays text for the field's own type
-    to parse (pydantic reads "3" as an int field's 3, and a string field keeps "3")."""
+    """Lists, tables, null and quoted strings from JSON (`--set x='"1"'` is the text 1, as in
+    TOML); everything else stays text for the field's own type to parse (pydantic reads "3" as
+    an int field's 3, and a string field keeps "3")."""
     text = raw.strip()
-    if text == "null" or text[:1] in ("[", "{"):
+    if text == "null" or text[:1] in ("[", "{", '"'):
         try:
             return json.loads(text)
         except json.JSONDecodeError:

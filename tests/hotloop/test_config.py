@@ -84,6 +84,31 @@ def test_json_values_parse():
     assert config.load_mesh(tree).endpoints.rollout == ["a:1", "b:2"]
 
 
+def test_a_quoted_value_is_its_text_as_in_toml():
+    """`--set rollout.cpu_omp_threads_bind="1"` (quoted as in the TOML file) is the text 1,
+    not the three characters with quotes; a broken quote stays text for the field to judge."""
+    tree = config.raw_config(None, ['rollout.cpu_omp_threads_bind="1"', 'nats.url="nats://h:1"',
+                                    'run_dir="unclosed'], environ={})
+    assert tree["rollout"]["cpu_omp_threads_bind"] == "1"
+    assert tree["nats"]["url"] == "nats://h:1"
+    assert tree["run_dir"] == '"unclosed'
+
+
+def test_every_replicated_endpoint_takes_a_list_or_one_address():
+    """Configs and environment overrides written for one replica (`HOTLOOP__ENDPOINTS__REWARD=
+    reward:50053`, as compose sets it) still work; a list gives several replicas."""
+    env = {"HOTLOOP__ENDPOINTS__REWARD": "reward:50053", "HOTLOOP__ENDPOINTS__REFERENCE": '["r:1", "r:2"]',
+           "HOTLOOP__ENDPOINTS__ROLLOUT": "dns:///rollout:50051"}
+    ep = config.load_mesh(config.raw_config(None, [], environ=env)).endpoints
+    assert (ep.reward, ep.reference, ep.rollout) == (["reward:50053"], ["r:1", "r:2"], ["dns:///rollout:50051"])
+    assert config.load_mesh(config.raw_config(None, ["endpoints.reward="], environ={})).endpoints.reward == []
+    with pytest.raises(ConfigError) as e:
+        config.load_mesh(config.raw_config(None, ['endpoints.reward=["a:1","b:2","a:1"]',
+                                                  'endpoints.reference=["r:1", ""]'], environ={}))
+    assert "[endpoints] reward: Value error, a:1 listed more than once" in str(e.value)
+    assert "[endpoints] reference.1: String should have at least 1 character" in str(e.value)
+
+
 @pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*.toml")), ids=lambda p: p.name)
 def test_every_config_file_parses(path):
     """Each section of each shipped config validates against its service's model."""

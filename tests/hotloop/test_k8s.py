@@ -202,7 +202,9 @@ def test_the_config_names_the_services_and_the_nats_cluster_that_exist():
     host, port = parse_name(rollout)
     assert services[host]["spec"].get("clusterIP") == "None" and port == sections["rollout"].port
     for section in ("reference", "reward", "trainer", "gateway"):
-        host, port = getattr(mesh.endpoints, section).split(":")
+        target = getattr(mesh.endpoints, section)
+        (target,) = [target] if isinstance(target, str) else target  # one Service each
+        host, port = target.split(":")
         assert any(p["port"] == int(port) for p in services[host]["spec"]["ports"]), section
         assert int(port) == sections[SECTION[section]].port, section
 
