@@ -233,6 +233,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="the trainer's micro_batch_tokens (the demo's: 2048)")
     bts.add_argument("--steps", type=int, default=3, help="timed steps (median)")
     bts.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    bts.add_argument("--top-layers", type=int, default=None,
+                     help="LoRA on the top N decoder layers only ([trainer.lora] top_layers; "
+                          "default: every layer)")
     bg = _bench_parser(bsub, "grpo", "GRPO samples/s, seconds per stage and idle share of the cores, "
                        "synchronous vs asynchronous on the demo configuration; --peer trl adds TRL", config=True)
     bg.add_argument("--steps", type=int, default=4, help="steps of each mode (the first is start-up)")

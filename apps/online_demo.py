@@ -11,6 +11,9 @@ Owns:
   trained on it. Which version that is comes from the trainer's `metrics.jsonl` (stream
   sequences per update) and the FEEDBACK stream (sequence -> response id); when a version went
   live comes from `hotloop.weights.updated` on the bus;
+- what became of the feedback: arrived (accepted by the gateway), trained, dropped (the
+  trainer's `settled` records: shed, stale, dead-lettered), per second of training, against
+  what the trainer could train in the time it computed;
 - the report: `runs/<id>/online-report.{md,json}` and `online.png`.
 
 Does not own: the services, the hidden preference and the users (`apps.simulate`). Imports
@@ -144,6 +147,8 @@ class Update:
     feedback: int
     score_mean: float
     response_ids: list[str] = field(default_factory=list)
+    seconds: float = 0.0  # the update's stages, all together
+    tokens: int = 0  # completion tokens trained
 
 
 class LoopTracker:
@@ -155,6 +160,7 @@ class LoopTracker:
         self.published_at: dict[int, float] = {}  # version -> unix seconds announced
         self.trained_in: dict[str, int] = {}  # response id -> first version trained on it
         self.updates: list[Update] = []
+        self.settled: dict[str, int] = {}  # kind -> feedback the trainer dropped or dead-lettered
         self._offset = 0
         self._bus = None
         self._task: asyncio.Task | None = None
@@ -203,10 +209,15 @@ class LoopTracker:
         end = chunk.rfind("\n") + 1  # a half-written last line waits for the next poll
         self._offset += len(chunk[:end].encode())
         for line in chunk[:end].splitlines():
-            step = json.loads(line).get("step") if line.strip() else None
+            rec = json.loads(line) if line.strip() else {}
+            if "settled" in rec:
+                kind = rec["settled"]["kind"]
+                self.settled[kind] = self.settled.get(kind, 0) + 1
+            step = rec.get("step")
             if not step:
                 continue
-            up = Update(int(step["version"]), time.time(), int(step["feedback"]), float(step["score_mean"]))
+            up = Update(int(step["version"]), time.time(), int(step["feedback"]), float(step["score_mean"]),
+                        seconds=sum(step["stage_seconds"].values()), tokens=int(step["tokens"]))
             for seq in step["seqs"]:
                 raw = await self._bus.js.get_msg("FEEDBACK", seq)
                 fb = decode(bus_pb2.FeedbackEvent, raw.data, dict(raw.headers or {}))
@@ -257,6 +268,7 @@ class DemoState:
     sim: Simulation | None = None
     tracker: LoopTracker | None = None
     training_started: float | None = None  # unix seconds
+    training_ended: float | None = None  # unix seconds the users stopped
     base: float | None = None
     target: float | None = None
     reached_at: float | None = None  # unix seconds the window share first met the target
@@ -329,6 +341,7 @@ async def run_demo(state: DemoState, stack: Stack, users: int, idle_s: float, tr
         sim.stop()
         await run
     finally:
+        state.training_ended = time.time() if state.training_started else None
         await sim.halt(run)
         await tracker.poll()
         await tracker.close()
@@ -343,6 +356,40 @@ async def _tick(run: asyncio.Task, stack: Stack, state: DemoState) -> None:
         state.sim.stop()
 
 
+def loop_summary(loops: list[dict]) -> dict:
+    """Percentiles of the loops (ordered by when their feedback was sent), and the trend: the
+    median of the first third against the last."""
+    ms = [e["loop_ms"] for e in sorted(loops, key=lambda e: e["sent"])]
+    third = len(ms) // 3
+    return {"p50": percentile(ms, 50), "p95": percentile(ms, 95), "p99": percentile(ms, 99),
+            "n": len(ms), "first_third_p50": percentile(ms[:third], 50) if third else None,
+            "last_third_p50": percentile(ms[-third:], 50) if third else None}
+
+
+def feedback_rates(state: DemoState) -> dict:
+    """What became of the feedback during training, per second: arrived (the gateway took
+    it), trained, dropped (settled without training, any reason); `capacity` is what the
+    trainer trained per second of its updates (stages all together), the rate it could
+    sustain were it never idle."""
+    sim, tracker = state.sim, state.tracker
+    t0, t1 = state.training_started, state.training_ended
+    if not (sim and tracker and t0 and t1 and t1 > t0):
+        return {}
+    arrived = sum(r.phase == "training" and r.feedback in ("accepted", "duplicate") for r in sim.records)
+    trained = sum(u.feedback for u in tracker.updates)
+    dropped = sum(tracker.settled.values())
+    busy = sum(u.seconds for u in tracker.updates)
+    span = t1 - t0
+    return {"arrived": arrived / span, "trained": trained / span, "dropped": dropped / span,
+            "capacity": trained / busy if busy else None,
+            "counts": {"arrived": arrived, "trained": trained, "dropped": dropped,
+                       "pending": arrived - trained - dropped},
+            "dropped_by_reason": dict(tracker.settled), "training_s": span,
+            "trainer_busy_share": busy / span,
+            "trained_tokens_per_update_s": (sum(u.tokens for u in tracker.updates) / busy
+                                            if busy else None)}
+
+
 def demo_report(state: DemoState) -> dict:
     sim, tracker = state.sim, state.tracker
     records = sim.records if sim else []
@@ -351,7 +398,6 @@ def demo_report(state: DemoState) -> dict:
     s_idle, s_train = summarize(idle), summarize(training)
     final = training_window(records, state.training_started or 0, state.window).value
     loops = tracker.loops(sim.feedback_sent, sim.clock) if tracker and sim else []
-    loop_ms = [e["loop_ms"] for e in loops]
     t0 = state.training_started
     return {
         "run_id": state.run_id,
@@ -367,8 +413,8 @@ def demo_report(state: DemoState) -> dict:
             "time_to_target_s": (state.reached_at - t0) if state.reached_at and t0 else None,
             "window": state.window,
         },
-        "loop_ms": {"p50": percentile(loop_ms, 50), "p95": percentile(loop_ms, 95),
-                    "p99": percentile(loop_ms, 99), "n": len(loop_ms)},
+        "loop_ms": loop_summary(loops),
+        "feedback_per_s": feedback_rates(state),
         "user_ttft_ms": {"idle_p50": s_idle["ttft_ms"]["p50"], "idle_p99": s_idle["ttft_ms"]["p99"],
                          "training_p50": s_train["ttft_ms"]["p50"], "training_p99": s_train["ttft_ms"]["p99"]},
         "user_itl_ms": {"idle_p50": s_idle["itl_ms"]["p50"], "idle_p99": s_idle["itl_ms"]["p99"],
@@ -377,6 +423,7 @@ def demo_report(state: DemoState) -> dict:
         "versions": {"trained": tracker.trained_version if tracker else 0,
                      "served": sim.clock.latest if sim else 0},
         "updates": [{"version": u.version, "feedback": u.feedback, "score_mean": u.score_mean,
+                     "seconds": u.seconds, "tokens": u.tokens,
                      "t_s": u.seen_at - t0 if t0 else None} for u in (tracker.updates if tracker else [])],
         "phases": {"idle": s_idle, "training": s_train},
         "training_s": (records[-1].ts - t0) if training and t0 else 0.0,
@@ -389,8 +436,8 @@ def write_demo_report(state: DemoState) -> dict:
     out = state.out
     (out / "online-report.json").write_text(json.dumps(report, indent=2))
     _plot(state, out / "online.png")
-    ps, lm, tt, it, lag = (report["preference_share"], report["loop_ms"], report["user_ttft_ms"],
-                           report["user_itl_ms"], report["version_lag"])
+    ps, lm, tt, it, lag, fr = (report["preference_share"], report["loop_ms"], report["user_ttft_ms"],
+                               report["user_itl_ms"], report["version_lag"], report["feedback_per_s"])
     reached = (f"reached {ps['target']:.2f} after {ps['time_to_target_s']:.0f} s of training"
                if ps["reached"] else f"target {_f(ps['target'])} not reached")
     lines = [
@@ -405,7 +452,14 @@ def write_demo_report(state: DemoState) -> dict:
         f"- versions trained {report['versions']['trained']}, served {report['versions']['served']}; "
         f"{len(report['updates'])} updates in {report['training_s']:.0f} s of training",
         f"- loop latency (feedback sent -> first token from a version trained on it): "
-        f"p50 {_f(lm['p50'], '.0f')} ms, p95 {_f(lm['p95'], '.0f')} ms over {lm['n']} feedback",
+        f"p50 {_f(lm['p50'], '.0f')} ms, p95 {_f(lm['p95'], '.0f')} ms over {lm['n']} feedback; "
+        f"p50 of the first third {_f(lm['first_third_p50'], '.0f')} ms, of the last third "
+        f"{_f(lm['last_third_p50'], '.0f')} ms",
+        f"- feedback per second of training: arrived {_f(fr.get('arrived'))}, trained "
+        f"{_f(fr.get('trained'))}, dropped {_f(fr.get('dropped'))} "
+        f"({', '.join(f'{k} {n}' for k, n in fr.get('dropped_by_reason', {}).items()) or 'none'}); "
+        f"the trainer computed {_f(fr.get('trainer_busy_share'), '.0%')} of the time, at "
+        f"{_f(fr.get('capacity'))} feedback/s while it did",
         f"- served-version lag behind training: p50 {_f(lag.get('versions', {}).get('p50'), '.1f')} / "
         f"p99 {_f(lag.get('versions', {}).get('p99'), '.1f')} versions, p50 "
         f"{_f(lag.get('seconds', {}).get('p50'), '.1f')} / p99 {_f(lag.get('seconds', {}).get('p99'), '.1f')} s",
@@ -461,9 +515,13 @@ def _plot(state: DemoState, path: Path) -> None:
     ax[1].scatter([r.ts - t0 for r in records if r.ttft_ms], [r.ttft_ms for r in records if r.ttft_ms],
                   s=6, label="TTFT (ms)")
     if state.tracker and state.sim:
-        loops = state.tracker.loops(state.sim.feedback_sent, state.sim.clock)
-        ax[1].scatter([e["sent"] - t0 for e in loops], [e["loop_ms"] for e in loops], s=6,
-                      label="loop latency (ms)")
+        loops = sorted(state.tracker.loops(state.sim.feedback_sent, state.sim.clock),
+                       key=lambda e: e["sent"])
+        xs, ys = [e["sent"] - t0 for e in loops], [e["loop_ms"] for e in loops]
+        ax[1].scatter(xs, ys, s=6, label="loop latency (ms), by feedback sent")
+        k = 9  # the trend: a running median of the last k loops
+        med = [percentile(ys[max(0, i - k + 1):i + 1], 50) for i in range(len(ys))]
+        ax[1].plot(xs, med, color="tab:red", lw=1.5, label=f"loop latency, median of the last {k}")
     if records:  # a log axis with nothing on it cannot be laid out
         ax[1].set_yscale("log")
     ax[1].set_xlabel("seconds since training started")
@@ -512,7 +570,12 @@ def main(args) -> int:
     ps = report["preference_share"]
     print(f"[demo-online] preference share: base {_f(ps['base'])} -> final {_f(ps['final'])}"
           f" (target {_f(ps['target'])}, {'reached in %.0f s' % ps['time_to_target_s'] if ps['reached'] else 'not reached'}); "
-          f"loop p50 {_f(report['loop_ms']['p50'], '.0f')} ms; TTFT p99 idle "
+          f"loop p50 {_f(report['loop_ms']['p50'], '.0f')} ms (first third "
+          f"{_f(report['loop_ms']['first_third_p50'], '.0f')}, last third "
+          f"{_f(report['loop_ms']['last_third_p50'], '.0f')}); feedback/s arrived "
+          f"{_f(report['feedback_per_s'].get('arrived'))} trained "
+          f"{_f(report['feedback_per_s'].get('trained'))} dropped "
+          f"{_f(report['feedback_per_s'].get('dropped'))}; TTFT p99 idle "
           f"{_f(report['user_ttft_ms']['idle_p99'], '.0f')} ms, training "
           f"{_f(report['user_ttft_ms']['training_p99'], '.0f')} ms", flush=True)
     print(f"[demo-online] report: {out / 'online-report.md'}", flush=True)

@@ -7,17 +7,20 @@ on this CPU with the step's own shapes, dtype and thread count, and a profile of
 non-matmul time goes. Does not own the step itself (policy.py) or any default it measures.
 
 The FLOP model (`step_flops`), for a Llama-shaped decoder with hidden H, intermediate I, nh query
-heads and nkv key/value heads of size hd, `layers` layers, vocabulary V and LoRA rank r on every
-linear of the body, per sequence of p prompt and c completion tokens, L = p + c:
+heads and nkv key/value heads of size hd, `layers` layers of which the top `adapted` carry LoRA
+of rank r on every linear (`--top-layers`; all by default), vocabulary V, per sequence of p
+prompt and c completion tokens, L = p + c:
 
     P = H*nh*hd + 2*H*nkv*hd + nh*hd*H + 3*H*I    weights per layer (q, k, v, o, gate, up, down)
     S = sum over those 7 linears of (in + out)    what one LoRA rank costs per token
-    base      = layers * 4*P*L          forward 2*P*L; backward 2*P*L: the base is frozen, so only
-                                        the activation gradient dX = dY W is computed, never dW
-    lora      = layers * 6*r*S*L        forward 2*r*S*L; backward twice that (dX and dW of A and B)
-    attention = layers * 6*nh*hd*L*(L+1)
+    base      = layers * 2*P*L + adapted * 2*P*L
+                                        forward 2*P*L in every layer; backward 2*P*L in the
+                                        adapted ones only (nothing below them needs a gradient):
+                                        the base is frozen, so only dX = dY W, never dW
+    lora      = adapted * 6*r*S*L       forward 2*r*S*L; backward twice that (dX and dW of A and B)
+    attention = (layers * 2 + adapted * 4) * nh*hd*L*(L+1)
                                         forward QK^T and PV over the L(L+1)/2 causal pairs,
-                                        2*2*nh*hd each; backward twice the forward
+                                        2*2*nh*hd each; backward (adapted layers) twice that
     head      = 4*H*V*c                 the (tied, frozen) output head runs on completion
                                         positions only (hotloop.logprobs): forward + dX
 
@@ -87,19 +90,20 @@ class ModelShape:
                 ("gate_proj", h, i), ("up_proj", h, i), ("down_proj", i, h)]
 
 
-def step_flops(shape: ModelShape, lora_r: int,
-               lengths: Sequence[tuple[int, int]]) -> dict[str, float]:
+def step_flops(shape: ModelShape, lora_r: int, lengths: Sequence[tuple[int, int]],
+               adapted: int | None = None) -> dict[str, float]:
     """FLOPs of one train step over sequences of (prompt, completion) tokens (module docstring),
-    by part and in total."""
+    by part and in total. `adapted`: the top layers that carry LoRA (None: all)."""
     P = sum(i * o for _, i, o in shape.linears())
     S = sum(i + o for _, i, o in shape.linears())
     n = shape.layers
+    k = n if adapted is None else adapted
     out = {"base": 0.0, "lora": 0.0, "attention": 0.0, "head": 0.0}
     for p, c in lengths:
         L = p + c
-        out["base"] += n * 4 * P * L
-        out["lora"] += n * 6 * lora_r * S * L
-        out["attention"] += n * 6 * shape.heads * shape.head_dim * L * (L + 1)
+        out["base"] += (n + k) * 2 * P * L
+        out["lora"] += k * 6 * lora_r * S * L
+        out["attention"] += (2 * n + 4 * k) * shape.heads * shape.head_dim * L * (L + 1)
         out["head"] += 4 * shape.hidden * shape.vocab * c
     out["total"] = sum(out.values())
     return out
@@ -122,10 +126,11 @@ def _time(fn: Callable[[], Any], min_s: float = 0.25, max_reps: int = 50) -> flo
 
 
 def matmul_roofline(shape: ModelShape, rows: int, tokens: int, head_rows: int,
-                    completion_tokens: int, dtype: str) -> dict[str, Any]:
+                    completion_tokens: int, dtype: str, adapted: int | None = None) -> dict[str, Any]:
     """Benchmark the step's matmul shapes (module docstring) in `dtype` on the current torch
     threads. `rows`: M of the body's matmuls (padded tokens of a micro-batch); `tokens` and
-    `completion_tokens`: the step's totals, which weight each shape by the FLOPs it carries."""
+    `completion_tokens`: the step's totals, which weight each shape by the FLOPs it carries;
+    `adapted`: the layers whose backward runs (None: all)."""
     import torch
     import torch.nn.functional as F
 
@@ -138,10 +143,11 @@ def matmul_roofline(shape: ModelShape, rows: int, tokens: int, head_rows: int,
     # (label, m, k, n, step FLOPs on this shape); F.linear is what nn.Linear runs forward,
     # mm(dY, W) what its backward runs for dX.
     work: dict[tuple[int, int, int], float] = {}
+    k = shape.layers if adapted is None else adapted
     for _, i, o in shape.linears():
-        f = 2.0 * i * o * tokens * shape.layers
-        work[(rows, i, o)] = work.get((rows, i, o), 0.0) + f  # forward
-        work[(rows, o, i)] = work.get((rows, o, i), 0.0) + f  # backward dX
+        f = 2.0 * i * o * tokens
+        work[(rows, i, o)] = work.get((rows, i, o), 0.0) + f * shape.layers  # forward
+        work[(rows, o, i)] = work.get((rows, o, i), 0.0) + f * k  # backward dX
     head_f = 2.0 * shape.hidden * shape.vocab * completion_tokens
     results = []
     total_f = total_t = 0.0
@@ -298,7 +304,7 @@ def synthetic_samples(policy: Any, n: int, prompt_tokens: int, completion_tokens
 
 def run(model: str, dtype: str = "auto", samples: int = 16, prompt_tokens: int = 64,
         completion_tokens: int = 128, steps: int = 3, threads: int = 0, profile: bool = True,
-        group_size: int = 1, micro_batch_tokens: int = 2048,
+        group_size: int = 1, micro_batch_tokens: int = 2048, top_layers: int | None = None,
         say: Callable[[str], None] = print) -> dict[str, Any]:
     """Build the policy, time `steps` train steps after one warm-up (median), benchmark the
     roofline, profile one more step; returns the JSON's fields. CPU only: the roofline is a
@@ -315,20 +321,23 @@ def run(model: str, dtype: str = "auto", samples: int = 16, prompt_tokens: int =
     from services.trainer.learner.policy import LoraPolicy
 
     # The demo's trainer (configs/demo.toml): LoRA r=16 on all linears, lr 1e-4, KL 0.04,
-    # micro-batches of 2048 padded tokens (the default of --micro-batch-tokens).
+    # micro-batches of 2048 padded tokens (the default of --micro-batch-tokens); `top_layers`
+    # adapts only the top N layers ([trainer.lora] top_layers).
     cfg = TrainerConfig(model=model, dtype=dtype, device="cpu", torch_threads=threads or None,
-                        micro_batch_tokens=micro_batch_tokens, lora={"r": 16, "alpha": 32},
+                        micro_batch_tokens=micro_batch_tokens,
+                        lora={"r": 16, "alpha": 32, "top_layers": top_layers},
                         optimizer={"lr": 1e-4}, loss={"kl_beta": 0.04})
     load0 = os.getloadavg()[0]
     policy = LoraPolicy(cfg)  # resolves dtype "auto" and sets the threads before anything runs
     dtype, nthreads = policy.cfg.dtype, torch.get_num_threads()
     shape = ModelShape.from_hf_config(policy.model.get_base_model().config)
-    say(f"[train-step] {model}: {shape.layers} layers x {shape.hidden}, {dtype}, {nthreads} "
+    say(f"[train-step] {model}: {shape.layers} layers x {shape.hidden} (LoRA on "
+        f"{'all' if top_layers is None else f'the top {top_layers}'}), {dtype}, {nthreads} "
         f"threads; {samples} samples x ({prompt_tokens} prompt + {completion_tokens} completion)")
     batch = synthetic_samples(policy, samples, prompt_tokens, completion_tokens,
                               group_size=group_size)
     lengths = [(len(s.prompt_ids), len(s.completion_ids)) for s in batch]
-    flops = step_flops(shape, cfg.lora.r, lengths)
+    flops = step_flops(shape, cfg.lora.r, lengths, top_layers)
     tokens = sum(p + c for p, c in lengths)
     completion = sum(c for _, c in lengths)
     groups = plan_micro_batches([p + c for p, c in lengths], cfg.micro_batch_tokens)
@@ -371,7 +380,7 @@ def run(model: str, dtype: str = "auto", samples: int = 16, prompt_tokens: int =
     say(f"[train-step] matmul roofline ({dtype}, M={rows}, head chunk "
         f"{min(cfg.logprob_chunk_tokens, completion)})...")
     roof = matmul_roofline(shape, rows, tokens, min(cfg.logprob_chunk_tokens, completion),
-                           completion, dtype)
+                           completion, dtype, top_layers)
     mark2 = _cpu_busy()
     say(f"[train-step]   {roof['gflops']:.1f} GFLOP/s")
     prof = None
@@ -421,6 +430,7 @@ def run(model: str, dtype: str = "auto", samples: int = 16, prompt_tokens: int =
         "micro_batch_tokens": cfg.micro_batch_tokens,
         "peak_rss_gib": peak_rss_gib,
         "lora_r": cfg.lora.r,
+        "top_layers": top_layers,
         "profile": prof,
         "other_cores": others,
         "busy": busy,
@@ -460,7 +470,7 @@ def main(args: Any) -> int:
     result = run(str(models.resolve(args.model)), dtype=args.dtype, samples=args.samples,
                  prompt_tokens=args.prompt_tokens, completion_tokens=args.completion_tokens,
                  steps=args.steps, threads=args.threads, group_size=args.group_size,
-                 micro_batch_tokens=args.micro_batch_tokens)
+                 micro_batch_tokens=args.micro_batch_tokens, top_layers=args.top_layers)
     result["model"] = args.model
     report(result, args.json, table=table(result))
     return 0

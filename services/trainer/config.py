@@ -34,6 +34,12 @@ class LoraSettings(_Strict):
     target_modules: Literal["all-linear"] | list[str] = "all-linear"
     """Modules to adapt: "all-linear" (every linear layer but the output head) or names such as
     ["q_proj", "v_proj"]."""
+    top_layers: int | None = Field(None, ge=1)
+    """Adapt only the top N decoder layers (None: every layer). The layers below hold no
+    trainable weight, so autograd records nothing there: a step runs them forward only and
+    its backward stops at the lowest adapted layer; the adapter, its optimizer state, the
+    push and the replicas' merge shrink in proportion. More than the model has is an error
+    when the policy is built."""
 
 
 class OptimizerSettings(_Strict):
@@ -234,11 +240,22 @@ class OnlineConfig(_Strict):
     The optimizer, LoRA, dtype and kl_beta stay in `[trainer]`."""
 
     batch_size: int = Field(8, ge=1, le=1024)
-    """Feedback per update: a batch closes when it holds this many (1: one update per
-    feedback)."""
+    """Most feedback one update trains on (1: one update per feedback). An update takes the
+    newest queued feedback first."""
     batch_window_s: float = Field(2.0, ge=0.0, le=3600.0)
-    """...or this long after its first feedback arrived, whichever comes first (0: train on
-    whatever is queued at that moment)."""
+    """How long an update waits for `batch_size` feedback after the oldest queued one arrived
+    (0: it trains on whatever is queued when it starts)."""
+    max_batch_tokens: int | None = Field(None, ge=1)
+    """Most prompt + completion tokens one update trains on (None: only `batch_size` bounds
+    it). An update takes feedback newest first until it holds this many tokens; the one that
+    crosses the bound is still taken, so whether a feedback trains never depends on its own
+    length. Bounds an update's time, and so the loop of what it trains, when arrivals exceed
+    what the trainer computes."""
+    max_wait_s: float = Field(30.0, gt=0.0)
+    """Feedback that waited longer than this in the trainer's queue when an update starts is
+    shed: acked unused and counted (reason "shed"). The newest is always taken, so the loop
+    trains at its capacity however slow it is. Bounds the queue to what arrives in this long,
+    and the trained feedback's wait with it."""
     max_staleness_versions: int = Field(8, ge=0)
     """Drop feedback on a completion served by a version more than this many versions behind
     the trainer's (its oldest token's version counts). prime-rl drops past 8, AReaL bounds

@@ -38,6 +38,46 @@ def test_loops_pair_feedback_with_the_first_token_of_a_version_trained_on_it():
     assert loops[0]["loop_ms"] == pytest.approx(9000) and loops[1]["loop_ms"] == pytest.approx(7500)
 
 
+def test_the_loop_trend_compares_the_first_third_of_the_feedback_with_the_last():
+    from apps.online_demo import loop_summary
+
+    # sent out of order: the thirds go by when the feedback was sent, not by list order
+    loops = [{"sent": t, "loop_ms": ms} for t, ms in
+             [(7, 700), (1, 100), (2, 300), (3, 200), (4, 400), (5, 500), (6, 600), (8, 900), (9, 800)]]
+    got = loop_summary(loops)
+    assert (got["first_third_p50"], got["last_third_p50"], got["n"]) == (200, 800, 9)
+    assert got["p50"] == 500
+    assert loop_summary(loops[:2])["first_third_p50"] is None  # fewer than 3: no thirds
+
+
+def test_feedback_rates_count_what_arrived_trained_and_was_dropped(tmp_path):
+    import asyncio
+
+    from apps.online_demo import DemoState, Update, feedback_rates
+    from apps.simulate import Brevity
+
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("".join(json.dumps({"settled": {"seq": s, "kind": k, "reason": "r"}}) + "\n"
+                               for s, k in [(1, "shed"), (2, "shed"), (3, "missing_traffic")]))
+    tracker = LoopTracker("nats://unused", metrics)
+    asyncio.run(tracker.poll())  # settled records need no bus; steps would
+    assert tracker.settled == {"shed": 2, "missing_traffic": 1}
+    tracker.updates = [Update(1, 0.0, 4, 0.0, seconds=2.0), Update(2, 0.0, 2, 0.0, seconds=1.0)]
+
+    class Sim:  # what feedback_rates reads of a Simulation
+        records = [Record(ts=0, user=0, phase="training", prompt=0, feedback=f)
+                   for f in ["accepted"] * 9 + ["duplicate", "error: HTTP 503", ""]]
+        records.append(Record(ts=0, user=0, phase="idle", prompt=0, feedback="accepted"))
+
+    state = DemoState("r", tmp_path, Brevity(), 40, sim=Sim(), tracker=tracker,
+                      training_started=100.0, training_ended=110.0)
+    got = feedback_rates(state)
+    assert got["counts"] == {"arrived": 10, "trained": 6, "dropped": 3, "pending": 1}
+    assert (got["arrived"], got["trained"], got["dropped"]) == pytest.approx((1.0, 0.6, 0.3))
+    assert got["capacity"] == pytest.approx(2.0)  # 6 trained in 3 s of updates
+    assert got["trainer_busy_share"] == pytest.approx(0.3)
+
+
 def test_version_lag_in_versions_and_seconds():
     t = LoopTracker("nats://unused", Path("/nonexistent"))
     t.published_at = {1: 100.0, 2: 105.0}
@@ -137,6 +177,10 @@ def test_demo_online_writes_its_report_and_leaves_nothing_running(tiny_model, tm
     report = json.loads((out / "t" / "online-report.json").read_text())
     assert report["preference_share"]["base"] is not None and report["preference_share"]["final"] is not None
     assert report["loop_ms"]["p50"] > 0 and report["loop_ms"]["n"] >= 1  # a version trained on feedback served
+    assert {"first_third_p50", "last_third_p50"} <= set(report["loop_ms"])
+    rates = report["feedback_per_s"]
+    assert rates["arrived"] > 0 and rates["trained"] > 0 and rates["dropped"] >= 0
+    assert rates["counts"]["trained"] + rates["counts"]["dropped"] <= rates["counts"]["arrived"]
     for key in ("idle_p99", "training_p99", "idle_p50", "training_p50"):
         assert report["user_ttft_ms"][key] > 0 and report["user_itl_ms"][key] is not None
     assert set(report["version_lag"]) == {"versions", "seconds"}

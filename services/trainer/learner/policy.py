@@ -74,6 +74,31 @@ class StepMetrics:
         return d
 
 
+def target_modules(base: torch.nn.Module, configured: str | list[str],
+                   top_layers: int | None) -> str | list[str]:
+    """`[trainer.lora] target_modules` as peft takes it. peft selects layers only among named
+    modules, so with `top_layers` "all-linear" becomes the names of the body's linear layers
+    (every `nn.Linear` but the output head, as peft's own "all-linear" picks)."""
+    if configured != "all-linear" or top_layers is None:
+        return configured
+    head = base.get_output_embeddings()
+    return sorted({name.rpartition(".")[2] for name, m in base.named_modules()
+                   if isinstance(m, torch.nn.Linear) and m is not head})
+
+
+def adapted_layers(model_config: Any, top_layers: int | None) -> list[int] | None:
+    """The decoder layers `[trainer.lora] top_layers` adapts: the top N, as peft's
+    `layers_to_transform` takes them (None: every layer). Nothing below the lowest of them
+    requires a gradient, so the backward stops there (`LoraSettings.top_layers`)."""
+    if top_layers is None:
+        return None
+    n = int(model_config.num_hidden_layers)
+    if top_layers > n:
+        raise ValueError(f"[trainer.lora] top_layers = {top_layers}, but the model has {n} "
+                         "decoder layers")
+    return list(range(n - top_layers, n))
+
+
 class Interrupted(Exception):
     """`train_step` was asked to stop before it applied its update (nothing changed)."""
 
@@ -106,7 +131,8 @@ class LoraPolicy:
             r=cfg.lora.r,
             lora_alpha=cfg.lora.alpha,
             lora_dropout=cfg.lora.dropout,
-            target_modules=cfg.lora.target_modules,
+            target_modules=target_modules(base, cfg.lora.target_modules, cfg.lora.top_layers),
+            layers_to_transform=adapted_layers(base.config, cfg.lora.top_layers),
             task_type="CAUSAL_LM",
         )
         self.model: PeftModel = get_peft_model(base, lora)

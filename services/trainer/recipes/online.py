@@ -30,11 +30,18 @@ Rejected feedback is settled at once (it can never train, so acking it loses not
 written to metrics.jsonl with its reason: malformed feedback (score unset, NaN or outside
 [-1, 1], empty response id), feedback without a traffic record, and traffic whose lengths do
 not match go to the dead-letter subject (`bus.DEAD`) with the reason; stale feedback (served by
-a version more than `max_staleness_versions` behind, or more than `max_staleness_s` ago) is
-acked and counted.
+a version more than `max_staleness_versions` behind, or more than `max_staleness_s` ago) and
+shed feedback are acked and counted.
 
-Backpressure: an intake task fetches into a queue of `max_queue` and stops fetching while it is
-full (JetStream keeps the rest; the consumer's max_ack_pending bounds what it hands out).
+Load: an intake task fetches into a queue of `max_queue` and stops fetching while it is full
+(JetStream keeps the rest; the consumer's max_ack_pending bounds what it hands out). Each update
+takes the newest queued feedback first, up to `batch_size` feedback and `max_batch_tokens`
+tokens, and sheds (acks unused, counts, writes with its reason) what waited in the queue longer
+than `max_wait_s`; the newest is always taken. So when feedback arrives faster than the trainer
+computes, the queue stays within what arrives in `max_wait_s`, every update stays within its
+token bound, and what trains is the freshest feedback, served by the most recent versions (the
+importance ratios stay near 1). Which feedback trains depends on when it arrived, never on its
+content or length.
 
 Failure policy: errors propagate (a reference that stays down fails the loop after the
 clients' bounded retries; un-acked feedback is redelivered to the next run). A replica that
@@ -60,6 +67,7 @@ import math
 import shutil
 import statistics
 import time
+from collections import deque
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -103,7 +111,7 @@ class Pending:
 
     msg: Received
     seq: int  # stream sequence: the feedback's identity across redeliveries and restarts
-    arrived: float  # monotonic, when it entered the queue (starts the batch window)
+    arrived: float  # monotonic, when it entered the queue (the batch window and max_wait_s)
 
 
 @dataclass
@@ -120,7 +128,7 @@ class Counters:
         table[key] = table.get(key, 0) + 1
 
 
-DROP_REASONS = ("stale_version", "stale_age")  # acked unused
+DROP_REASONS = ("stale_version", "stale_age", "shed")  # acked unused
 DEAD_REASONS = ("malformed", "missing_traffic", "bad_traffic", "not_finite")  # dead-lettered
 
 
@@ -135,7 +143,7 @@ class OnlineMetrics:
         self.registry = reg = registry if registry is not None else CollectorRegistry()
         self.counters = Counters()
         self.version = 0  # the last version published
-        self.queue: asyncio.Queue | None = None  # set by `Online.setup`: fetched, not yet in a batch
+        self.queue: FeedbackQueue | None = None  # set by `Online.setup`: fetched, not yet in a batch
         self.held: dict | None = None  # set by `Online.setup`: fetched, not yet acked
         self.steps = PromCounter(
             "hotloop_trainer_steps", "Updates of the online loop, by result: published, or "
@@ -153,6 +161,9 @@ class OnlineMetrics:
             "hotloop_trainer_loop_seconds", "Seconds from a trained feedback's arrival at the "
             "gateway to the version trained on it serving on the replicas (the gateway's clock "
             "against the trainer's).", buckets=STEP_BUCKETS, registry=reg)
+        self.wait_seconds = Histogram(
+            "hotloop_trainer_queue_wait_seconds", "Seconds a trained feedback waited in the "
+            "trainer's queue before its update took it.", buckets=STEP_BUCKETS, registry=reg)
         self.published = PromCounter(
             "hotloop_trainer_versions_published", "Versions the loop published (at start, the "
             "restored or initial policy above the mesh's latest, too).", registry=reg)
@@ -175,7 +186,8 @@ class OnlineMetrics:
                       "Feedback redelivered while still held (ack_wait shorter than a step).",
                       c.redelivered)
         yield counter("hotloop_trainer_feedback_dropped_total",
-                      "Feedback acked without training, by reason (too stale to train on).",
+                      "Feedback acked without training, by reason: too stale to train on, or "
+                      "shed (waited in the queue past max_wait_s).",
                       labels=["reason"],
                       samples=[([r], n) for r, n in {**dict.fromkeys(DROP_REASONS, 0),
                                                      **dict(c.dropped)}.items()])
@@ -207,7 +219,9 @@ class OnlineStepRecord:
     tokens: int
     train: dict[str, float] = field(default_factory=dict)
     counters: dict[str, Any] = field(default_factory=dict)
-    queue_depth: int = 0
+    queue_depth: int = 0  # left in the queue after this update took its batch
+    shed: int = 0  # shed by this update (waited past max_wait_s)
+    queue_wait_s: float = 0.0  # the longest a feedback of this batch waited in the queue
 
 
 # ---- checks on one feedback ----------------------------------------------------------------
@@ -258,6 +272,53 @@ def stale(tr, version: int, now: float, job: OnlineConfig) -> str | None:
 # ---- intake: the bounded queue ---------------------------------------------------------------
 
 
+class FeedbackQueue:
+    """Fetched feedback waiting for an update, in arrival order, at most `maxsize`: the intake
+    puts, an update takes the newest first and sheds the oldest (`Online.step`). Both run on
+    the event loop, so nothing here locks."""
+
+    def __init__(self, maxsize: int) -> None:
+        self.maxsize = maxsize
+        self._items: deque[Pending] = deque()
+        self._changed = asyncio.Event()
+
+    def qsize(self) -> int:
+        return len(self._items)
+
+    def empty(self) -> bool:
+        return not self._items
+
+    def free(self) -> int:
+        return self.maxsize - len(self._items)
+
+    def put(self, p: Pending) -> None:
+        if len(self._items) >= self.maxsize:
+            raise OverflowError(f"the feedback queue holds {self.maxsize} already")
+        self._items.append(p)
+        self._changed.set()
+
+    def oldest(self) -> Pending:
+        return self._items[0]
+
+    def newest(self) -> Pending:
+        return self._items[-1]
+
+    def pop_newest(self) -> Pending:
+        return self._items.pop()
+
+    def shed(self, cutoff: float) -> list[Pending]:
+        """Remove and return what entered before `cutoff` (monotonic), except the newest."""
+        out = []
+        while len(self._items) > 1 and self._items[0].arrived < cutoff:
+            out.append(self._items.popleft())
+        return out
+
+    async def changed(self) -> None:
+        """Until the next `put`."""
+        self._changed.clear()
+        await self._changed.wait()
+
+
 class Intake:
     """Fetches FEEDBACK into a bounded queue; stops fetching while the queue is full.
 
@@ -265,7 +326,7 @@ class Intake:
     acked at once; one already held gets the newer delivery's handle and is not queued twice.
     """
 
-    def __init__(self, consumer: PullConsumer, queue: asyncio.Queue, held: dict[int, Pending],
+    def __init__(self, consumer: PullConsumer, queue: FeedbackQueue, held: dict[int, Pending],
                  trained: set[int], counters: Counters, fetch_max: int) -> None:
         self.consumer, self.queue, self.held = consumer, queue, held
         self.trained, self.counters, self.fetch_max = trained, counters, fetch_max
@@ -276,7 +337,7 @@ class Intake:
             # nats-py's fetch can swallow the loop's cancel (hotloop.aio): without this check
             # the task fetched on and a stopping trainer waited out its 10 s bound
             raise_if_cancelled()
-            free = self.queue.maxsize - self.queue.qsize()
+            free = self.queue.free()
             if free <= 0:
                 if not full:
                     self.counters.queue_full += 1
@@ -298,20 +359,25 @@ class Intake:
                     p = Pending(m, seq, time.monotonic())
                     self.held[seq] = p
                     self.counters.received += 1
-                    self.queue.put_nowait(p)
+                    self.queue.put(p)
 
 
-async def _take(queue: asyncio.Queue, intake: asyncio.Task, timeout: float | None) -> Pending | None:
-    """The next queued feedback; None after `timeout`. An intake that died raises here."""
-    get = asyncio.ensure_future(queue.get())
-    done, _ = await asyncio.wait({get, intake}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
-    if get in done:
-        return get.result()
-    get.cancel()
-    if intake in done:
-        intake.result()  # raises the intake's error
-        raise RuntimeError("feedback intake stopped")
-    return None
+async def _wait(queue: FeedbackQueue, intake: asyncio.Task, n: int, timeout: float | None) -> bool:
+    """Until `n` feedback are queued (True) or `timeout` passes (False). An intake that died
+    raises here."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while queue.qsize() < n:
+        left = None if deadline is None else deadline - time.monotonic()
+        if left is not None and left <= 0:
+            return False
+        put = asyncio.ensure_future(queue.changed())
+        done, _ = await asyncio.wait({put, intake}, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+        if put not in done:
+            put.cancel()
+        if intake in done:
+            intake.result()  # raises the intake's error
+            raise RuntimeError("feedback intake stopped")
+    return True
 
 
 async def ack_all(items: list[Pending], bus: Bus) -> None:
@@ -347,9 +413,9 @@ async def mesh_latest(mesh: OnlineMesh) -> int:
 
 
 class Online(Recipe):
-    """Trains on feedback as it arrives: each step takes what is queued within the batch
-    window, joins it with its traffic, trains, publishes, and every `checkpoint_interval`
-    updates checkpoints and acks (`save`). `policy`: an already built `LoraPolicy` (tests),
+    """Trains on feedback as it arrives: each step sheds what waited past `max_wait_s`, takes
+    the newest queued feedback within its bounds (`take`), joins it with its traffic, trains,
+    publishes, and every `checkpoint_interval` updates checkpoints and acks (`save`). `policy`: an already built `LoraPolicy` (tests),
     else built in `setup`; `metrics`: where the loop counts (the service's registry), else a
     private one."""
 
@@ -405,7 +471,7 @@ class Online(Recipe):
         self.consumer = await mesh.bus.pull(
             "FEEDBACK", FEEDBACK, job.durable, bus_pb2.FeedbackEvent, batch=job.batch_size,
             ack_wait_s=job.ack_wait_s, max_ack_pending=job.max_queue + in_flight)
-        self.queue: asyncio.Queue[Pending] = asyncio.Queue(maxsize=job.max_queue)
+        self.queue = FeedbackQueue(job.max_queue)
         self.metrics.version, self.metrics.queue, self.metrics.held = self.version, self.queue, self.held
         intake = Intake(self.consumer, self.queue, self.held, self.trained, self.counters, job.batch_size)
         self.intake = asyncio.create_task(intake.run(), name="intake")
@@ -414,8 +480,10 @@ class Online(Recipe):
         return Schedule(0, job.max_steps or None, checkpoint_every=0)
 
     async def before_step(self) -> Context:
-        """Idle until feedback arrives (not a stage); the step continues its trace."""
-        self.first = await _take(self.queue, self.intake, None)
+        """Idle until feedback arrives (not a stage); the step continues the trace of the
+        newest feedback queued then, the first its batch takes."""
+        await _wait(self.queue, self.intake, 1, None)
+        self.first = self.queue.newest()
         return telemetry.extract_context(self.first.msg.headers)
 
     async def step(self, step: int) -> OnlineStepRecord | None:
@@ -429,31 +497,30 @@ class Online(Recipe):
         root = trace.get_current_span()  # the step's, whose parent is the first feedback's
         t = time.perf_counter()
         with _tracer.start_as_current_span("consume"):
-            batch = [self.first]
-            deadline = self.first.arrived + job.batch_window_s
-            while len(batch) < job.batch_size:
-                left = deadline - time.monotonic()
-                if left <= 0:  # window closed: take only what is already queued
-                    if self.queue.empty():
-                        break
-                    batch.append(self.queue.get_nowait())
-                elif (nxt := await _take(self.queue, self.intake, left)) is not None:
-                    batch.append(nxt)
-                else:
-                    break
-        for p in batch[1:]:
-            root.add_link(trace.get_current_span(telemetry.extract_context(p.msg.headers))
-                          .get_span_context())
+            if job.batch_window_s > 0:  # the window opened when the oldest queued one arrived
+                left = self.queue.oldest().arrived + job.batch_window_s - time.monotonic()
+                await _wait(self.queue, self.intake, job.batch_size, left)
+            started = time.monotonic()
+            shed = self.queue.shed(started - job.max_wait_s)
+            for p in shed:
+                await self.settle(p, "shed", f"waited {started - p.arrived:.1f} s in the trainer's "
+                                  f"queue (max_wait_s {job.max_wait_s:g})", dead=False)
         secs["consume"] = time.perf_counter() - t
 
         t = time.perf_counter()
         joined_at = self.version  # staleness is measured against the version that trains
         with _tracer.start_as_current_span("join"):
-            rows = await self.join(batch)  # (pending, feedback, traffic)
+            rows, taken = await self.take(job)  # rows: (pending, feedback, traffic)
         secs["join"] = time.perf_counter() - t
-        root.set_attribute("hotloop.feedback", len(batch))
+        for p in taken:
+            if p is not self.first:
+                root.add_link(trace.get_current_span(telemetry.extract_context(p.msg.headers))
+                              .get_span_context())
+        root.set_attribute("hotloop.feedback", len(taken))
+        root.set_attribute("hotloop.shed", len(shed))
         if not rows:
             return None
+        waited = [started - p.arrived for p, _, _ in rows]
 
         scores = torch.tensor([fb.score for _, fb, _ in rows], dtype=torch.float32)  # [N]
         adv = self.baseline.advantages(scores)  # [N], against the baseline before this batch
@@ -499,6 +566,8 @@ class Online(Recipe):
         for _, fb, _ in rows:
             if fb.received_at > 0:  # 0: a gateway that did not say
                 metrics.loop_seconds.observe(max(0.0, served_at - fb.received_at))
+        for w in waited:
+            metrics.wait_seconds.observe(w)
 
         for p, _, _ in rows:
             self.trained.add(p.seq)
@@ -521,34 +590,48 @@ class Online(Recipe):
             staleness_versions_max=max(joined_at - served_version(tr) for _, _, tr in rows),
             temperature_mean=statistics.fmean(tr.temperature for _, _, tr in rows),
             stage_seconds=secs, tokens=m.tokens, train=m.as_dict(),
-            counters=asdict(self.counters), queue_depth=self.queue.qsize(),
+            counters=asdict(self.counters), queue_depth=self.queue.qsize(), shed=len(shed),
+            queue_wait_s=max(waited),
         )
 
-    async def join(self, batch: list[Pending]) -> list[tuple[Pending, Any, Any]]:
-        """Each feedback with its traffic record; the ones that cannot train are settled."""
-        rows = []
+    async def take(self, job: OnlineConfig) -> tuple[list[tuple[Pending, Any, Any]], list[Pending]]:
+        """The update's batch, newest first: feedback joined with its traffic until it holds
+        `batch_size` of them or `max_batch_tokens` tokens (the one that crosses the bound
+        included); the ones that cannot train are settled on the way. Returns (rows, every
+        feedback taken off the queue)."""
+        rows, taken, tokens = [], [], 0
         now = time.time()
-        for p in batch:
-            fb = p.msg.payload
-            if (why := malformed(fb)) is not None:
-                await self.settle(p, "malformed", why, dead=True)
-                continue
-            try:
-                tr = await self.mesh.bus.traffic(fb.response_id, fb.choice)
-            except BusError as e:  # a response id that cannot be a subject
-                await self.settle(p, "malformed", f"malformed feedback: {e}", dead=True)
-                continue
-            if tr is None:
-                await self.settle(p, "missing_traffic", f"no traffic record for "
-                                  f"{fb.response_id}:{fb.choice} (never served or aged out)", dead=True)
-            elif (why := bad_traffic(tr)) is not None:
-                await self.settle(p, "bad_traffic", why, dead=True)
-            elif (kind := stale(tr, self.version, now, self.job)) is not None:
-                await self.settle(p, kind, f"served by v{served_version(tr)} "
-                                  f"{now - tr.served_at:.0f}s ago; trainer at v{self.version}", dead=False)
-            else:
-                rows.append((p, fb, tr))
-        return rows
+        while (not self.queue.empty() and len(rows) < job.batch_size
+               and (job.max_batch_tokens is None or tokens < job.max_batch_tokens)):
+            p = self.queue.pop_newest()
+            taken.append(p)
+            if (row := await self.join(p, now)) is not None:
+                rows.append(row)
+                tokens += len(row[2].prompt_ids) + len(row[2].completion_ids)
+        return rows, taken
+
+    async def join(self, p: Pending, now: float) -> tuple[Pending, Any, Any] | None:
+        """The feedback with its traffic record, or None once it is settled (it cannot train)."""
+        fb = p.msg.payload
+        if (why := malformed(fb)) is not None:
+            await self.settle(p, "malformed", why, dead=True)
+            return None
+        try:
+            tr = await self.mesh.bus.traffic(fb.response_id, fb.choice)
+        except BusError as e:  # a response id that cannot be a subject
+            await self.settle(p, "malformed", f"malformed feedback: {e}", dead=True)
+            return None
+        if tr is None:
+            await self.settle(p, "missing_traffic", f"no traffic record for "
+                              f"{fb.response_id}:{fb.choice} (never served or aged out)", dead=True)
+        elif (why := bad_traffic(tr)) is not None:
+            await self.settle(p, "bad_traffic", why, dead=True)
+        elif (kind := stale(tr, self.version, now, self.job)) is not None:
+            await self.settle(p, kind, f"served by v{served_version(tr)} "
+                              f"{now - tr.served_at:.0f}s ago; trainer at v{self.version}", dead=False)
+        else:
+            return p, fb, tr
+        return None
 
     async def settle(self, p: Pending, kind: str, reason: str, dead: bool) -> None:
         """Finish a feedback that will never train: dead letter (then ack) or ack."""
@@ -586,7 +669,7 @@ class Online(Recipe):
             self.intake.cancel()
             try:
                 await self.intake
-            except (asyncio.CancelledError, Exception):  # its error, if any, was raised in _take
+            except (asyncio.CancelledError, Exception):  # its error, if any, was raised in _wait
                 pass
 
     def summary(self, records: list[OnlineStepRecord]) -> dict:

@@ -233,3 +233,62 @@ def test_a_stop_request_interrupts_the_step_before_its_update(make_cfg, random_p
         assert p.grad is None, n  # no half-accumulated gradient leaks into the next step
     m = policy.train_step(samples, should_stop=lambda: False)
     assert not m.skipped and policy.step == 1
+
+
+def _layer_outputs_need_grad(policy: LoraPolicy, samples: list[Sample]) -> list[bool]:
+    """Whether each decoder layer's output required a gradient in one train step."""
+    layers = policy.model.get_base_model().model.layers
+    seen: dict[int, bool] = {}
+
+    def record(i: int):
+        def hook(module, args, out) -> None:  # None: the output stays as it is
+            seen.setdefault(i, (out[0] if isinstance(out, tuple) else out).requires_grad)
+        return hook
+
+    hooks = [layer.register_forward_hook(record(i)) for i, layer in enumerate(layers)]
+    try:
+        policy.train_step(samples)
+    finally:
+        for h in hooks:
+            h.remove()
+    return [seen[i] for i in range(len(layers))]
+
+
+def test_lora_on_the_top_layers_stops_the_backward_there_and_updates_as_full_depth(
+        make_cfg, random_pairs) -> None:
+    """`top_layers`: only the top layers hold adapter weights, no layer below them records a
+    graph (so the backward stops at the lowest adapted layer), and the update is the one a
+    backward through every layer gives for the same adapter."""
+    kw = {"lora": {"r": 4, "alpha": 8.0, "top_layers": 2}, "optimizer": {"max_grad_norm": 1e9}}
+    top, deep = LoraPolicy(make_cfg(**kw)), LoraPolicy(make_cfg(**kw))
+    n = top.model.get_base_model().config.num_hidden_layers
+    assert n == 4
+    names = [name for name, _ in top.trainable_parameters()]
+    assert names and all(any(f".layers.{i}." in name for i in (2, 3)) for name in names)
+    for pol in (top, deep):
+        _perturb_adapter(pol)
+    # the reference run: the embeddings' output requires a gradient, so every layer records
+    # a graph and the backward runs through all of them
+    deep.model.enable_input_require_grads()
+    pairs = random_pairs(6, seed=3)
+    samples = _samples(top, pairs, [1.0, -0.5, 0.25, -1.0, 0.75, -0.25], with_ref=False)
+    assert _layer_outputs_need_grad(top, samples) == [False, False, True, True]
+    assert _layer_outputs_need_grad(deep, samples) == [True, True, True, True]
+    # each policy took one step above; the same step on the same adapter is the same update
+    for (name, a), (_, b) in zip(top.trainable_parameters(), deep.trainable_parameters()):
+        torch.testing.assert_close(a.grad, b.grad, atol=1e-6, rtol=1e-5, msg=name)
+        torch.testing.assert_close(a, b, atol=1e-7, rtol=1e-6, msg=name)
+
+
+def test_an_adapter_of_the_top_layers_is_what_the_replicas_merge(make_cfg, tmp_path) -> None:
+    from services.rollout.updates.common import read_peft_adapter
+
+    policy = LoraPolicy(make_cfg(lora={"r": 4, "alpha": 8.0, "top_layers": 1}))
+    factors = read_peft_adapter(policy.save_adapter(tmp_path / "v1"), max_rank=16)
+    assert factors and all(".layers.3." in module for module in factors)
+    assert len(factors) == 7  # every linear of the one layer: q, k, v, o, gate, up, down
+
+
+def test_more_top_layers_than_the_model_has_is_a_clear_error(make_cfg) -> None:
+    with pytest.raises(ValueError, match="top_layers = 5, but the model has 4 decoder layers"):
+        LoraPolicy(make_cfg(lora={"r": 4, "alpha": 8.0, "top_layers": 5}))

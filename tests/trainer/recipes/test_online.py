@@ -308,7 +308,8 @@ async def test_metrics_count_feedback_steps_versions_and_the_loop(
     assert got.value("hotloop_trainer_feedback_trained_total") == 1
     assert got.value("hotloop_trainer_feedback_dead_lettered_total", reason="missing_traffic") == 1
     assert got.value("hotloop_trainer_feedback_dead_lettered_total", reason="malformed") == 0
-    assert got.labels("hotloop_trainer_feedback_dropped_total", "reason") == {"stale_version", "stale_age"}
+    assert got.labels("hotloop_trainer_feedback_dropped_total", "reason") == {"stale_version", "stale_age",
+                                                                              "shed"}
     assert got.value("hotloop_trainer_feedback_held") == 0 and got.value("hotloop_trainer_feedback_queued") == 0
     # one update, one trained feedback: one step, each stage once, one loop from the gateway
     assert got.value("hotloop_trainer_step_seconds_count") == 1

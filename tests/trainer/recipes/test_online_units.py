@@ -134,7 +134,7 @@ def test_a_stopping_intake_ends_even_when_its_fetch_swallows_the_cancel() -> Non
     still end once the loop stops it, not fetch on until the process gives up on it."""
     import asyncio
 
-    from services.trainer.recipes.online import Counters, Intake
+    from services.trainer.recipes.online import Counters, FeedbackQueue, Intake
 
     class SwallowingConsumer:  # what the bus's PullConsumer does after a swallowed cancel
         fetches, swallowed = 0, False
@@ -151,7 +151,7 @@ def test_a_stopping_intake_ends_even_when_its_fetch_swallows_the_cancel() -> Non
 
     async def main() -> tuple[bool, int]:
         consumer = SwallowingConsumer()
-        intake = Intake(consumer, asyncio.Queue(maxsize=4), {}, set(), Counters(), 2)
+        intake = Intake(consumer, FeedbackQueue(4), {}, set(), Counters(), 2)
         task = asyncio.create_task(intake.run())
         await asyncio.sleep(0.05)
         task.cancel()

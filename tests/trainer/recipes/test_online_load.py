@@ -1,0 +1,182 @@
+"""The online loop when feedback arrives faster than it trains: a real nats-server (JetStream)
+with the loop's own durable consumer, a real `Publisher` without replicas (it stores and
+announces each version), and the tiny policy with its train step slowed down. The tests play
+the gateway (traffic records and feedback with its message ids) and read what the loop did
+from the stream, metrics.jsonl and its Prometheus metrics. No vLLM: what is under test is which
+feedback an update takes, which it sheds, and that none is lost."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import pytest
+
+from hotloop.bus import FEEDBACK, Bus, traffic_subject
+from hotloop.proto.v1 import bus_pb2
+from services.trainer.config import OnlineConfig
+from services.trainer.recipes import online
+from services.trainer.recipes.online import FeedbackQueue, Pending
+from services.trainer.recipes.publisher import Publisher
+
+pytestmark = [pytest.mark.slow]
+DURABLE = "online-load-test"
+
+
+class Gateway:
+    """What the gateway publishes: one traffic record per answer, then its feedback."""
+
+    def __init__(self, bus: Bus) -> None:
+        self.bus = bus
+
+    async def answer_and_rate(self, rid: str, completion_tokens: int, score: float) -> int:
+        ids = [3 + (i * 7 + len(rid)) % 40 for i in range(completion_tokens)]
+        ev = bus_pb2.TrafficEvent(response_id=rid, prompt_ids=[5, 6], completion_ids=ids,
+                                  logprobs=[-1.0] * len(ids), policy_version=0,
+                                  served_at=time.time(), user="u", choice=0, temperature=1.0)
+        await self.bus.js_publish_once(traffic_subject(rid), ev, msg_id=f"{rid}:0")
+        fb = bus_pb2.FeedbackEvent(response_id=rid, user="u", choice=0, score=score,
+                                   received_at=time.time())
+        return (await self.bus.js_publish_once(FEEDBACK, fb, msg_id=f"{rid}:0:u")).seq
+
+
+def job(tmp_path, **kw) -> OnlineConfig:
+    base = {"durable": DURABLE, "ack_wait_s": 60, "out_dir": str(tmp_path), "run_id": "run",
+            "max_staleness_versions": 1000, "checkpoint_interval": 1, "max_steps": 0}
+    return OnlineConfig(**{**base, **kw})
+
+
+async def acks_landed(bus: Bus, pending: int, timeout: float = 10.0):
+    """The consumer's info once `pending` messages are un-acked, read again a moment later.
+    The server applies acks from its own queue, after a consumer info sent behind them may have
+    been answered, so one read can still count acks that have left; a count that overshoots
+    (an ack too many) shows on the second read."""
+    deadline = time.monotonic() + timeout
+    while (info := await bus.js.consumer_info("FEEDBACK", DURABLE)).num_ack_pending != pending:
+        if time.monotonic() > deadline:
+            return info
+        await asyncio.sleep(0.05)
+    await asyncio.sleep(0.3)
+    return await bus.js.consumer_info("FEEDBACK", DURABLE)
+
+
+def records(tmp_path, kind: str) -> list[dict]:
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    return [r[kind] for r in map(json.loads, lines) if kind in r]
+
+
+def slowed(policy, seconds: float):
+    """The policy with each train step `seconds` longer (a trainer slower than its users)."""
+    step = policy.train_step
+
+    def slow_step(*args, **kwargs):
+        time.sleep(seconds)
+        return step(*args, **kwargs)
+
+    policy.train_step = slow_step
+    return policy
+
+
+async def run_until(recipe_job, cfg, model, tmp_path, bus, policy, done, metrics=None) -> None:
+    """Run the loop until `done(step record)` says so, then stop it (as a SIGTERM does)."""
+    publisher = Publisher([], "token", tmp_path / "store", bus, "tiny")
+    mesh = online.OnlineMesh(bus, publisher)
+
+    def on_step(rec) -> None:
+        if done(rec):
+            asyncio.current_task().cancel()
+
+    task = asyncio.create_task(online.run(recipe_job, cfg, model, mesh, tmp_path / "run",
+                                          on_step=on_step, policy=policy, metrics=metrics))
+    try:
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(task, 180)
+    finally:
+        await publisher.close()
+
+
+async def test_arrivals_faster_than_training_are_shed_and_none_is_lost(
+        nats_server, tmp_path, make_cfg, tiny_model) -> None:
+    from hotloop import metrics
+    from services.trainer.learner.policy import LoraPolicy
+    from tests.scrape import scrape
+
+    bus = await Bus.connect(nats_server.url, "gateway")
+    await bus.ensure_streams()
+    gw = Gateway(bus)
+    # 30 answers rated at once, against updates of at most 2 feedback that take 0.5 s or more
+    # each: what waits past 1 s is shed
+    seqs = [await gw.answer_and_rate(f"r{i}", 8, 1.0 if i % 2 else -1.0) for i in range(30)]
+    policy = slowed(LoraPolicy(make_cfg()), 0.5)
+    om = online.OnlineMetrics()
+    endpoint = metrics.serve(om.registry)
+
+    def all_settled(rec) -> bool:  # the step's own record and drops are written by now
+        trained = sum(r["feedback"] for r in records(tmp_path, "step"))
+        return trained + len(records(tmp_path, "settled")) == len(seqs)
+
+    try:
+        await run_until(job(tmp_path, batch_size=2, batch_window_s=0, max_wait_s=1.0, max_queue=64),
+                        make_cfg(), tiny_model, tmp_path, bus, policy, all_settled, metrics=om)
+        got = await scrape(endpoint.port)
+        info = await acks_landed(bus, 0)
+    finally:
+        endpoint.close()
+        await bus.close()
+
+    steps, drops = records(tmp_path, "step"), records(tmp_path, "settled")
+    trained = [s for r in steps for s in r["seqs"]]
+    shed = [d["seq"] for d in drops if d["kind"] == "shed"]
+    # each feedback trained once or shed once: none lost, none twice
+    assert sorted(trained + shed) == seqs
+    assert shed and len(drops) == len(shed)
+    assert all("in the trainer's queue" in d["reason"] for d in drops)
+    # Updates take the newest first. The first one starts while the intake still fetches;
+    # once all 30 are queued (the first update takes 0.5 s), each takes the newest left.
+    later = [s for r in steps[1:] for s in r["seqs"]]
+    assert len(steps) >= 2 and later == sorted(later, reverse=True)
+    for r in steps:  # only an update's newest feedback may have waited past the bound
+        assert r["feedback"] == 1 or r["queue_wait_s"] <= 1.0
+    assert sum(r["shed"] for r in steps) == len(shed)
+    assert steps[-1]["counters"]["dropped"] == {"shed": len(shed)}
+    assert got.value("hotloop_trainer_feedback_dropped_total", reason="shed") == len(shed)
+    assert got.value("hotloop_trainer_queue_wait_seconds_count") == len(trained)
+    assert info.num_ack_pending == 0 and info.num_pending == 0
+
+
+async def test_an_update_stops_at_its_token_bound_newest_first(
+        nats_server, tmp_path, make_cfg, tiny_model) -> None:
+    """Six answers of 2 + 8 tokens against a bound of 25 tokens: the update takes the newest
+    three (the third crosses the bound and is still taken); the rest wait, un-acked, for the
+    next update."""
+    bus = await Bus.connect(nats_server.url, "gateway")
+    await bus.ensure_streams()
+    gw = Gateway(bus)
+    seqs = [await gw.answer_and_rate(f"t{i}", 8, 1.0) for i in range(6)]
+    try:
+        # the window holds the update until all six are queued
+        await run_until(job(tmp_path, batch_size=6, batch_window_s=60, max_batch_tokens=25),
+                        make_cfg(), tiny_model, tmp_path, bus, None, lambda rec: True)
+        info = await acks_landed(bus, 3)
+    finally:
+        await bus.close()
+    (step,) = records(tmp_path, "step")
+    assert step["seqs"] == seqs[:2:-1] and step["tokens"] == 24  # completion tokens
+    assert step["queue_depth"] == 3 and step["shed"] == 0
+    assert info.num_ack_pending == 3  # fetched, not trained: redelivered to the next run
+
+
+def test_the_queue_sheds_its_oldest_but_never_the_newest() -> None:
+    def pending(seq: int, arrived: float) -> Pending:
+        return Pending(msg=None, seq=seq, arrived=arrived)
+
+    q = FeedbackQueue(3)
+    for seq, at in ((1, 10.0), (2, 11.0), (3, 12.0)):
+        q.put(pending(seq, at))
+    with pytest.raises(OverflowError):
+        q.put(pending(4, 13.0))
+    assert [p.seq for p in q.shed(11.5)] == [1, 2] and q.qsize() == 1
+    assert q.shed(100.0) == [] and q.newest().seq == 3  # the newest stays, however old
+    q.put(pending(5, 14.0))
+    assert [q.pop_newest().seq, q.pop_newest().seq] == [5, 3] and q.empty()
