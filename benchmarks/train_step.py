@@ -28,10 +28,10 @@ flash-attention backward's recomputation of QK^T (an implementation choice). The
 over-counts: autograd skips dX of layer 0's q/k/v (their input, the normed embedding, needs no
 gradient), under 0.3% of the step for SmolLM2-135M.
 
-The roofline is a matmul benchmark of exactly the shapes the step's FLOPs run on: every body
-linear forward ([M, in] x [in, out]) and its backward dX ([M, out] x [out, in]) with M the
-padded tokens of the largest micro-batch, and the head forward and backward on one logprob
-chunk. `matmul_gflops` is their FLOP-weighted harmonic mean (the step's matmul FLOPs divided by
+The roofline (benchmarks/roofline.py measures it) is a matmul benchmark of exactly the shapes
+the step's FLOPs run on: every body linear forward ([M, in] x [in, out]) and its backward dX
+([M, out] x [out, in]) with M the padded tokens of the largest micro-batch, and the head
+forward and backward on one logprob chunk. `matmul_gflops` is their FLOP-weighted harmonic mean (the step's matmul FLOPs divided by
 the time they take at the benchmarked speeds), and
 
     roofline_ratio = (step_gflop / step_s) / matmul_gflops
@@ -48,43 +48,13 @@ import resource
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Any
 
 from benchmarks.common import report
+from benchmarks.roofline import MatmulCase, ModelShape, linear_case, matmul_gflops
 
-
-@dataclass(frozen=True)
-class ModelShape:
-    """What the FLOP model reads from an HF Llama-style config."""
-
-    hidden: int
-    intermediate: int
-    layers: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    vocab: int
-
-    @classmethod
-    def from_hf_config(cls, c: Any) -> ModelShape:
-        heads = c.num_attention_heads
-        return cls(
-            hidden=c.hidden_size,
-            intermediate=c.intermediate_size,
-            layers=c.num_hidden_layers,
-            heads=heads,
-            kv_heads=getattr(c, "num_key_value_heads", None) or heads,
-            head_dim=getattr(c, "head_dim", None) or c.hidden_size // heads,
-            vocab=c.vocab_size,
-        )
-
-    def linears(self) -> list[tuple[str, int, int]]:
-        """(name, in, out) of each body linear of one layer: what `all-linear` LoRA adapts."""
-        h, q, kv, i = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim, \
-            self.intermediate
-        return [("q_proj", h, q), ("k_proj", h, kv), ("v_proj", h, kv), ("o_proj", q, h),
-                ("gate_proj", h, i), ("up_proj", h, i), ("down_proj", i, h)]
+__all__ = ["ModelShape", "main", "matmul_roofline", "run", "step_flops"]
 
 
 def step_flops(shape: ModelShape, lora_r: int,
@@ -108,60 +78,32 @@ def step_flops(shape: ModelShape, lora_r: int,
 # ---- the roofline ---------------------------------------------------------------------------
 
 
-def _time(fn: Callable[[], Any], min_s: float = 0.25, max_reps: int = 50) -> float:
-    """Median seconds of `fn` after one warm-up call, repeated for about `min_s`."""
-    fn()
-    times: list[float] = []
-    spent = 0.0
-    while len(times) < 3 or (spent < min_s and len(times) < max_reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-        spent += times[-1]
-    return statistics.median(times)
-
-
 def matmul_roofline(shape: ModelShape, rows: int, tokens: int, head_rows: int,
                     completion_tokens: int, dtype: str) -> dict[str, Any]:
     """Benchmark the step's matmul shapes (module docstring) in `dtype` on the current torch
     threads. `rows`: M of the body's matmuls (padded tokens of a micro-batch); `tokens` and
     `completion_tokens`: the step's totals, which weight each shape by the FLOPs it carries."""
     import torch
-    import torch.nn.functional as F
 
-    dt = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
-    g = torch.Generator().manual_seed(0)
-
-    def rand(*size: int) -> torch.Tensor:
-        return torch.randn(*size, generator=g).to(dt)
-
-    # (label, m, k, n, step FLOPs on this shape); F.linear is what nn.Linear runs forward,
-    # mm(dY, W) what its backward runs for dX.
-    work: dict[tuple[int, int, int], float] = {}
+    # F.linear is what nn.Linear runs forward; F.linear of dY by W^T, i.e. [M, out] x
+    # [out, in] stored as [in, out], the same GEMM as the backward's mm(dY, W) for dX.
+    work: dict[tuple[int, int], float] = {}
     for _, i, o in shape.linears():
         f = 2.0 * i * o * tokens * shape.layers
-        work[(rows, i, o)] = work.get((rows, i, o), 0.0) + f  # forward
-        work[(rows, o, i)] = work.get((rows, o, i), 0.0) + f  # backward dX
+        work[(i, o)] = work.get((i, o), 0.0) + f  # forward
+        work[(o, i)] = work.get((o, i), 0.0) + f  # backward dX
+    cases = [linear_case(rows, k, n, f, dtype) for (k, n), f in work.items()]
     head_f = 2.0 * shape.hidden * shape.vocab * completion_tokens
-    results = []
-    total_f = total_t = 0.0
-    with torch.no_grad():
-        for (m, k, n), f in work.items():
-            x, w = rand(m, k), rand(n, k)  # w as nn.Linear stores it: [out, in]
-            s = _time(lambda: F.linear(x, w))
-            results.append({"m": m, "k": k, "n": n, "gflops": 2 * m * k * n / s / 1e9})
-            total_f, total_t = total_f + f, total_t + f / (2 * m * k * n / s)
-        emb = rand(shape.vocab, shape.hidden)
-        h, dlogits = rand(head_rows, shape.hidden), rand(head_rows, shape.vocab)
-        for label, fn, (m, k, n) in (
-            ("head", lambda: F.linear(h, emb), (head_rows, shape.hidden, shape.vocab)),
-            ("head_dx", lambda: torch.mm(dlogits, emb), (head_rows, shape.vocab, shape.hidden)),
-        ):
-            s = _time(fn)
-            results.append({"m": m, "k": k, "n": n, "gflops": 2 * m * k * n / s / 1e9,
-                            "what": label})
-            total_f, total_t = total_f + head_f, total_t + head_f / (2 * m * k * n / s)
-    return {"gflops": total_f / total_t / 1e9, "shapes": results}
+    g = torch.Generator().manual_seed(1)
+    dt = getattr(torch, dtype)
+    emb = torch.randn(shape.vocab, shape.hidden, generator=g).to(dt)
+    h = torch.randn(head_rows, shape.hidden, generator=g).to(dt)
+    dlogits = torch.randn(head_rows, shape.vocab, generator=g).to(dt)
+    cases.append(MatmulCase(lambda: torch.nn.functional.linear(h, emb), head_rows, shape.hidden,
+                            shape.vocab, head_f, "head"))
+    cases.append(MatmulCase(lambda: torch.mm(dlogits, emb), head_rows, shape.vocab, shape.hidden,
+                            head_f, "head_dx"))
+    return matmul_gflops(cases)
 
 
 # ---- the profile ----------------------------------------------------------------------------
