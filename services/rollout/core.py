@@ -216,34 +216,30 @@ class MergedUpdater(Updater):
 
         The pause and the build-and-commit (`hotloop_swap`) are sent back to back, without
         waiting for the pause's reply: the engine core takes utility calls in the order they
-        were sent (one socket, one input queue), and a paused engine runs no step between them,
-        so the swap lands exactly at the pause with no round trip in between. Order holds
-        because each call's message is sent in the first synchronous stretch of its task and
-        tasks start in the order they are created. The label and the resume follow the
-        swap's reply (a failed build must not be labelled), again back to back. If the build
-        fails, the live layers are untouched, the engine resumes and the error is raised."""
+        were sent (one socket, one input queue), and once the pause is taken no step schedules
+        a token (vLLM's "keep" pause), so the swap lands at the pause with no round trip in
+        between. Order holds because each call's message is sent in the first synchronous
+        stretch of its task and tasks start in the order they are created. The label and the
+        resume follow both replies (a failed build must not be labelled), again back to
+        back. If the build fails, the live layers are untouched, the engine resumes and the
+        error is raised."""
         build = "factored" if self.factored_first else "merged"
         archive = self._archives[version]
-        marks: dict[str, float] = {}
-
-        async def mark(name: str, aw):
-            res = await aw
-            marks[name] = time.perf_counter()
-            return res
-
         t0 = time.perf_counter()
-        pause = asyncio.ensure_future(mark("paused", self.engine.engine_core.pause_scheduler_async(
-            mode="keep", clear_cache=False)))
-        swap = asyncio.ensure_future(mark("swapped", self.engine.collective_rpc(
-            "hotloop_swap", args=(version, str(archive)),
-            kwargs={"mode": build, "snapshot": True})))
+        pause = asyncio.ensure_future(self.engine.engine_core.pause_scheduler_async(
+            mode="keep", clear_cache=False))
+        swap = asyncio.ensure_future(self.engine.collective_rpc(
+            "hotloop_swap", args=(version, str(archive)), kwargs={"mode": build, "snapshot": True}))
         try:
+            # Both replies, whichever comes first: the pause's can follow the swap's (it waits
+            # until the engine has flushed an empty step), and the label must follow both.
             await asyncio.wait([pause, swap])
             if pause.exception() is not None:
                 raise pause.exception()
             if swap.exception() is not None:
                 raise swap.exception()
             (report,) = swap.result()
+            t1 = time.perf_counter()
             # vLLM attaches this label to every step's outputs, which gives each completion
             # its exact per-token version spans (CompletionOutput.weight_versions).
             await asyncio.gather(self.engine.update_weight_version(str(version)),
@@ -254,11 +250,11 @@ class MergedUpdater(Updater):
             await asyncio.wait([pause, swap])
             await self.engine.resume_generation()
             raise
-        t_end = time.perf_counter()
-        return {"pause_ms": (marks["paused"] - t0) * 1e3,
-                "prepare_ms": (marks["swapped"] - marks["paused"]) * 1e3,
-                "commit_ms": (t_end - marks["swapped"]) * 1e3,
-                "worker": report, "build": build}
+        # The worker times its own part (read, build, swap); the rest until both replies is
+        # the wait for the engine step in progress to end (and the messages' trips).
+        build_ms = (report["prepare_s"] + report["swap_s"]) * 1e3
+        return {"pause_ms": max(0.0, (t1 - t0) * 1e3 - build_ms), "prepare_ms": build_ms,
+                "commit_ms": (time.perf_counter() - t1) * 1e3, "worker": report, "build": build}
 
     async def finish(self, version: int) -> None:
         archive = self._archives.pop(version, None)
