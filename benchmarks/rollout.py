@@ -167,7 +167,7 @@ def roofline(model_dir: Path, samples: list[tuple[int, int]], tokens_per_s: floa
     in the engine's dtype, on the engine's device and (CPU) thread count."""
     import torch
 
-    from benchmarks.roofline import ModelShape, decode_flops, decode_roofline
+    from benchmarks.roofline import ModelShape, cpu_mark, decode_flops, decode_roofline, other_cores
 
     shape = ModelShape.from_model_dir(model_dir)
     flops = decode_flops(shape, samples)
@@ -175,10 +175,14 @@ def roofline(model_dir: Path, samples: list[tuple[int, int]], tokens_per_s: floa
     device = "cuda" if torch.cuda.is_available() else "cpu"
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
+    mark = cpu_mark()
     try:
         roof = decode_roofline(shape, rows, dtype, device)
     finally:
         torch.set_num_threads(before)
+    # Multi-threaded GEMMs wait at a barrier for any thread another process has descheduled:
+    # beside a busy process the roofline (and the ratio) is off by far more than its share.
+    others = other_cores(mark, cpu_mark())
     achieved = tokens_per_s * flops["total"] / tokens / 1e9
     return {"roofline_ratio": achieved / roof["gflops"],
             "achieved_gflops": achieved,
@@ -190,6 +194,7 @@ def roofline(model_dir: Path, samples: list[tuple[int, int]], tokens_per_s: floa
                              "token) plus attention (QK^T and PV over each token's keys); "
                              "prefill not counted",
             "roofline_rows": rows, "roofline_threads": threads if device == "cpu" else None,
+            "roofline_other_cores": others, "roofline_busy": device == "cpu" and others > 0.25,
             "roofline_device": device if device == "cpu" else torch.cuda.get_device_name()}
 
 
@@ -288,6 +293,8 @@ def table(r: dict) -> str:
          + (f"{r['roofline_threads']} threads, {r['cpu']}" if r["roofline_threads"]
             else r["roofline_device"]) + f", {r['roofline_rows']} rows)"),
         ("roofline ratio", f"{r['roofline_ratio']:.2f}"),
+        *([("WARNING", f"other processes used {r['roofline_other_cores']:.2f} cores while the "
+            "roofline ran: it and the ratio are not this CPU's")] if r.get("roofline_busy") else []),
     ]
     w = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{w}}  {v}" for k, v in rows)

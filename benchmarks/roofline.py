@@ -25,6 +25,8 @@ is slightly low when prompts are long against what is generated).
 
 from __future__ import annotations
 
+import os
+import resource
 import statistics
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -90,6 +92,24 @@ def decode_flops(shape: ModelShape, samples: Iterable[tuple[int, int]]) -> dict[
 
 
 # ---- the roofline ---------------------------------------------------------------------------
+
+
+def cpu_mark() -> tuple[float, float, float]:
+    """(monotonic s, all CPUs' busy s, this process's CPU s) for `other_cores`."""
+    with open("/proc/stat") as f:
+        fields = [float(x) for x in f.readline().split()[1:]]
+    tick = os.sysconf("SC_CLK_TCK")
+    # user nice system idle iowait irq softirq steal ...: busy = all but idle, iowait, steal
+    busy = (sum(fields[:8]) - fields[3] - fields[4] - fields[7]) / tick
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return time.monotonic(), busy, ru.ru_utime + ru.ru_stime
+
+
+def other_cores(a: tuple[float, float, float], b: tuple[float, float, float]) -> float:
+    """Cores' worth of CPU that other processes used between two `cpu_mark`s: a roofline
+    measured while they ran is low, and so is what it is compared with."""
+    wall = b[0] - a[0]
+    return max(0.0, (b[1] - a[1]) - (b[2] - a[2])) / wall if wall > 0 else 0.0
 
 
 def timed(fn: Callable[[], Any], min_s: float = 0.25, max_reps: int = 50,

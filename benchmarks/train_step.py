@@ -52,7 +52,7 @@ from dataclasses import asdict
 from typing import Any
 
 from benchmarks.common import report
-from benchmarks.roofline import MatmulCase, ModelShape, linear_case, matmul_gflops
+from benchmarks.roofline import MatmulCase, ModelShape, cpu_mark, linear_case, matmul_gflops, other_cores
 
 __all__ = ["ModelShape", "main", "matmul_roofline", "run", "step_flops"]
 
@@ -185,23 +185,6 @@ def profile_step(policy: Any, samples: Sequence[Any], lora_r: int) -> dict[str, 
 # ---- the machine ----------------------------------------------------------------------------
 
 
-def _cpu_busy() -> tuple[float, float, float]:
-    """(monotonic s, all CPUs' busy s, this process's CPU s) for `other_cores`."""
-    with open("/proc/stat") as f:
-        fields = [float(x) for x in f.readline().split()[1:]]
-    tick = os.sysconf("SC_CLK_TCK")
-    # user nice system idle iowait irq softirq steal ...: busy = all but idle, iowait, steal
-    busy = (sum(fields[:8]) - fields[3] - fields[4] - fields[7]) / tick
-    ru = resource.getrusage(resource.RUSAGE_SELF)
-    return time.monotonic(), busy, ru.ru_utime + ru.ru_stime
-
-
-def other_cores(a: tuple[float, float, float], b: tuple[float, float, float]) -> float:
-    """Cores' worth of CPU that other processes used between two `_cpu_busy` marks."""
-    wall = b[0] - a[0]
-    return max(0.0, (b[1] - a[1]) - (b[2] - a[2])) / wall if wall > 0 else 0.0
-
-
 def _cpu_model() -> str:
     try:
         with open("/proc/cpuinfo") as f:
@@ -281,7 +264,7 @@ def run(model: str, dtype: str = "auto", samples: int = 16, prompt_tokens: int =
         warm = policy.train_step(batch)
         say(f"[train-step]   {warm.seconds:.2f} s ({warm.micro_batches} micro-batches)")
         secs = []
-        mark, ru = _cpu_busy(), resource.getrusage(resource.RUSAGE_SELF)
+        mark, ru = cpu_mark(), resource.getrusage(resource.RUSAGE_SELF)
         for k in range(steps):
             t0 = time.perf_counter()
             policy.train_step(batch)
@@ -292,7 +275,7 @@ def run(model: str, dtype: str = "auto", samples: int = 16, prompt_tokens: int =
     shared_ab = None
     if group_size > 1:
         warm, secs, mark0, ru0 = timed(f" (shared prompts, groups of {group_size})")
-        mark1, ru1 = _cpu_busy(), resource.getrusage(resource.RUSAGE_SELF)
+        mark1, ru1 = cpu_mark(), resource.getrusage(resource.RUSAGE_SELF)
         shared_s = statistics.median(secs)
         shipped = policy.cfg
         policy.cfg = shipped.model_copy(update={"share_prompts": False})
@@ -304,7 +287,7 @@ def run(model: str, dtype: str = "auto", samples: int = 16, prompt_tokens: int =
         step_s = statistics.median(plain)  # the FLOP model's step: every row runs its prompt
     else:
         warm, secs, mark0, ru0 = timed("")
-        mark1, ru1 = _cpu_busy(), resource.getrusage(resource.RUSAGE_SELF)
+        mark1, ru1 = cpu_mark(), resource.getrusage(resource.RUSAGE_SELF)
         step_s = statistics.median(secs)
 
     # The process's peak through the timed steps (ru_maxrss is in KiB on Linux), before the
@@ -314,7 +297,7 @@ def run(model: str, dtype: str = "auto", samples: int = 16, prompt_tokens: int =
         f"{min(cfg.logprob_chunk_tokens, completion)})...")
     roof = matmul_roofline(shape, rows, tokens, min(cfg.logprob_chunk_tokens, completion),
                            completion, dtype)
-    mark2 = _cpu_busy()
+    mark2 = cpu_mark()
     say(f"[train-step]   {roof['gflops']:.1f} GFLOP/s")
     prof = None
     if profile:
