@@ -27,8 +27,8 @@ def sections() -> dict[str, type[BaseModel]]:
     from services.rollout.config import RolloutConfig
     from services.trainer.__main__ import TrainerServerConfig
     from services.trainer.config import OnlineConfig, TrainerConfig
-    from services.trainer.grpo_async import AsyncGrpoJobConfig
-    from services.trainer.ppo import PpoJobConfig
+    from services.trainer.recipes.grpo_async import AsyncGrpoJobConfig
+    from services.trainer.recipes.ppo import PpoJobConfig
 
     from apps.launcher import UpConfig
 

@@ -50,7 +50,7 @@ def train(args) -> int:
     mesh_cfg = info.apply(mesh_cfg)
     if args.algorithm == "online":
         from hotloop.service import run_interruptible
-        from services.trainer.job import run_online_job
+        from services.trainer.recipes.job import run_online_job
 
         online_job = job
         pin_configured(trainer_cfg.cpus, "trainer")  # on a core where vLLM spins, <1% of it
@@ -62,7 +62,7 @@ def train(args) -> int:
               f"counters {summary['counters']}")
         return 0
     from hotloop.service import run_interruptible
-    from services.trainer.job import run_job
+    from services.trainer.recipes.job import run_job
 
     pin_configured(trainer_cfg.cpus, "trainer")
     if not job.run_id:  # named here, so that the resume line below can say it
@@ -82,9 +82,9 @@ def train(args) -> int:
 
 def evaluate(args) -> int:
     """`hotloop eval`: pass@k of a policy version on held-out tasks or HumanEval."""
-    from hotloop.clients import RewardClient, RolloutClient
+    from hotloop.replicas import Rewards, Rollouts
     from hotloop.tasks import load_tasks
-    from services.trainer.grpo import evaluate
+    from services.trainer.recipes.grpo import evaluate
 
     mesh_cfg, job, trainer_cfg = load_job(args.config, args.set, "grpo")
     info = _running_mesh(mesh_cfg.run_dir)
@@ -98,9 +98,10 @@ def evaluate(args) -> int:
         print(f"pass@{max(ks)} needs at least {max(ks)} samples per task (--samples)")
         return 2
 
-    async def run():
-        rollout = RolloutClient(info.endpoints["rollout"][0])
-        reward = RewardClient(info.endpoints["reward"])
+    ep = info.apply(mesh_cfg).endpoints
+
+    async def run():  # spread over every replica of each
+        rollout, reward = Rollouts.connect(ep.rollout), Rewards.connect(ep.reward)
         try:
             return await evaluate(rollout, reward, tasks, samples=args.samples,
                                   temperature=job.eval_temperature, max_tokens=trainer_cfg.max_new_tokens,

@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     from hotloop.clients import Completion, RewardClient
     from hotloop.tasks import load_tasks
 
-    from services.trainer.grpo import TaskStream, chat, score_item
+    from services.trainer.recipes.grpo import TaskStream, chat, score_item
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -50,9 +50,9 @@ def _trainer_main(model_dir: str, dtype: str, threads: int, steps: int) -> None:
     """Child: seconds per LoRA step on a GRPO-sized batch, median of `steps`."""
     import torch
 
-    from services.trainer.batching import Sample
+    from services.trainer.learner.batching import Sample
     from services.trainer.config import TrainerConfig
-    from services.trainer.policy import LoraPolicy
+    from services.trainer.learner.policy import LoraPolicy
 
     cfg = TrainerConfig(model=model_dir, dtype=dtype, torch_threads=threads, micro_batch_tokens=4096)
     policy = LoraPolicy(cfg)

@@ -206,7 +206,7 @@ def synthetic_samples(policy: Any, n: int, prompt_tokens: int, completion_tokens
     itself, so the importance ratio starts at 1, and random sequence advantages."""
     import torch
 
-    from services.trainer.batching import Sample
+    from services.trainer.learner.batching import Sample
 
     g = torch.Generator().manual_seed(seed)
     vocab = policy.model.get_base_model().config.vocab_size
@@ -237,7 +237,7 @@ def run(model: str, dtype: str = "auto", samples: int = 16, prompt_tokens: int =
     from hotloop.hardware import cpu_capability
     from hotloop.logprobs import plan_micro_batches
     from services.trainer.config import TrainerConfig
-    from services.trainer.policy import LoraPolicy
+    from services.trainer.learner.policy import LoraPolicy
 
     # The demo's trainer (configs/demo.toml): LoRA r=16 on all linears, lr 1e-4, KL 0.04,
     # micro-batches of 2048 padded tokens (the default of --micro-batch-tokens).

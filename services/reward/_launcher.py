@@ -36,8 +36,9 @@ groups), so no run migrates. Between runs the groups hold only the worker, which
 the OOM killer's choice (oom_score_adj -1000); the candidate is its first (1000).
 
 Wire format (both directions length-framed, so no byte of a run's output is ever parsed as
-structure): setup = 8-byte length + marshal; a job is two frames, b"C" + 8-byte length +
-marshal (the code) and b"T" + tag (32 ascii) + 8-byte length + marshal (the tests); record =
+structure): setup = 8-byte length + marshal; a job is two frames, b"C" + its wall-clock limit
+in ms (8 bytes) + 8-byte length + marshal (the code) and b"T" + tag (32 ascii) + 8-byte length
++ marshal (the tests); record =
 one text header line `tag \\t kind \\t fields...` and then the blobs whose byte counts are
 the header's last fields.
 """
@@ -419,13 +420,14 @@ def end_candidate(pid: int, deadline: float) -> tuple[str, object]:
     return (str(os.waitstatus_to_exitcode(status)) if ended else "alive"), usage
 
 
-def read_ready(fd: int, deadline: float) -> str:
-    """"" once the candidate's setup is done; else why it failed (or that it never said)."""
+def read_ready(fd: int, deadline: float) -> str | None:
+    """"" once the candidate's setup is done; why it failed if it said or ended; None when
+    the run's deadline came first (a timeout, not a failure of the sandbox)."""
     data = b""
-    while time.monotonic() < deadline:
+    while True:
         ready, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
         if not ready:
-            break
+            return None
         chunk = os.read(fd, 4096)
         if not chunk:
             break
@@ -451,16 +453,16 @@ def _read_exact(fd: int, n: int, buf=None):
     return buf
 
 
-def _frame(kind: bytes, with_tag: bool):
-    """The next frame of `kind` from stdin: (tag, body); None at a clean end of input."""
-    size = 1 + (TAG_LEN if with_tag else 0) + 8
+def _frame(kind: bytes, prefix: int):
+    """The next frame of `kind` from stdin: (its `prefix` bytes after the kind, body); None at
+    a clean end of input."""
+    size = 1 + prefix + 8
     head = _read_exact(0, size)
     if head is None:
         return None
     if head[:1] != kind:
         raise ValueError(f"expected a {kind!r} frame, got {bytes(head[:1])!r}")
-    tag = head[1 : 1 + TAG_LEN].decode("ascii") if with_tag else ""
-    return tag, _read_exact(0, int.from_bytes(head[size - 8 :], "little"))
+    return bytes(head[1 : 1 + prefix]), _read_exact(0, int.from_bytes(head[size - 8 :], "little"))
 
 
 def _send(kind: str, tag: str, fields: list, blobs: list) -> None:
@@ -471,7 +473,7 @@ def _send(kind: str, tag: str, fields: list, blobs: list) -> None:
         view = view[os.write(1, view):]
 
 
-def run_job(setup: dict, calls, code_body: bytearray, pidns: bool) -> None:
+def run_job(setup: dict, calls, code_body: bytearray, wall_seconds: float, pidns: bool) -> None:
     """One job: fork the candidate, read the tests, fork the judge, reap both, send the record."""
     opened: list[int] = []
     workdir = ""
@@ -492,7 +494,7 @@ def run_job(setup: dict, calls, code_body: bytearray, pidns: bool) -> None:
             os.mkdir(workdir, 0o700)
             if setup["uid"] is not None:
                 os.chown(workdir, setup["uid"], setup["gid"])
-        deadline = time.monotonic() + setup["wall_seconds"]
+        deadline = time.monotonic() + wall_seconds
         candidate = os.fork()
         if candidate == 0:
             candidate_child(setup, calls, code_body, {
@@ -504,10 +506,10 @@ def run_job(setup: dict, calls, code_body: bytearray, pidns: bool) -> None:
             os.close(n)
             opened.remove(n)
         # Read only now: the candidate was forked before its tests were in this process.
-        frame = _frame(b"T", with_tag=True)
+        frame = _frame(b"T", TAG_LEN)
         if frame is None:
             raise EOFError("the service sent a job's code without its tests")
-        tag, tests_body = frame
+        tag, tests_body = frame[0].decode("ascii"), frame[1]
         report = fd(os.memfd_create("hotloop-report"))
         judge_err = fd(os.memfd_create("hotloop-judge-stderr"))
         judge = os.fork()
@@ -522,6 +524,7 @@ def run_job(setup: dict, calls, code_body: bytearray, pidns: bool) -> None:
         setup_error = read_ready(ready_r, deadline)
         if setup_error:
             _killpg(judge)
+        setup_error = setup_error or ""  # None: out of time during the setup, reaped as such
         status, timed_out = reap(judge, deadline)
         state, usage = end_candidate(candidate, min(deadline, time.monotonic() + CANDIDATE_GRACE_S))
         if pidns:
@@ -574,11 +577,11 @@ def main() -> None:
 
         gc.freeze()
         while True:
-            frame = _frame(b"C", with_tag=False)
+            frame = _frame(b"C", 8)
             if frame is None:
                 return  # the service closed the pipe: no more jobs
-            _, body = frame
-            run_job(setup, calls, body, pidns)
+            wall_ms, body = frame
+            run_job(setup, calls, body, int.from_bytes(wall_ms, "little") / 1000, pidns)
             del body, frame
     except Exception as e:  # a launcher bug or a host refusal: reported as an error record
         import traceback

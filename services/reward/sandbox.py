@@ -158,6 +158,7 @@ _CALLS_SOURCE = (_HERE / "_calls.py").read_text()
 # worker's per-run deadline starts; the service waits this much longer before killing the
 # worker itself (only a wedged host needs it).
 _STARTUP_SLACK_S = 5.0
+_PROBE_WALL_S = 30.0
 _RESULT_MAX = 8 << 20  # any one blob of a record (the launcher caps a report at 4 MiB)
 _PRIVATE_DIRS = ("/var/tmp", "/dev/shm")
 # A worker's memory cgroup holds the worker and the tests' process beside the code's: their
@@ -508,7 +509,6 @@ class Sandbox:
             "judge_gid": plan.judge_gid,
             "mounts": plan.mounts,
             "work_root": self._work_root,
-            "wall_seconds": cfg.wall_seconds,
             "tail_bytes": cfg.output_tail_bytes,
             "limits": {
                 "cpu_seconds": cfg.cpu_seconds,
@@ -618,7 +618,9 @@ class Sandbox:
             cases.append("assert all(v == [] for v in seen()['empty'].values()), seen()['empty']")
         if plan.cgroups is not None:
             cases.append("assert seen()['cgroup']")
-        result = self._run(plan, SandboxJob(code, tuple(cases)))
+        # A generous clock: the probe asks what the host allows, not how fast it is now (a
+        # loaded host must not look like one without isolation).
+        result = self._run(plan, SandboxJob(code, tuple(cases)), max(self._config.wall_seconds, _PROBE_WALL_S))
         if result.status == "ok":
             return None
         return f"probe run {result.status}: {result.error} {result.stderr[-300:]}".strip()
@@ -645,8 +647,9 @@ class Sandbox:
         (a no-op where each run gets a fresh launcher)."""
         self._plan.workers.warm(n)
 
-    def _run(self, plan: _Plan, job: SandboxJob) -> SandboxResult:
+    def _run(self, plan: _Plan, job: SandboxJob, wall_seconds: float | None = None) -> SandboxResult:
         cfg = self._config
+        wall = cfg.wall_seconds if wall_seconds is None else wall_seconds
         start = time.perf_counter()
         tag = secrets.token_hex(16)  # matches the record to its job; not a secret of anything
         worker: _Worker | None = None
@@ -661,13 +664,13 @@ class Sandbox:
             tests = marshal.dumps({"cases": [_explained(c) for c in job.cases], "prefix": job.prefix,
                                    "entry_point": job.entry_point})
             ooms_before = worker.oom_kills()
-            record, killed = worker.request(tag, code, tests, cfg.wall_seconds + _STARTUP_SLACK_S)
+            record, killed = worker.request(tag, code, tests, wall)
             oom_kills = worker.oom_kills() - ooms_before
             healthy = record is not None and "launcher_error" not in record
             plan.workers.release(worker, healthy)
             rc, worker_stderr = worker.proc.returncode, "" if healthy else worker.stderr_tail()
             worker = None
-            result = self._classify(job, record, killed, rc, oom_kills, start)
+            result = self._classify(job, record, killed, rc, oom_kills, start, wall)
             if record is None and result.status == "error":  # the launcher's own complaint
                 result = replace(result, error=f"{result.error}: {worker_stderr.strip()[-500:]}")
             return result
@@ -677,7 +680,7 @@ class Sandbox:
 
     def _classify(
         self, job: SandboxJob, record: dict | None, killed: bool, launcher_rc: int | None,
-        oom_kills: int, start: float,
+        oom_kills: int, start: float, wall: float,
     ) -> SandboxResult:
         """The judge's report decides what passed; the processes' ends say what else happened.
 
@@ -692,7 +695,7 @@ class Sandbox:
         if record is None:
             if killed:
                 return replace(res, status="timeout", timed_out=True,
-                               error=f"the run did not finish within {cfg.wall_seconds + _STARTUP_SLACK_S:.0f}s")
+                               error=f"the run did not finish within {wall + _STARTUP_SLACK_S:.0f}s")
             if launcher_rc is not None and launcher_rc < 0:
                 return replace(res, error=f"the sandbox launcher was killed by {_signame(-launcher_rc)}")
             return replace(res, status="error",
@@ -713,7 +716,7 @@ class Sandbox:
                 bits, oom, error = fields[1], fields[2] == "1", fields[3]
         timeout = ""
         if record["timed_out"] or killed:
-            timeout = f"wall-clock limit of {cfg.wall_seconds:g}s"
+            timeout = f"wall-clock limit of {wall:g}s"
         # SIGXCPU at the soft limit, SIGKILL at the hard one (soft + 1 s) when SIGXCPU was
         # ignored. rusage lags the kernel's own CPU clock a little, hence the margin.
         elif code == -signal.SIGXCPU or (code == -signal.SIGKILL and cpu >= 0.8 * cfg.cpu_seconds):
@@ -805,12 +808,15 @@ class _Worker:
         """Out-of-memory kills in this worker's memory group so far (0 without cgroups)."""
         return self._groups[0].oom_kills(self._groups[1]) if self._groups else 0
 
-    def request(self, tag: str, code: bytes, tests: bytes, timeout: float) -> tuple[dict | None, bool]:
-        """Send one job (its code frame, then its tests frame), wait for its record;
-        (record or None, whether the deadline passed)."""
-        deadline = time.monotonic() + timeout
+    def request(self, tag: str, code: bytes, tests: bytes, wall_seconds: float
+                ) -> tuple[dict | None, bool]:
+        """Send one job (its code frame, then its tests frame), wait for its record; (record or
+        None, whether the deadline passed). The run's own limit is `wall_seconds`; the service
+        waits `_STARTUP_SLACK_S` longer before it gives up on the worker."""
+        deadline = time.monotonic() + wall_seconds + _STARTUP_SLACK_S
         try:
-            self.proc.stdin.write(b"C" + len(code).to_bytes(8, "little") + code + b"T"
+            self.proc.stdin.write(b"C" + int(wall_seconds * 1000).to_bytes(8, "little")
+                                  + len(code).to_bytes(8, "little") + code + b"T"
                                   + tag.encode() + len(tests).to_bytes(8, "little") + tests)
         except BrokenPipeError:
             return None, False

@@ -41,8 +41,8 @@ async def build(mesh: MeshConfig, cfg: TrainerServerConfig, *, online: OnlineCon
     from hotloop.errors import FatalError
     from hotloop.threads import pin_configured
 
-    from . import online as online_loop
-    from .job import close_online, online_status, open_online
+    from .recipes import online as online_loop
+    from .recipes.job import close_online, online_status, open_online
 
     job, trainer_cfg = online, trainer
     pin_configured(trainer_cfg.cpus, "trainer")

@@ -275,7 +275,7 @@ class OnlineConfig(_Strict):
     """Reusing an id resumes from its last checkpoint and the consumer's position."""
     users_first: Literal["none", "nice", "pause"] = "none"
     """How the trainer yields the CPU to the users the engine serves meanwhile
-    (services/trainer/usersfirst.py): `nice` runs its threads at the lowest OS priority;
+    (services/trainer/recipes/usersfirst.py): `nice` runs its threads at the lowest OS priority;
     `pause` holds its forward and backward passes between layers while a user waits for a
     first token (at most `max_pause_s` per busy spell), as `[ppo] users_first` does."""
     max_pause_s: float = Field(2.0, gt=0.0, le=60.0)

@@ -20,7 +20,7 @@ from hotloop.grpcutil import CHUNK_BYTES, create_server, map_errors
 from hotloop.hardware import runtime_info
 from hotloop.proto.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
 
-from .publisher import Publisher, VersionStore
+from .recipes.publisher import Publisher, VersionStore
 
 SERVICE = trainer_pb2.DESCRIPTOR.services_by_name["Trainer"].full_name
 

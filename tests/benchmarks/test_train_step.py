@@ -54,7 +54,7 @@ def test_matmul_flops_match_what_a_train_step_runs(make_cfg) -> None:
     from torch.utils.flop_counter import FlopCounterMode
 
     from benchmarks.train_step import synthetic_samples
-    from services.trainer.policy import LoraPolicy
+    from services.trainer.learner.policy import LoraPolicy
 
     r = 4
     policy = LoraPolicy(make_cfg(lora={"r": r, "alpha": 8.0}))

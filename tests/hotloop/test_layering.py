@@ -4,7 +4,9 @@ applications) < `benchmarks`, with the CLI (`apps/cli.py`) on top.
 - `hotloop/` names no service;
 - services do not name each other;
 - neither `hotloop/` nor `services/` names `apps` or `benchmarks`;
-- in `apps/`, only the CLI names a benchmark.
+- in `apps/`, only the CLI names a benchmark;
+- in the trainer, the learner (`services/trainer/learner/`) names no recipe: orchestration
+  imports the math, never the other way round.
 
 "Names" covers every way a module is reached: `import` statements (relative ones resolved),
 and strings: `importlib.import_module("services.x")`, `__import__`, `find_spec`, a
@@ -57,9 +59,11 @@ def named_modules(path: Path) -> list[tuple[int, str]]:
         elif isinstance(node, ast.ImportFrom):
             if node.level:
                 base = _package(path)[: len(_package(path)) - node.level + 1]
-                out.append((node.lineno, ".".join(base + ([node.module] if node.module else []))))
+                module = ".".join(base + ([node.module] if node.module else []))
             else:
-                out.append((node.lineno, node.module or ""))
+                module = node.module or ""
+            # `from package import module` names the module too (`from .. import recipes`)
+            out += [(node.lineno, module)] + [(node.lineno, f"{module}.{a.name}") for a in node.names]
         elif isinstance(node, ast.Call) and _call_name(node) in IMPORT_FUNCTIONS and node.args:
             literal = list(_strings(node.args[0])) if isinstance(node.args[0], ast.Constant) else []
             computed = [] if _call_name(node) not in RUNS_MODULE else [(node.lineno, "<computed>")]
@@ -110,3 +114,10 @@ def test_neither_the_library_nor_a_service_names_an_app_or_a_benchmark() -> None
 
 def test_only_the_cli_names_a_benchmark() -> None:
     assert not offenders("apps", lambda p, m: _top(m) == "benchmarks", exempt=("apps/cli.py",))
+
+
+def test_the_learner_names_no_recipe() -> None:
+    def recipe(path: Path, m: str) -> bool:
+        return m == "services.trainer.recipes" or m.startswith("services.trainer.recipes.")
+
+    assert not offenders("services/trainer/learner", recipe)

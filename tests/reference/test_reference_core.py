@@ -29,7 +29,7 @@ from services.reference.core import (
     ReferenceCore,
 )
 from services.trainer.config import TrainerConfig
-from services.trainer.policy import LoraPolicy
+from services.trainer.learner.policy import LoraPolicy
 
 
 def _requests(n: int, seed: int = 0) -> list[LogprobsRequest]:

@@ -418,6 +418,18 @@ def test_detection_on_a_capable_host():
         assert "/usr" in sb.report.visible_paths and "/root" not in sb.report.visible_paths
 
 
+def test_a_short_wall_clock_does_not_make_a_capable_host_look_incapable():
+    """The start-up probe asks what the host allows, not how fast it runs now: it has its own
+    clock, so runs limited to a fraction of a second (or a loaded host) still get `full`."""
+    writable = all(os.access(f"/sys/fs/cgroup/{c}", os.W_OK) for c in ("pids", "memory"))
+    if not (os.geteuid() == 0 and shutil.which("unshare") and writable):
+        pytest.skip("not a root host with unshare and writable cgroup v1")
+    with Sandbox(SandboxConfig(isolation="full", **{**LIMITS, "wall_seconds": 0.001})) as sb:
+        assert sb.report.level == "full"
+        r = sb.run(SandboxJob("import time\ntime.sleep(1)\n" + ADD, ADD_CASES))
+        assert (r.status, r.error) == ("timeout", "wall-clock limit of 0.001s"), r
+
+
 def test_missing_unshare_fails_startup_when_namespaces_are_required(monkeypatch):
     real_which = shutil.which
     monkeypatch.setattr(sandbox_mod.shutil, "which", lambda name: None if name == "unshare" else real_which(name))

@@ -23,9 +23,9 @@ from hotloop.clients import TrainerClient
 from hotloop.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from hotloop.proto.v1 import common_pb2
 from services.rollout.catchup import CatchUp, TrainerFetch, bus_latest, listen
-from services.trainer.publisher import Publisher
+from services.trainer.recipes.publisher import Publisher
 from services.trainer.server import TrainerState, serve
-from tests.trainer.test_publisher import free_port, make_adapter_dir
+from tests.trainer.recipes.test_publisher import free_port, make_adapter_dir
 
 BASE = "tiny-base"
 

@@ -14,9 +14,9 @@ from services.trainer.config import (
     PpoSettings,
     TrainerConfig,
 )
-from services.trainer.grpo import GrpoJobConfig
-from services.trainer.grpo_async import AsyncGrpoJobConfig
-from services.trainer.ppo import PpoJobConfig
+from services.trainer.recipes.grpo import GrpoJobConfig
+from services.trainer.recipes.grpo_async import AsyncGrpoJobConfig
+from services.trainer.recipes.ppo import PpoJobConfig
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,350 @@
+"""The LoRA policy: a frozen base model with a trainable peft adapter and its optimizer.
+
+Owns: loading the base (HF directory) with a LoRA adapter, AdamW over the adapter only, one
+training update per `train_step` (micro-batches by token budget, exact gradient accumulation,
+clipping, a non-finite guard), scoring completions with or without the adapter, writing the
+adapter as a publishable directory, and checkpoint save/restore (via checkpoint.py).
+
+Does not own: the algorithm math (algorithms.py), sampling, rewards, publishing versions to
+rollout replicas, or the loop. Errors in inputs propagate; a non-finite loss or gradient is a
+result (`StepMetrics.skipped`), not an exception, because one bad batch should not kill a run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import random
+import shutil
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model
+from transformers import AutoModelForCausalLM
+
+from hotloop.logprobs import (
+    can_share_prompts,
+    completion_hidden,
+    completion_logprobs,
+    prompt_states,
+    score_pairs,
+)
+from hotloop.models import resolve
+from services.trainer.learner.algorithms import loss_normalizer, make_algorithm
+from services.trainer.learner.batching import Sample, make_micro_batches
+from services.trainer.learner.checkpoint import TrainerState, load_checkpoint, save_checkpoint
+from services.trainer.config import TrainerConfig
+
+if TYPE_CHECKING:
+    from services.trainer.learner.critic import Critic
+
+__all__ = ["LoraPolicy", "Sample", "StepMetrics"]
+
+log = logging.getLogger(__name__)
+_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+@dataclass
+class StepMetrics:
+    """One `train_step`. Loss-side values are token means over the whole batch."""
+
+    step: int  # optimizer steps applied so far, this one included
+    loss: float
+    grad_norm: float  # before clipping
+    tokens: int  # completion tokens
+    sequences: int
+    micro_batches: int
+    seconds: float
+    lr: float
+    skipped: bool = False
+    skip_reason: str | None = None
+    extra: dict[str, float] = field(default_factory=dict)  # pg_loss, kl, clip_frac, ...
+
+    def as_dict(self) -> dict[str, float]:
+        """Flat numeric view (for TrainerStatus.last_metrics, logs)."""
+        d = {k: float(v) for k, v in asdict(self).items() if isinstance(v, (int, float, bool))}
+        d.update(self.extra)
+        return d
+
+
+class Interrupted(Exception):
+    """`train_step` was asked to stop before it applied its update (nothing changed)."""
+
+
+class LoraPolicy:
+    """Base model + LoRA adapter + AdamW. Not thread-safe: one caller drives it."""
+
+    def __init__(self, cfg: TrainerConfig, model_dir: Path | None = None) -> None:
+        from hotloop.hardware import describe, resolve_device, resolve_dtype
+
+        # `auto` becomes a concrete device and dtype once, here; everything below reads
+        # self.cfg.device / self.cfg.dtype.
+        device = resolve_device(cfg.device)
+        dtype = resolve_dtype(cfg.dtype, cuda=device == "cuda")
+        log.info(describe("trainer", cfg.dtype, dtype) + f"; device {device}")
+        self.cfg = cfg = cfg.model_copy(update={"dtype": dtype, "device": device})
+        if cfg.torch_threads is not None:
+            torch.set_num_threads(cfg.torch_threads)
+        if cfg.flush_denormal:
+            torch.set_flush_denormal(True)  # process-wide; a no-op where unsupported
+        torch.manual_seed(cfg.seed)
+        random.seed(cfg.seed)
+        np.random.seed(cfg.seed)
+        path = Path(model_dir) if model_dir is not None else resolve(cfg.model)
+        # The frozen base is stored in the compute dtype (bf16 halves its memory and skips a
+        # per-step cast); peft keeps the adapter in float32 (autocast_adapter_dtype), so the
+        # trained weights and AdamW state are full precision.
+        base = AutoModelForCausalLM.from_pretrained(path, dtype=_DTYPES[cfg.dtype]).to(device)
+        lora = LoraConfig(
+            r=cfg.lora.r,
+            lora_alpha=cfg.lora.alpha,
+            lora_dropout=cfg.lora.dropout,
+            target_modules=cfg.lora.target_modules,
+            task_type="CAUSAL_LM",
+        )
+        self.model: PeftModel = get_peft_model(base, lora)
+        # named_parameters order is deterministic, so a rebuilt policy maps a saved optimizer
+        # state onto the same tensors.
+        self._params = [p for p in self.model.parameters() if p.requires_grad]
+        opt = cfg.optimizer
+        self.optimizer = torch.optim.AdamW(
+            self._params, lr=opt.lr, betas=opt.betas, weight_decay=opt.weight_decay
+        )
+        self.algorithm = make_algorithm(cfg)
+        self.step = 0
+        mc = base.config
+        pad = mc.pad_token_id if mc.pad_token_id is not None else mc.eos_token_id
+        self.pad_id = int(pad if isinstance(pad, int) else 0)
+        if cfg.share_prompts and not can_share_prompts(self.model):
+            log.info("share_prompts: %s has sliding-window or hybrid attention; every row "
+                     "runs its whole prompt", mc.model_type)
+            self.cfg = cfg = cfg.model_copy(update={"share_prompts": False})
+        self.base_model_path = path
+        # What a saved critic is checked against: the base's shape, not its path (the same
+        # model can live in another directory on another host).
+        self.base_model_name = (f"{mc.model_type}:{mc.num_hidden_layers}x{mc.hidden_size}"
+                                f":vocab{mc.vocab_size}")
+
+    # ---------------------------------------------------------------------------- training
+
+    def trainable_tensors(self) -> list[torch.Tensor]:
+        """The policy adapter's parameters, in optimizer order."""
+        return list(self._params)
+
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        """The compute-dtype context every forward of this policy runs under."""
+        if self.cfg.dtype == "float32":
+            return contextlib.nullcontext()
+        device = next(iter(self._params)).device.type
+        return torch.autocast(device_type=device, dtype=torch.bfloat16)
+
+    def train_step(self, samples: Sequence[Sample],
+                   should_stop: Callable[[], bool] | None = None,
+                   critic: Critic | None = None) -> StepMetrics:
+        """One optimizer update on `samples` (an empty list is an error).
+
+        `should_stop` is polled before each micro-batch and before the update: a run that is
+        asked to stop (Ctrl-C) then raises `Interrupted` within one micro-batch with the
+        policy unchanged, instead of finishing a step that can take minutes on a slow CPU.
+
+        The loss of each micro-batch is divided by the whole batch's normalizer
+        (`loss_normalizer`), so the accumulated gradient equals the full-batch gradient no
+        matter how the token budget splits the batch.
+
+        With a `critic` (PPO), each micro-batch also trains the critic's value loss (its head
+        reads the hidden states this forward computed, or its own trunk's; `Critic.backward`
+        runs the backward), and both optimizers step together. A value loss above
+        `critic.cfg.max_value_loss` (divergence) skips the whole update, like a NaN does.
+        """
+        if not samples:
+            raise ValueError("train_step needs at least one sample")
+        t0 = time.perf_counter()
+        cfg = self.cfg
+        if cfg.loss.kl_beta > 0 and any(s.ref_logprobs is None for s in samples):
+            raise ValueError("kl_beta > 0: every sample needs ref_logprobs")
+        micro, shared = make_micro_batches(samples, cfg.micro_batch_tokens, self.pad_id,
+                                           cfg.share_prompts)
+        normalizer = loss_normalizer(
+            [len(s.completion_ids) for s in samples], cfg.loss.aggregation
+        )
+        tokens = sum(len(s.completion_ids) for s in samples)
+
+        def result(
+            loss: float, grad_norm: float, extra: dict[str, float], reason: str | None
+        ) -> StepMetrics:
+            return StepMetrics(
+                step=self.step,
+                loss=loss,
+                grad_norm=grad_norm,
+                tokens=tokens,
+                sequences=len(samples),
+                micro_batches=len(micro),
+                seconds=time.perf_counter() - t0,
+                lr=self.optimizer.param_groups[0]["lr"],
+                skipped=reason is not None,
+                skip_reason=reason,
+                extra=extra,
+            )
+
+        self.model.train()
+        self._zero_grad(critic)
+        total = 0.0
+        sums: dict[str, float] = {}
+        value_sums: dict[str, float] = {}
+        prompts = leaves = None
+        if shared is not None:
+            # Each distinct prompt runs once; every micro-batch's backward stops at the leaves,
+            # and one backward after the last carries their gradients through the prompts.
+            self._check_stop(should_stop, critic)
+            with self.autocast():
+                prompts = prompt_states(self.model, shared)
+            leaves = prompts.leaves()
+        for mb in micro:
+            self._check_stop(should_stop, critic)
+            with self.autocast():
+                hidden = completion_hidden(self.model, mb.batch, leaves)
+                out = completion_logprobs(
+                    self.model,
+                    mb.batch,
+                    chunk_tokens=cfg.logprob_chunk_tokens,
+                    temperature=cfg.temperature,
+                    with_entropy=cfg.log_entropy,
+                    hidden=hidden,
+                )
+            dev = out.logprobs.device  # the batch is assembled on the CPU
+            loss, m = self.algorithm.loss(
+                out.logprobs,
+                mb.old_logprobs.to(dev),
+                None if mb.ref_logprobs is None else mb.ref_logprobs.to(dev),
+                mb.advantages.to(dev),
+                out.mask,
+                normalizer=normalizer,
+                entropy=out.entropy,
+            )
+            if critic is None:
+                if not torch.isfinite(loss):
+                    self._zero_grad(critic)
+                    return result(float(loss.detach()), math.nan, {}, "non-finite loss")
+                loss.backward()
+                total += float(loss.detach())
+            else:
+                # The critic runs the backward(s): its value loss joins this graph (shared
+                # trunk) or follows it on its own trunk. Outside autocast: float32 head.
+                loss_value, vm = critic.backward(mb, hidden, loss, float(max(tokens, 1)))
+                for k, v in vm.items():
+                    value_sums[k] = value_sums.get(k, 0.0) + v
+                if not math.isfinite(loss_value):
+                    self._zero_grad(critic)
+                    return result(loss_value, math.nan, {}, "non-finite loss")
+                total += loss_value
+            n = m.pop("tokens")
+            for k, v in m.items():
+                sums[k] = sums.get(k, 0.0) + v * n
+        if prompts is not None:
+            prompts.backward_into(leaves)
+            prompts = leaves = None  # the prompts' graph is freed before the optimizer runs
+        extra = {k: v / max(tokens, 1) for k, v in {**sums, **value_sums}.items()}
+        if critic is not None and not extra["value_loss"] <= critic.cfg.max_value_loss:
+            self._zero_grad(critic)
+            return result(total, math.nan, extra,
+                          f"value loss diverged ({extra['value_loss']:.3g} > "
+                          f"{critic.cfg.max_value_loss:g})")
+
+        grad_norm = float(
+            torch.nn.utils.clip_grad_norm_(self._params, cfg.optimizer.max_grad_norm)
+        )
+        if critic is not None:
+            extra["critic_grad_norm"] = float(
+                torch.nn.utils.clip_grad_norm_(critic.params, cfg.optimizer.max_grad_norm))
+            grad_norm = grad_norm if math.isfinite(extra["critic_grad_norm"]) else math.nan
+        if not math.isfinite(grad_norm):
+            self._zero_grad(critic)
+            return result(total, grad_norm, extra, "non-finite gradient")
+        self._check_stop(should_stop, critic)
+        # Gradients stay on the parameters until the next step zeroes them (inspectable).
+        self.optimizer.step()
+        if critic is not None:
+            critic.optimizer.step()
+        self.step += 1
+        return result(total, grad_norm, extra, None)
+
+    def _zero_grad(self, critic: Critic | None) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        if critic is not None:
+            critic.optimizer.zero_grad(set_to_none=True)
+
+    def _check_stop(self, should_stop: Callable[[], bool] | None,
+                    critic: Critic | None = None) -> None:
+        if should_stop is not None and should_stop():
+            self._zero_grad(critic)
+            raise Interrupted("stop requested; the update was not applied")
+
+    # ----------------------------------------------------------------------------- scoring
+
+    @torch.inference_mode()
+    def _score(self, pairs: Sequence[tuple[Sequence[int], Sequence[int]]]) -> list[list[float]]:
+        self.model.eval()
+        return score_pairs(self.model, pairs, token_budget=self.cfg.micro_batch_tokens,
+                           pad_id=self.pad_id, share_prompts=self.cfg.share_prompts,
+                           chunk_tokens=self.cfg.logprob_chunk_tokens,
+                           temperature=self.cfg.temperature, autocast=self.autocast)
+
+    def logprobs(self, pairs: Sequence[tuple[Sequence[int], Sequence[int]]]) -> list[list[float]]:
+        """Per-token logprobs of each (prompt_ids, completion_ids) under the current policy."""
+        return self._score(pairs)
+
+    def base_logprobs(
+        self, pairs: Sequence[tuple[Sequence[int], Sequence[int]]]
+    ) -> list[list[float]]:
+        """The same under the frozen base (adapter disabled): the colocated reference."""
+        with self.model.disable_adapter():
+            return self._score(pairs)
+
+    # ------------------------------------------------------------------------ persistence
+
+    def save_adapter(self, directory: Path) -> Path:
+        """Write the adapter (adapter_config.json + adapter_model.safetensors) to `directory`,
+        which must not exist yet; written under a temporary name and renamed, so a reader
+        never sees a half-written adapter. Returns the directory."""
+        directory = Path(directory)
+        if directory.exists():
+            raise FileExistsError(f"{directory} exists; adapter versions are immutable")
+        directory.parent.mkdir(parents=True, exist_ok=True)
+        tmp = directory.with_name(f".tmp-{directory.name}-{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        try:
+            self.model.save_pretrained(tmp, selected_adapters=["default"])  # not a critic's
+            tmp.rename(directory)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        return directory
+
+    def save_checkpoint(self, root: Path, data_position: dict[str, Any] | None = None,
+                        extras: dict[str, Callable[[Path], None]] | None = None) -> Path:
+        """Checkpoint adapter, optimizer, step and RNG states under `root` (checkpoint.py);
+        `extras` write subdirectories of the same checkpoint (PPO's critic)."""
+        return save_checkpoint(
+            root,
+            step=self.step,
+            model=self.model,
+            optimizer=self.optimizer,
+            data_position=data_position,
+            extras=extras,
+        )
+
+    def restore(self, path: Path) -> TrainerState:
+        """Resume from a checkpoint directory; returns its step and data position."""
+        state = load_checkpoint(path, model=self.model, optimizer=self.optimizer)
+        self.step = state.step
+        return state
+
+    def trainable_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, tensor) of the adapter parameters, in optimizer order."""
+        return ((n, p) for n, p in self.model.named_parameters() if p.requires_grad)

@@ -1,0 +1,251 @@
+"""A training job against a running mesh: clients, publisher, the trainer's own gRPC
+server (Status, FetchAdapter), then the recipe, then the report.
+
+Used by `hotloop train grpo`, `hotloop train online`, `hotloop demo` and the trainer's
+`__main__` (the online trainer as a mesh process). `open_edge` is what every job holds around
+its recipe. Endpoints come from the mesh config (`[endpoints]`, filled in by `hotloop up`
+through the environment or mesh.json); each service's replicas are one balanced client
+(hotloop.replicas), whose per-replica counts the summary reports under `replicas`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from hotloop import models, telemetry
+from hotloop.clients import ReferenceClient, RolloutClient
+from hotloop.config import MeshConfig
+from hotloop.replicas import References, Replicas, Rewards, Rollouts
+
+from . import grpo, grpo_async, report
+from ..config import TrainerConfig
+
+log = logging.getLogger(__name__)
+
+
+async def check_dtype(trainer_cfg: TrainerConfig,
+                      reference: References | ReferenceClient | None) -> str:
+    """The trainer's resolved dtype, after checking that the reference computes in the same
+    one (every replica of it): bf16 and fp32 logprobs differ by ~1e-2 per token, which the KL
+    term would read as policy drift. A mismatch stops the job before any step."""
+    from hotloop.hardware import resolve_dtype
+
+    dtype = resolve_dtype(trainer_cfg.dtype)
+    if reference is not None and trainer_cfg.loss.kl_beta > 0:
+        for replica in reference if isinstance(reference, References) else [reference]:
+            theirs = (await replica.status()).runtime.dtype
+            if theirs and theirs != dtype:
+                several = isinstance(reference, References) and len(reference) > 1
+                where = f" at {replica.address}" if several else ""
+                raise SystemExit(
+                    f"the reference service{where} computes in {theirs} but the trainer in {dtype} "
+                    f"(configured {trainer_cfg.dtype!r}): start both from a config with the same "
+                    f"[model] dtype (\"auto\" resolves identically on one host)")
+    return dtype
+
+
+async def effective_config(mesh_cfg: MeshConfig, job, trainer_cfg: TrainerConfig,
+                           dtype: str, mesh: grpo.Mesh, section: str = "grpo") -> dict:
+    """What actually ran: every section after file, environment and `--set` overrides, with
+    the automatic choices resolved (dtypes, update mode) as the services report them. The
+    report shows this, not the TOML file it started from. Secrets are left out."""
+    from hotloop.hardware import cpu_capability
+
+    ro = await mesh.rollout[0].status()
+    shared = mesh_cfg.model_dump(mode="json", exclude={"security", "endpoints"})
+    shared["model"]["dtype"] = ro.runtime.dtype or shared["model"]["dtype"]
+    out = {
+        **shared,
+        "rollout": {"update_mode": ro.update_mode, "swap": ro.swap, "engine": ro.engine,
+                    "dtype": ro.runtime.dtype, "cpu": ro.runtime.cpu},
+        section: job.model_dump(mode="json"),
+        "trainer": trainer_cfg.model_copy(update={"dtype": dtype}).model_dump(mode="json"),
+        "host": {"cpu": str(cpu_capability())},
+    }
+    if mesh.reference is not None:
+        rs = await mesh.reference.status()
+        out["reference"] = {"dtype": rs.runtime.dtype, "cpu": rs.runtime.cpu}
+    return out
+
+
+@dataclass
+class Edge:
+    """What a job holds around its recipe: the bus, the reference, the publisher and the
+    trainer's own server, whose `state` the recipe's `on_step` updates."""
+
+    bus: Any  # hotloop.bus.Bus | None
+    reference: References | None
+    publisher: Any  # .publisher.Publisher
+    state: Any  # .server.TrainerState
+    server: Any  # grpc.aio.Server
+    port: int
+    health: Any
+    dtype: str
+
+    async def close(self) -> None:
+        if self.reference is not None:
+            await self.reference.close()
+        await self.publisher.close()
+        await self.server.stop(1)
+        if self.bus is not None:
+            try:
+                await self.bus.close()
+            except Exception as e:  # NATS gone (reconnecting) at exit: the job's work is done
+                log.warning("closing the bus connection failed: %r", e)
+
+
+async def open_edge(mesh_cfg: MeshConfig, trainer_cfg: TrainerConfig, run_dir: Path,
+                    algorithm: str, address: str = "127.0.0.1:0") -> Edge:
+    """Connect the bus (if configured) and the reference, check dtypes, start the trainer's
+    Status/FetchAdapter server on `address`. Close with `Edge.close()`."""
+    from .publisher import Publisher
+    from ..server import TrainerState, serve
+
+    ep = mesh_cfg.endpoints
+    bus = None
+    if mesh_cfg.nats.url:
+        from hotloop.bus import Bus
+
+        bus = await Bus.connect(mesh_cfg.nats.url, "trainer", mesh_cfg.nats.connect_timeout_s,
+                                replicas=mesh_cfg.nats.replicas)
+    reference = References.connect(ep.reference) if ep.reference else None
+    try:
+        dtype = await check_dtype(trainer_cfg, reference)
+    except BaseException:
+        if reference is not None:
+            await reference.close()
+        if bus is not None:
+            await bus.close()
+        raise
+    publisher = Publisher(list(ep.rollout), mesh_cfg.security.admin_token, run_dir / "store", bus,
+                          mesh_cfg.model.name)
+    state = TrainerState(algorithm=algorithm, dtype=dtype)
+    server, port, health = await serve(state, publisher, address)
+    host = address.rsplit(":", 1)[0]
+    publisher.fetch_from = f"{host}:{port}"  # announced, so a replica that missed a push can fetch
+    log.info("trainer serving Status/FetchAdapter on %s:%d", host, port)
+    return Edge(bus, reference, publisher, state, server, port, health, dtype)
+
+
+async def run_job(mesh_cfg: MeshConfig, job, trainer_cfg: TrainerConfig, config_text: str = "",
+                  progress: bool = True, recipe: str = "grpo") -> tuple[dict, Path]:
+    """A batch job (`recipe`: "grpo" or "ppo", with its `[grpo]` / `[ppo]` section as `job`)
+    against the running mesh; returns its summary and the report's path."""
+    ep = mesh_cfg.endpoints
+    missing = [n for n, v in (("rollout", ep.rollout), ("reward", ep.reward)) if not v]
+    if missing:
+        raise SystemExit(f"no endpoint for {missing}: start the mesh with `hotloop up` first")
+    if recipe == "ppo":
+        from . import ppo
+
+        run, write, default_id = ppo.run, report.write_ppo, "ppo-"
+        if job.reference == "service" and not ep.reference:
+            raise SystemExit("[ppo] reference = 'service' needs the reference service: no endpoint "
+                             "configured (or use reference = 'colocated')")
+    else:
+        run = grpo_async.recipe(job)  # max_staleness 0: the synchronous baseline, grpo.run
+        write, default_id = report.write, ""
+        if trainer_cfg.loss.kl_beta > 0 and not ep.reference:
+            raise SystemExit("kl_beta > 0 needs the reference service: no endpoint configured")
+    telemetry.setup("trainer", mesh_cfg.telemetry, mesh_cfg.run_dir)
+    model_dir = models.resolve(mesh_cfg.model.name)
+    run_id = job.run_id or default_id + time.strftime("%Y%m%d-%H%M%S")
+    run_dir = Path(job.out_dir) / run_id
+    edge = await open_edge(mesh_cfg, trainer_cfg, run_dir, recipe)
+    state = edge.state
+
+    def on_step(rec) -> None:
+        state.step, state.latest_version = rec.step, rec.version
+        state.last_metrics = {k: v for k, v in asdict(rec).items() if isinstance(v, (int, float))}
+        state.last_metrics.update({f"seconds_{k}": v for k, v in rec.stage_seconds.items()})
+
+    mesh = grpo.Mesh(
+        rollout=Rollouts.connect(ep.rollout),
+        reward=Rewards.connect(ep.reward),
+        reference=edge.reference,
+        publisher=edge.publisher,
+    )
+    try:
+        effective = await effective_config(mesh_cfg, job, trainer_cfg, edge.dtype, mesh, recipe)
+        summary = await run(job, trainer_cfg, model_dir, mesh, run_dir, progress, on_step)
+        summary["config"] = effective
+        summary["replicas"] = replica_counts(mesh)
+        path = write(summary, run_dir, config_text)
+    finally:
+        await mesh.rollout.close()
+        await mesh.reward.close()
+        await edge.close()
+        telemetry.shutdown()
+    return summary, path
+
+
+def replica_counts(mesh: grpo.Mesh) -> dict[str, dict[str, dict]]:
+    """What each replica of each service did for the job, as its balanced client saw it
+    (`hotloop.replicas.ReplicaStats`: results kept, calls lost with it, items re-sent)."""
+    return {name: {a: asdict(s) for a, s in pool.stats.items()}
+            for name, pool in (("rollout", mesh.rollout), ("reward", mesh.reward),
+                               ("reference", mesh.reference)) if isinstance(pool, Replicas)}
+
+
+# ---- the online trainer ------------------------------------------------------------------------
+
+
+async def open_online(mesh_cfg: MeshConfig, job, trainer_cfg: TrainerConfig,
+                      address: str = "127.0.0.1:0"):
+    """The edge and the `online.OnlineMesh` of an online job; returns (edge, mesh, run_dir).
+    Close with `close_online`."""
+    from . import online
+
+    ep = mesh_cfg.endpoints
+    if not mesh_cfg.nats.url:
+        raise SystemExit("the online trainer reads feedback from the bus: no [nats] url configured")
+    if not ep.rollout:
+        raise SystemExit("no rollout endpoint: start the mesh with `hotloop up` first")
+    if trainer_cfg.loss.kl_beta > 0 and not ep.reference:
+        raise SystemExit("kl_beta > 0 needs the reference service: no endpoint configured")
+    run_dir = Path(job.out_dir) / job.run_id
+    from .usersfirst import UsersFirst
+
+    # Here, in the processes that run the loop, before the policy loads (torch's threads
+    # inherit the priority); not in `online.run`, which tests drive inside pytest.
+    UsersFirst(job.users_first).start()
+    edge = await open_edge(mesh_cfg, trainer_cfg, run_dir, "reinforce_tis", address)
+    mesh = online.OnlineMesh(edge.bus, edge.publisher, edge.reference,
+                             [RolloutClient(a) for a in ep.rollout])
+    return edge, mesh, run_dir
+
+
+def online_status(state):
+    """An `on_step` for `online.run` that keeps the trainer's Status current."""
+
+    def on_step(rec) -> None:
+        state.step, state.latest_version = rec.step, rec.version
+        state.last_metrics = {"score_mean": rec.score_mean, "baseline": rec.baseline,
+                              "feedback": rec.feedback, **rec.train,
+                              **{f"seconds_{k}": v for k, v in rec.stage_seconds.items()}}
+
+    return on_step
+
+
+async def close_online(edge: Edge, mesh) -> None:
+    for c in mesh.rollout:
+        await c.close()
+    await edge.close()
+
+
+async def run_online_job(mesh_cfg: MeshConfig, job, trainer_cfg: TrainerConfig) -> dict:
+    """`hotloop train online`: the online loop until `max_steps` updates or Ctrl-C."""
+    from . import online
+
+    telemetry.setup("trainer", mesh_cfg.telemetry, mesh_cfg.run_dir)
+    edge, mesh, run_dir = await open_online(mesh_cfg, job, trainer_cfg)
+    try:
+        return await online.run(job, trainer_cfg, models.resolve(mesh_cfg.model.name), mesh,
+                                run_dir, on_step=online_status(edge.state))
+    finally:
+        await close_online(edge, mesh)
+        telemetry.shutdown()

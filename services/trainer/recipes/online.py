@@ -1,0 +1,623 @@
+"""The online recipe: user feedback -> join with its traffic -> batch -> (reference) -> LoRA
+step -> publish -> checkpoint -> ack.
+
+Reads top to bottom like grpo.py (setup, train, save). The gateway publishes one
+`TrafficEvent` per served choice (prompt and completion ids, the serving version's per-token
+logprobs) and one `FeedbackEvent` per user rating; this loop consumes FEEDBACK with a durable
+pull consumer, looks each feedback's traffic up by subject (`Bus.traffic`), and trains the
+LoRA policy with truncated-importance-sampling REINFORCE against a running (EMA) baseline
+(`algorithms.tis_reinforce_loss`; docs/architecture.md, "The online loop", says why). Every
+update is published as a new version with the same `Publisher` GRPO uses. Each update is one
+trace (consume, join, reference, train, pack, publish, checkpoint, ack) whose parent is the
+gateway's feedback span, read from the message headers; the other feedback of the batch are
+links.
+
+Delivery: nothing lost, nothing trained twice.
+- A feedback is acked only after the version trained on it is published and a checkpoint lists
+  its stream sequence in `trained`; the acks follow that checkpoint.
+- Killed before the checkpoint: the restored policy predates the update and the feedback was
+  never acked, so JetStream redelivers it (after ack_wait) and it is trained once into the
+  restored lineage. A version published from the lost update is superseded: on start the loop
+  publishes the restored policy above the highest version the mesh has seen, so serving always
+  matches the policy that trains (and staleness is measured against it).
+- Killed between checkpoint and ack: the redelivered feedback is in `trained` and is acked
+  without training. `trained` is pruned to sequences above the consumer's ack floor (JetStream
+  never redelivers at or below it), so it holds about one checkpoint interval of feedback.
+- Redelivered while still held (ack_wait shorter than a step): kept once, with the newer
+  delivery's handle for the ack.
+
+Rejected feedback is settled at once (it can never train, so acking it loses nothing) and
+written to metrics.jsonl with its reason: malformed feedback (score unset, NaN or outside
+[-1, 1], empty response id), feedback without a traffic record, and traffic whose lengths do
+not match go to the dead-letter subject (`bus.DEAD`) with the reason; stale feedback (served by
+a version more than `max_staleness_versions` behind, or more than `max_staleness_s` ago) is
+acked and counted.
+
+Backpressure: an intake task fetches into a queue of `max_queue` and stops fetching while it is
+full (JetStream keeps the rest; the consumer's max_ack_pending bounds what it hands out).
+
+Failure policy: errors propagate (a reference that stays down fails the loop after the
+clients' bounded retries; un-acked feedback is redelivered to the next run). A replica that
+cannot be reached during a publish fails the loop only when no replica took the version: once
+it is announced, the replicas that were away catch up from the store (`publish_tolerant`), so
+one replica's restart does not stop training. A non-finite loss publishes nothing and
+dead-letters its batch, since retraining it would fail the same way.
+
+Metrics: `OnlineMetrics` holds the loop's `Counters` (read into Prometheus when scraped, as
+they are written to metrics.jsonl) and observes each update's seconds, per stage and whole, and
+each trained feedback's loop: from its arrival at the gateway to its version serving.
+
+Does not own: the services it talks to, the policy's update math (policy.py, algorithms.py),
+the loop around its steps and the stop handling (base.py), or the process around it (job.py,
+__main__.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import shutil
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from opentelemetry import trace
+from opentelemetry.context import Context
+from prometheus_client import CollectorRegistry
+from prometheus_client import Counter as PromCounter
+from prometheus_client import Histogram
+
+from hotloop import telemetry
+from hotloop.aio import raise_if_cancelled
+from hotloop.bus import FEEDBACK, Bus, BusError, PullConsumer, Received
+from hotloop.clients import ReferenceClient, RolloutClient
+from hotloop.errors import Unavailable
+from hotloop.metrics import STEP_BUCKETS, StateCollector, counter, gauge
+from hotloop.proto.v1 import bus_pb2, common_pb2
+
+from ..config import OnlineConfig, TrainerConfig
+from .base import Recipe, Run, Schedule, run_recipe
+from .usersfirst import UsersFirst
+
+log = logging.getLogger(__name__)
+_tracer = trace.get_tracer(__name__)
+STAGES = ("consume", "join", "reference", "train", "pack", "publish", "checkpoint", "ack")
+
+
+@dataclass
+class OnlineMesh:
+    """What the loop talks to."""
+
+    bus: Bus
+    publisher: Any  # services.trainer.recipes.publisher.Publisher
+    reference: ReferenceClient | None = None
+    rollout: list[RolloutClient] = field(default_factory=list)  # read for their latest version
+
+
+@dataclass
+class Pending:
+    """A fetched feedback, queued or in a batch, until it is acked."""
+
+    msg: Received
+    seq: int  # stream sequence: the feedback's identity across redeliveries and restarts
+    arrived: float  # monotonic, when it entered the queue (starts the batch window)
+
+
+@dataclass
+class Counters:
+    received: int = 0
+    trained: int = 0
+    already_trained: int = 0  # redelivered after a restart; acked without training
+    redelivered: int = 0  # redelivered while still held (ack_wait shorter than a step)
+    queue_full: int = 0  # times the intake found the queue full and stopped fetching
+    dropped: dict[str, int] = field(default_factory=dict)  # acked unused, by reason
+    dead_lettered: dict[str, int] = field(default_factory=dict)  # by reason
+
+    def count(self, table: dict[str, int], key: str) -> None:
+        table[key] = table.get(key, 0) + 1
+
+
+DROP_REASONS = ("stale_version", "stale_age")  # acked unused
+DEAD_REASONS = ("malformed", "missing_traffic", "bad_traffic", "not_finite")  # dead-lettered
+
+
+class OnlineMetrics:
+    """The online trainer's Prometheus metrics, on `registry` (a private one by default).
+
+    `counters` is the loop's own count (`Online` uses this object's), read when scraped; steps,
+    stage seconds, published versions and the loop latency are observed as they happen, once
+    per update or per trained feedback, never inside the training step."""
+
+    def __init__(self, registry: CollectorRegistry | None = None):
+        self.registry = reg = registry if registry is not None else CollectorRegistry()
+        self.counters = Counters()
+        self.version = 0  # the last version published
+        self.queue: asyncio.Queue | None = None  # set by `Online.setup`: fetched, not yet in a batch
+        self.held: dict | None = None  # set by `Online.setup`: fetched, not yet acked
+        self.steps = PromCounter(
+            "hotloop_trainer_steps", "Updates of the online loop, by result: published, or "
+            "skipped (a non-finite loss or gradient: nothing published, the batch dead-lettered).",
+            ["result"], registry=reg)
+        self.step_seconds = Histogram(
+            "hotloop_trainer_step_seconds", "Seconds of one update, from its first feedback "
+            "taken off the queue (the batch window included) to its checkpoint.",
+            buckets=STEP_BUCKETS, registry=reg)
+        self.stage_seconds = Histogram(
+            "hotloop_trainer_stage_seconds", "Seconds of each stage of an update: consume, "
+            "join, reference, train, pack, publish, commit.", ["stage"],
+            buckets=STEP_BUCKETS, registry=reg)
+        self.loop_seconds = Histogram(
+            "hotloop_trainer_loop_seconds", "Seconds from a trained feedback's arrival at the "
+            "gateway to the version trained on it serving on the replicas (the gateway's clock "
+            "against the trainer's).", buckets=STEP_BUCKETS, registry=reg)
+        self.published = PromCounter(
+            "hotloop_trainer_versions_published", "Versions the loop published (at start, the "
+            "restored or initial policy above the mesh's latest, too).", registry=reg)
+        StateCollector(self._metric_families, reg)
+
+    def _metric_families(self):
+        """Read when scraped, in the endpoint's thread: ints, `len`, and copies of the dicts."""
+        c = self.counters
+        yield gauge("hotloop_trainer_version", "The last version this trainer published.",
+                    self.version)
+        yield counter("hotloop_trainer_feedback_received_total",
+                      "Feedback fetched from the FEEDBACK stream (a redelivery counts once).",
+                      c.received)
+        yield counter("hotloop_trainer_feedback_trained_total",
+                      "Feedback trained into a published version.", c.trained)
+        yield counter("hotloop_trainer_feedback_already_trained_total",
+                      "Feedback redelivered after a restart that the checkpoint had trained: "
+                      "acked without training.", c.already_trained)
+        yield counter("hotloop_trainer_feedback_redelivered_total",
+                      "Feedback redelivered while still held (ack_wait shorter than a step).",
+                      c.redelivered)
+        yield counter("hotloop_trainer_feedback_dropped_total",
+                      "Feedback acked without training, by reason (too stale to train on).",
+                      labels=["reason"],
+                      samples=[([r], n) for r, n in {**dict.fromkeys(DROP_REASONS, 0),
+                                                     **dict(c.dropped)}.items()])
+        yield counter("hotloop_trainer_feedback_dead_lettered_total",
+                      "Feedback that can never train, sent to the dead-letter subject, by reason.",
+                      labels=["reason"],
+                      samples=[([r], n) for r, n in {**dict.fromkeys(DEAD_REASONS, 0),
+                                                     **dict(c.dead_lettered)}.items()])
+        yield counter("hotloop_trainer_intake_queue_full_total",
+                      "Times the intake found its queue full and stopped fetching.", c.queue_full)
+        yield gauge("hotloop_trainer_feedback_queued", "Feedback fetched, waiting for a batch.",
+                    self.queue.qsize() if self.queue is not None else 0)
+        yield gauge("hotloop_trainer_feedback_held", "Feedback fetched and not yet acked.",
+                    len(self.held) if self.held is not None else 0)
+
+
+@dataclass
+class OnlineStepRecord:
+    step: int  # optimizer steps of the policy, this one included
+    version: int
+    feedback: int
+    seqs: list[int]
+    score_mean: float
+    baseline: float  # after this batch
+    advantage_mean: float
+    staleness_versions_max: int
+    temperature_mean: float
+    stage_seconds: dict[str, float]
+    tokens: int
+    train: dict[str, float] = field(default_factory=dict)
+    counters: dict[str, Any] = field(default_factory=dict)
+    queue_depth: int = 0
+
+
+# ---- checks on one feedback ----------------------------------------------------------------
+
+
+def malformed(fb) -> str | None:
+    """Why a FeedbackEvent cannot be trained on, or None."""
+    if not fb.response_id:
+        return "malformed feedback: empty response_id"
+    if not fb.HasField("score"):
+        return "malformed feedback: score not set"
+    if not math.isfinite(fb.score) or not -1.0 <= fb.score <= 1.0:
+        return f"malformed feedback: score {fb.score!r} outside [-1, 1]"
+    return None
+
+
+def bad_traffic(tr) -> str | None:
+    """Why a TrafficEvent cannot become a training sample, or None."""
+    if len(tr.completion_ids) != len(tr.logprobs):
+        return (f"bad traffic: {len(tr.completion_ids)} completion ids but "
+                f"{len(tr.logprobs)} logprobs")
+    if not tr.completion_ids:
+        return "bad traffic: empty completion"
+    if not tr.prompt_ids:
+        return "bad traffic: empty prompt"
+    if not all(math.isfinite(x) and x <= 0.0 for x in tr.logprobs):
+        return "bad traffic: a behaviour logprob is not a finite value <= 0"
+    return None
+
+
+def served_version(tr) -> int:
+    """The oldest version any token of the completion came from (an in-flight update can
+    switch versions mid-completion; the oldest token is the stalest)."""
+    if tr.version_spans:
+        return min(int(s.version) for s in tr.version_spans)
+    return int(tr.policy_version)
+
+
+def stale(tr, version: int, now: float, job: OnlineConfig) -> str | None:
+    """"stale_version" / "stale_age" when the feedback is too old to train on, else None."""
+    if version - served_version(tr) > job.max_staleness_versions:
+        return "stale_version"
+    if tr.served_at > 0 and now - tr.served_at > job.max_staleness_s:
+        return "stale_age"
+    return None
+
+
+# ---- intake: the bounded queue ---------------------------------------------------------------
+
+
+class Intake:
+    """Fetches FEEDBACK into a bounded queue; stops fetching while the queue is full.
+
+    Owns the dedup of deliveries: a sequence already in `trained` (a restart's checkpoint) is
+    acked at once; one already held gets the newer delivery's handle and is not queued twice.
+    """
+
+    def __init__(self, consumer: PullConsumer, queue: asyncio.Queue, held: dict[int, Pending],
+                 trained: set[int], counters: Counters, fetch_max: int) -> None:
+        self.consumer, self.queue, self.held = consumer, queue, held
+        self.trained, self.counters, self.fetch_max = trained, counters, fetch_max
+
+    async def run(self) -> None:
+        full = False
+        while True:
+            # nats-py's fetch can swallow the loop's cancel (hotloop.aio): without this check
+            # the task fetched on and a stopping trainer waited out its 10 s bound
+            raise_if_cancelled()
+            free = self.queue.maxsize - self.queue.qsize()
+            if free <= 0:
+                if not full:
+                    self.counters.queue_full += 1
+                full = True
+                await asyncio.sleep(0.02)
+                continue
+            full = False
+            for m in await self.consumer.fetch(min(free, self.fetch_max), 1.0):
+                seq = m.seq
+                # `held` first: a held sequence may be trained but not yet checkpointed, and
+                # acking it now could lose it to a crash before the checkpoint.
+                if seq in self.held:
+                    self.counters.redelivered += 1
+                    self.held[seq].msg = m
+                elif seq in self.trained:
+                    self.counters.already_trained += 1
+                    await m.ack()
+                else:
+                    p = Pending(m, seq, time.monotonic())
+                    self.held[seq] = p
+                    self.counters.received += 1
+                    self.queue.put_nowait(p)
+
+
+async def _take(queue: asyncio.Queue, intake: asyncio.Task, timeout: float | None) -> Pending | None:
+    """The next queued feedback; None after `timeout`. An intake that died raises here."""
+    get = asyncio.ensure_future(queue.get())
+    done, _ = await asyncio.wait({get, intake}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    if get in done:
+        return get.result()
+    get.cancel()
+    if intake in done:
+        intake.result()  # raises the intake's error
+        raise RuntimeError("feedback intake stopped")
+    return None
+
+
+async def ack_all(items: list[Pending], bus: Bus) -> None:
+    """Ack (the feedback's effect is committed) and flush, so the acks have left when this
+    returns."""
+    for p in items:
+        await p.msg.ack()
+    await bus.flush()
+
+
+# ---- resume ------------------------------------------------------------------------------------
+
+
+async def mesh_latest(mesh: OnlineMesh) -> int:
+    """The highest version the mesh has seen: this run's store, the bus's "latest", replicas.
+    A replica that does not answer is left out: a restarted replica holds no version (it
+    starts from the base and catches up), so it cannot hold one above the others."""
+    from hotloop.bus import LATEST_KEY
+
+    held = mesh.publisher.store.latest()
+    seen = [held.version if held is not None else 0]
+    kv = await mesh.bus.kv_get(LATEST_KEY, common_pb2.VersionInfo)
+    seen.append(kv.version if kv is not None else 0)
+    for r in mesh.rollout:
+        try:
+            seen.append(int((await r.status()).latest_version))
+        except Unavailable as e:
+            log.warning("left out of the mesh's latest version: %s", e)
+    return max(seen)
+
+
+# ---- the recipe --------------------------------------------------------------------------------
+
+
+class Online(Recipe):
+    """Trains on feedback as it arrives: each step takes what is queued within the batch
+    window, joins it with its traffic, trains, publishes, and every `checkpoint_interval`
+    updates checkpoints and acks (`save`). `policy`: an already built `LoraPolicy` (tests),
+    else built in `setup`; `metrics`: where the loop counts (the service's registry), else a
+    private one."""
+
+    name = "online"
+
+    def __init__(self, job: OnlineConfig, trainer_cfg: TrainerConfig, model_dir: Path,
+                 mesh: OnlineMesh, policy=None, metrics: OnlineMetrics | None = None) -> None:
+        if trainer_cfg.temperature != 1.0:
+            # traffic logprobs are vLLM's raw (T=1) logprobs whatever the user's temperature
+            raise SystemExit("online training compares against raw (temperature-1) behaviour logprobs: "
+                             f"[trainer] temperature must be 1.0, got {trainer_cfg.temperature}")
+        self.job, self.cfg, self.model_dir, self.mesh = job, trainer_cfg, model_dir, mesh
+        self.policy = policy
+        self.metrics = metrics if metrics is not None else OnlineMetrics()
+        self.counters = self.metrics.counters
+        self.users = UsersFirst(job.users_first, mesh.rollout[0].address if mesh.rollout else None,
+                                job.max_pause_s)
+        self.version = 0
+        self.trained: set[int] = set()  # stream sequences trained into the checkpointed policy
+        self.held: dict[int, Pending] = {}  # fetched, not yet acked
+        self.uncommitted: list[Pending] = []  # trained and published, waiting for a checkpoint and ack
+        self.updates = 0
+        self.intake: asyncio.Task | None = None
+
+    async def setup(self, run: Run) -> Schedule:
+        from ..learner.algorithms import EmaBaseline, make_online_algorithm
+        from ..learner.policy import LoraPolicy
+
+        job, mesh = self.job, self.mesh
+        self.run = run
+        if self.policy is None:
+            self.policy = LoraPolicy(self.cfg, self.model_dir)
+        self.policy.algorithm = make_online_algorithm(self.policy.cfg, is_cap=job.is_cap)
+        self.baseline = EmaBaseline(job.baseline_ema)
+        if (pos := run.restore(self.policy)) is not None:
+            self.version, self.baseline.value = pos["version"], pos["baseline"]
+            self.trained = set(pos["trained"])
+            log.info("resumed at version %d, %d feedback awaiting ack", self.version, len(self.trained))
+        if (seen := await mesh_latest(mesh)) > self.version:
+            # Serving runs weights this policy does not have (an update lost in a crash, or another
+            # run): publish this policy above them, so serving and staleness refer to it.
+            self.version = seen + 1
+            await publish(self.policy, mesh, run.dir, self.version)
+            self.metrics.published.inc()
+            log.info("published the %s policy as version %d", "restored" if pos else "initial", self.version)
+        elif self.version:
+            # Replicas that restarted while no trainer was up serve older weights and may know no
+            # address to fetch this one from: tell them (services/rollout/catchup.py).
+            await mesh.publisher.reannounce()
+
+        await mesh.bus.ensure_streams()
+        in_flight = job.batch_size * job.checkpoint_interval  # trained, waiting for a checkpoint
+        self.consumer = await mesh.bus.pull(
+            "FEEDBACK", FEEDBACK, job.durable, bus_pb2.FeedbackEvent, batch=job.batch_size,
+            ack_wait_s=job.ack_wait_s, max_ack_pending=job.max_queue + in_flight)
+        self.queue: asyncio.Queue[Pending] = asyncio.Queue(maxsize=job.max_queue)
+        self.metrics.version, self.metrics.queue, self.metrics.held = self.version, self.queue, self.held
+        intake = Intake(self.consumer, self.queue, self.held, self.trained, self.counters, job.batch_size)
+        self.intake = asyncio.create_task(intake.run(), name="intake")
+        self.users.attach(self.policy.model)  # `pause`: the update holds while users wait for a first token
+        self.users.watch()
+        return Schedule(0, job.max_steps or None, checkpoint_every=0)
+
+    async def before_step(self) -> Context:
+        """Idle until feedback arrives (not a stage); the step continues its trace."""
+        self.first = await _take(self.queue, self.intake, None)
+        return telemetry.extract_context(self.first.msg.headers)
+
+    async def step(self, step: int) -> OnlineStepRecord | None:
+        import torch
+
+        from ..learner.batching import Sample
+
+        job, mesh, metrics = self.job, self.mesh, self.metrics
+        secs: dict[str, float] = {}
+        t_step = time.perf_counter()
+        root = trace.get_current_span()  # the step's, whose parent is the first feedback's
+        t = time.perf_counter()
+        with _tracer.start_as_current_span("consume"):
+            batch = [self.first]
+            deadline = self.first.arrived + job.batch_window_s
+            while len(batch) < job.batch_size:
+                left = deadline - time.monotonic()
+                if left <= 0:  # window closed: take only what is already queued
+                    if self.queue.empty():
+                        break
+                    batch.append(self.queue.get_nowait())
+                elif (nxt := await _take(self.queue, self.intake, left)) is not None:
+                    batch.append(nxt)
+                else:
+                    break
+        for p in batch[1:]:
+            root.add_link(trace.get_current_span(telemetry.extract_context(p.msg.headers))
+                          .get_span_context())
+        secs["consume"] = time.perf_counter() - t
+
+        t = time.perf_counter()
+        joined_at = self.version  # staleness is measured against the version that trains
+        with _tracer.start_as_current_span("join"):
+            rows = await self.join(batch)  # (pending, feedback, traffic)
+        secs["join"] = time.perf_counter() - t
+        root.set_attribute("hotloop.feedback", len(batch))
+        if not rows:
+            return None
+
+        scores = torch.tensor([fb.score for _, fb, _ in rows], dtype=torch.float32)  # [N]
+        adv = self.baseline.advantages(scores)  # [N], against the baseline before this batch
+        self.baseline.update(scores)
+
+        t = time.perf_counter()
+        ref = None
+        if self.cfg.loss.kl_beta > 0:
+            with _tracer.start_as_current_span("reference"):
+                ref = await mesh.reference.logprobs(
+                    [(list(tr.prompt_ids), list(tr.completion_ids)) for _, _, tr in rows])
+        secs["reference"] = time.perf_counter() - t
+
+        samples = [
+            Sample(prompt_ids=list(tr.prompt_ids), completion_ids=list(tr.completion_ids),
+                   old_logprobs=list(tr.logprobs), advantage=float(adv[i]),
+                   ref_logprobs=None if ref is None else ref[i])
+            for i, (_, _, tr) in enumerate(rows)
+        ]
+        t = time.perf_counter()
+        with _tracer.start_as_current_span("train"):
+            m = await self.run.train(self.policy, samples)
+        secs["train"] = time.perf_counter() - t
+        if m.skipped:
+            log.warning("update skipped (%s): its %d feedback are dead-lettered", m.skip_reason, len(rows))
+            for p, _, _ in rows:
+                await self.settle(p, "not_finite", f"training skipped: {m.skip_reason}", dead=True)
+            metrics.steps.labels("skipped").inc()
+            return None
+
+        self.version += 1
+        t = time.perf_counter()
+        with _tracer.start_as_current_span("pack"):
+            adapter = self.policy.save_adapter(self.run.dir / "adapters" / f"v{self.version}")
+        secs["pack"] = time.perf_counter() - t
+        t = time.perf_counter()
+        await publish_tolerant(mesh, self.version, adapter)  # opens the "publish" span
+        served_at = time.time()  # the version serves on the replicas that took it
+        shutil.rmtree(adapter)  # the publisher's store keeps the archive
+        secs["publish"] = time.perf_counter() - t
+        metrics.version = self.version
+        metrics.published.inc()
+        for _, fb, _ in rows:
+            if fb.received_at > 0:  # 0: a gateway that did not say
+                metrics.loop_seconds.observe(max(0.0, served_at - fb.received_at))
+
+        for p, _, _ in rows:
+            self.trained.add(p.seq)
+            self.uncommitted.append(p)
+        self.counters.trained += len(rows)
+        self.updates += 1
+        t = time.perf_counter()
+        if self.updates % job.checkpoint_interval == 0:
+            await self.save()
+        secs["commit"] = time.perf_counter() - t
+        metrics.steps.labels("published").inc()
+        metrics.step_seconds.observe(time.perf_counter() - t_step)
+        for stage, seconds in secs.items():
+            metrics.stage_seconds.labels(stage).observe(seconds)
+
+        return OnlineStepRecord(
+            step=self.policy.step, version=self.version, feedback=len(rows),
+            seqs=[p.seq for p, _, _ in rows], score_mean=float(scores.mean()),
+            baseline=self.baseline.value, advantage_mean=float(adv.mean()),
+            staleness_versions_max=max(joined_at - served_version(tr) for _, _, tr in rows),
+            temperature_mean=statistics.fmean(tr.temperature for _, _, tr in rows),
+            stage_seconds=secs, tokens=m.tokens, train=m.as_dict(),
+            counters=asdict(self.counters), queue_depth=self.queue.qsize(),
+        )
+
+    async def join(self, batch: list[Pending]) -> list[tuple[Pending, Any, Any]]:
+        """Each feedback with its traffic record; the ones that cannot train are settled."""
+        rows = []
+        now = time.time()
+        for p in batch:
+            fb = p.msg.payload
+            if (why := malformed(fb)) is not None:
+                await self.settle(p, "malformed", why, dead=True)
+                continue
+            try:
+                tr = await self.mesh.bus.traffic(fb.response_id, fb.choice)
+            except BusError as e:  # a response id that cannot be a subject
+                await self.settle(p, "malformed", f"malformed feedback: {e}", dead=True)
+                continue
+            if tr is None:
+                await self.settle(p, "missing_traffic", f"no traffic record for "
+                                  f"{fb.response_id}:{fb.choice} (never served or aged out)", dead=True)
+            elif (why := bad_traffic(tr)) is not None:
+                await self.settle(p, "bad_traffic", why, dead=True)
+            elif (kind := stale(tr, self.version, now, self.job)) is not None:
+                await self.settle(p, kind, f"served by v{served_version(tr)} "
+                                  f"{now - tr.served_at:.0f}s ago; trainer at v{self.version}", dead=False)
+            else:
+                rows.append((p, fb, tr))
+        return rows
+
+    async def settle(self, p: Pending, kind: str, reason: str, dead: bool) -> None:
+        """Finish a feedback that will never train: dead letter (then ack) or ack."""
+        if dead:
+            await self.consumer.dead_letter(p.msg.raw, reason)
+            self.counters.count(self.counters.dead_lettered, kind)
+        else:
+            await p.msg.ack()
+            self.counters.count(self.counters.dropped, kind)
+        self.held.pop(p.seq, None)
+        self.run.write("settled", {"seq": p.seq, "kind": kind, "reason": reason})
+
+    async def save(self) -> None:
+        """Checkpoint (with the trained set), then ack what it covers. A stop saves nothing:
+        what was not acked is redelivered to the next run."""
+        from ..learner.checkpoint import prune_checkpoints
+
+        if not self.uncommitted:
+            return
+        with _tracer.start_as_current_span("checkpoint"):
+            floor = await self.consumer.ack_floor()
+            self.trained.difference_update({s for s in self.trained if s <= floor})  # never redelivered
+            self.policy.save_checkpoint(self.run.checkpoints, data_position={
+                "version": self.version, "baseline": self.baseline.value, "trained": sorted(self.trained)})
+            prune_checkpoints(self.run.checkpoints, self.job.keep_checkpoints)
+        with _tracer.start_as_current_span("ack"):
+            await ack_all(self.uncommitted, self.mesh.bus)
+        for p in self.uncommitted:
+            self.held.pop(p.seq, None)
+        self.uncommitted.clear()
+
+    async def close(self) -> None:
+        await self.users.close()
+        if self.intake is not None:
+            self.intake.cancel()
+            try:
+                await self.intake
+            except (asyncio.CancelledError, Exception):  # its error, if any, was raised in _take
+                pass
+
+    def summary(self, records: list[OnlineStepRecord]) -> dict:
+        return {"steps": self.policy.step, "updates": self.updates, "version": self.version,
+                "baseline": self.baseline.value, "counters": asdict(self.counters)}
+
+
+async def run(job: OnlineConfig, trainer_cfg: TrainerConfig, model_dir: Path, mesh: OnlineMesh,
+              run_dir: Path, on_step=None, policy=None, metrics: OnlineMetrics | None = None) -> dict:
+    """Train from feedback until `job.max_steps` updates (0: until cancelled); returns a summary
+    (counters, last version). `policy`, `metrics`: as `Online`."""
+    return await run_recipe(Online(job, trainer_cfg, model_dir, mesh, policy, metrics), run_dir,
+                            progress=False, on_step=on_step)
+
+
+async def publish(policy, mesh: OnlineMesh, run_dir: Path, version: int) -> None:
+    adapter = policy.save_adapter(run_dir / "adapters" / f"v{version}")
+    await publish_tolerant(mesh, version, adapter)
+    shutil.rmtree(adapter)
+
+
+async def publish_tolerant(mesh: OnlineMesh, version: int, adapter: Path) -> None:
+    """Publish; a replica that could not be reached does not stop training once the version
+    is announced (live on another replica): it catches up from the announcement and the
+    store when it is back. A refusal, or a version no replica took, still raises."""
+    from .publisher import PublishError, ReplicaUnavailable
+
+    try:
+        await mesh.publisher.publish(version, adapter)
+    except PublishError as e:
+        if not e.result.announced or not all(
+                isinstance(f, ReplicaUnavailable) for f in e.failures.values()):
+            raise
+        log.warning("%s; training goes on (the replicas that were away catch up)", e)

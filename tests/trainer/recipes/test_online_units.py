@@ -1,0 +1,164 @@
+"""Online-loop units without services: the truncated importance weight and its REINFORCE loss,
+the running baseline, the checks that settle a feedback, and the `[online]` section."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from pydantic import ValidationError
+
+from hotloop.proto.v1 import bus_pb2, common_pb2
+from services.trainer.learner.algorithms import (
+    EmaBaseline,
+    make_online_algorithm,
+    tis_reinforce_loss,
+    truncated_is_weights,
+)
+from services.trainer.config import LossSettings, OnlineConfig, TrainerConfig
+from services.trainer.recipes.online import bad_traffic, malformed, served_version, stale
+
+
+def test_importance_weights_are_truncated_from_above_only_and_carry_no_gradient() -> None:
+    behaviour = torch.log(torch.tensor([[0.5, 0.5, 0.5, 0.5]]))  # [1, 4]
+    pi = torch.tensor([[0.05, 0.5, 0.6, 4.0]])  # ratios 0.1, 1, 1.2, 8
+    logp = torch.log(pi).requires_grad_()
+    w = truncated_is_weights(logp, behaviour, cap=2.0)
+    torch.testing.assert_close(w, torch.tensor([[0.1, 1.0, 1.2, 2.0]]))
+    assert not w.requires_grad
+    torch.testing.assert_close(truncated_is_weights(logp, behaviour, cap=1.02)[0, 2], torch.tensor(1.02))
+    # an absurd log-ratio does not overflow
+    assert torch.isfinite(truncated_is_weights(torch.tensor([[0.0]]), torch.tensor([[-1e4]]), 5.0)).all()
+
+
+def test_tis_reinforce_gradient_is_minus_weight_times_advantage() -> None:
+    logp = torch.log(torch.tensor([[0.2, 0.4, 0.9], [0.3, 0.3, 0.3]])).requires_grad_()  # [2, 3]
+    behaviour = torch.log(torch.tensor([[0.1, 0.4, 0.3], [0.3, 0.3, 0.3]]))
+    mask = torch.tensor([[True, True, True], [True, True, False]])
+    adv = torch.tensor([1.0, -0.5])  # [2]
+    loss, m = tis_reinforce_loss(logp, behaviour, None, adv, mask, LossSettings(), is_cap=2.5)
+    loss.backward()
+    w = torch.tensor([[2.0, 1.0, 2.5], [1.0, 1.0, 0.0]])  # ratios 2, 1, 3 -> capped at 2.5
+    expected = -w * adv[:, None] * mask / mask.sum()  # token aggregation: divide by 5 tokens
+    torch.testing.assert_close(logp.grad, expected)
+    assert m["capped_frac"] == pytest.approx(1 / 5)
+    assert m["is_weight_mean"] == pytest.approx((2 + 1 + 2.5 + 1 + 1) / 5)
+
+
+def test_tis_reinforce_adds_k3_kl_and_needs_reference_when_beta_positive() -> None:
+    logp = torch.zeros(1, 2, requires_grad=True)
+    ref = torch.log(torch.tensor([[0.5, 0.5]]))
+    mask = torch.ones(1, 2, dtype=torch.bool)
+    cfg = LossSettings(kl_beta=0.1)
+    loss, m = tis_reinforce_loss(logp, logp.detach(), ref, torch.zeros(1), mask, cfg, is_cap=2.0)
+    d = math.log(0.5)
+    assert float(loss.detach()) == pytest.approx(0.1 * (math.exp(d) - d - 1))  # advantage 0: KL only
+    assert m["kl"] == pytest.approx(math.exp(d) - d - 1)
+    with pytest.raises(ValueError, match="ref_logprobs"):
+        tis_reinforce_loss(logp, logp.detach(), None, torch.zeros(1), mask, cfg, is_cap=2.0)
+
+
+def test_online_algorithm_uses_the_truncated_loss() -> None:
+    algo = make_online_algorithm(TrainerConfig(), is_cap=1.5)
+    logp = torch.zeros(1, 1, requires_grad=True)
+    loss, m = algo.loss(logp, torch.tensor([[-5.0]]), None, torch.ones(1), torch.ones(1, 1, dtype=torch.bool))
+    assert m["is_weight_mean"] == pytest.approx(1.5)  # exp(5) capped; PPO's clip has no such key
+    assert algo.name == "reinforce_tis"
+
+
+def test_ema_baseline_takes_advantages_before_it_moves() -> None:
+    b = EmaBaseline(decay=0.5)
+    scores = torch.tensor([1.0, 0.0])
+    torch.testing.assert_close(b.advantages(scores), scores)  # starts at 0
+    b.update(scores)
+    assert b.value == pytest.approx(0.25)
+    torch.testing.assert_close(b.advantages(torch.tensor([1.0])), torch.tensor([0.75]))
+
+
+def fb(**kw) -> bus_pb2.FeedbackEvent:
+    return bus_pb2.FeedbackEvent(**{"response_id": "r", "score": 1.0, **kw})
+
+
+@pytest.mark.parametrize("event,needle", [
+    (fb(response_id=""), "empty response_id"),
+    (bus_pb2.FeedbackEvent(response_id="r"), "score not set"),
+    (fb(score=float("nan")), "outside [-1, 1]"),
+    (fb(score=1.5), "outside [-1, 1]"),
+    (fb(score=-1.01), "outside [-1, 1]"),
+])
+def test_malformed_feedback_has_a_reason(event, needle) -> None:
+    assert needle in malformed(event)
+
+
+def test_valid_feedback_passes() -> None:
+    assert malformed(fb(score=-1.0)) is None and malformed(fb(score=0.0)) is None
+
+
+def tr(**kw) -> bus_pb2.TrafficEvent:
+    base = {"response_id": "r", "prompt_ids": [1, 2], "completion_ids": [3, 4], "logprobs": [-0.1, -2.0]}
+    return bus_pb2.TrafficEvent(**{**base, **kw})
+
+
+def test_bad_traffic_reasons() -> None:
+    assert bad_traffic(tr()) is None
+    assert "2 completion ids but 1 logprobs" in bad_traffic(tr(logprobs=[-0.1]))
+    assert "empty completion" in bad_traffic(tr(completion_ids=[], logprobs=[]))
+    assert "empty prompt" in bad_traffic(tr(prompt_ids=[]))
+    assert "finite" in bad_traffic(tr(logprobs=[0.5, -1.0]))
+
+
+def test_staleness_by_oldest_token_version_and_by_age() -> None:
+    job = OnlineConfig(max_staleness_versions=2, max_staleness_s=60)
+    spans = [common_pb2.VersionSpan(version=3, first_token=0), common_pb2.VersionSpan(version=6, first_token=1)]
+    assert served_version(tr(policy_version=3, version_spans=spans)) == 3
+    assert served_version(tr(policy_version=4)) == 4
+    assert stale(tr(policy_version=4, served_at=100.0), 6, 110.0, job) is None  # 2 behind: kept
+    assert stale(tr(policy_version=3, served_at=100.0), 6, 110.0, job) == "stale_version"
+    assert stale(tr(policy_version=6, version_spans=spans, served_at=100.0), 6, 110.0, job) == "stale_version"
+    assert stale(tr(policy_version=6, served_at=100.0), 6, 161.0, job) == "stale_age"
+
+
+def test_online_config_documents_every_field_and_enforces_bounds() -> None:
+    OnlineConfig()
+    assert not [n for n, f in OnlineConfig.model_fields.items() if not f.description]
+    for bad in ({"batch_size": 0}, {"is_cap": 0.9}, {"baseline_ema": 1.0}, {"max_queue": 0},
+                {"durable": "has.dot"}, {"unknown": 1}, {"max_staleness_s": 0}):
+        with pytest.raises(ValidationError):
+            OnlineConfig.model_validate(bad)
+
+
+def test_a_stopping_intake_ends_even_when_its_fetch_swallows_the_cancel() -> None:
+    """Python 3.11's wait_for (under nats-py's fetch) can turn a cancellation that lands as its
+    timeout fires into a timeout, which the consumer reads as "nothing yet". The intake must
+    still end once the loop stops it, not fetch on until the process gives up on it."""
+    import asyncio
+
+    from services.trainer.recipes.online import Counters, Intake
+
+    class SwallowingConsumer:  # what the bus's PullConsumer does after a swallowed cancel
+        fetches, swallowed = 0, False
+
+        async def fetch(self, batch, timeout_s):
+            self.fetches += 1
+            try:
+                await asyncio.sleep(timeout_s)
+            except asyncio.CancelledError:
+                if self.swallowed:  # only the first: a failing test must not hang
+                    raise
+                self.swallowed = True
+            return []
+
+    async def main() -> tuple[bool, int]:
+        consumer = SwallowingConsumer()
+        intake = Intake(consumer, asyncio.Queue(maxsize=4), {}, set(), Counters(), 2)
+        task = asyncio.create_task(intake.run())
+        await asyncio.sleep(0.05)
+        task.cancel()
+        done, _ = await asyncio.wait({task}, timeout=2.0)
+        if not done:
+            task.cancel()
+        return bool(done), consumer.fetches
+
+    ended, fetches = asyncio.run(main())
+    assert ended and fetches == 1
