@@ -193,14 +193,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="benchmarks that print ratios against a baseline measured in the same run")
     bsub = b.add_subparsers(dest="bench", required=True)
-    br = _bench_parser(bsub, "rollout", "tokens/s: HF generate (per prompt, batched) vs vLLM, with/without "
-                       "adapter", model=True)
+    br = _bench_parser(bsub, "rollout", "tokens/s of vLLM with/without a fresh adapter against a matmul "
+                       "roofline and HF generate (per prompt, batched) measured in the same run", model=True)
     br.add_argument("--prompts", type=int, default=8)
     br.add_argument("--n", type=int, default=8)
     br.add_argument("--max-tokens", type=int, default=128)
     br.add_argument("--repeats", type=int, default=3)
     br.add_argument("--lora-slot", action="store_true",
                     help="also measure vLLM LoRA slots (very slow on the CPU backend)")
+    br.add_argument("--no-hf", action="store_true",
+                    help="skip the HF generate baselines (the roofline ratio needs none)")
     bh = _bench_parser(bsub, "hot-update", "push-to-first-token latency of new versions under load", model=True)
     bh.add_argument("--pushes", type=int, default=20)
     bh.add_argument("--mode", choices=["merged", "lora", "auto"], default="auto")
