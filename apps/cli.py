@@ -57,12 +57,34 @@ def cmd_models(args) -> int:
     return 0
 
 
+def replica_overrides(text: str | None) -> list[str]:
+    """`--replicas rollout=2,reward=2` as the overrides it stands for (`up.replicas.<name>=N`);
+    the counts are checked with the rest of `[up]`. ValueError for a malformed item."""
+    from apps.launcher import REPLICATED
+
+    out = []
+    for item in filter(None, (text or "").split(",")):
+        name, eq, count = item.strip().partition("=")
+        if not eq or not count.strip():
+            raise ValueError(f"--replicas {text}: {item!r} is not SERVICE=N (e.g. --replicas rollout=2,reward=2)")
+        if name.strip() not in REPLICATED:
+            raise ValueError(f"--replicas {text}: {name.strip()!r} does not run as replicas; "
+                             f"those that do: {', '.join(REPLICATED)}")
+        out.append(f"up.replicas.{name.strip()}={count.strip()}")
+    return out
+
+
 def cmd_up(args) -> int:
     from apps import sections
     from apps.launcher import ALL_SERVICES, Mesh, available
 
+    try:
+        overrides = [*args.set, *replica_overrides(args.replicas)]
+    except ValueError as e:
+        print(f"hotloop up: {e}", file=sys.stderr)
+        return 2
     # Every section of the file checked now, before anything starts: all problems at once.
-    loaded = sections.load(args.config, args.set)
+    loaded = sections.load(args.config, overrides)
     mesh_cfg = loaded.mesh
     # Explicitly named services must all exist; the default is every one that does.
     if args.services and args.profile:
@@ -73,7 +95,7 @@ def cmd_up(args) -> int:
     else:
         services = args.services.split(",") if args.services else [s for s in ALL_SERVICES if available(s)]
     try:
-        mesh = Mesh(mesh_cfg, args.config, args.set, services, up=loaded["up"],
+        mesh = Mesh(mesh_cfg, args.config, overrides, services, up=loaded["up"],
                     rollout=loaded["rollout"])
     except ValueError as e:
         print(f"hotloop up: {e}", file=sys.stderr)
@@ -157,6 +179,10 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--profile", choices=sorted(PROFILES),
                     help="a named set of services: `colocated` leaves the reference out (PPO scores "
                          "its KL against the base inside the trainer, so the base is loaded once)")
+    up.add_argument("--replicas", metavar="SERVICE=N,...",
+                    help="processes of rollout, reference and reward, each on its own port with its own "
+                         "restarts, e.g. rollout=2,reference=2,reward=2 ([up] replicas); jobs spread their "
+                         "work over them")
     up.set_defaults(fn=cmd_up)
 
     serve = sub.add_parser("serve", help="run one service in the foreground (as compose does)")
@@ -167,14 +193,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="benchmarks that print ratios against a baseline measured in the same run")
     bsub = b.add_subparsers(dest="bench", required=True)
-    br = _bench_parser(bsub, "rollout", "tokens/s: HF generate (per prompt, batched) vs vLLM, with/without "
-                       "adapter", model=True)
+    br = _bench_parser(bsub, "rollout", "tokens/s of vLLM with/without a fresh adapter against a matmul "
+                       "roofline and HF generate (per prompt, batched) measured in the same run", model=True)
     br.add_argument("--prompts", type=int, default=8)
     br.add_argument("--n", type=int, default=8)
     br.add_argument("--max-tokens", type=int, default=128)
     br.add_argument("--repeats", type=int, default=3)
     br.add_argument("--lora-slot", action="store_true",
                     help="also measure vLLM LoRA slots (very slow on the CPU backend)")
+    br.add_argument("--no-hf", action="store_true",
+                    help="skip the HF generate baselines (the roofline ratio needs none)")
     bh = _bench_parser(bsub, "hot-update", "push-to-first-token latency of new versions under load", model=True)
     bh.add_argument("--pushes", type=int, default=20)
     bh.add_argument("--mode", choices=["merged", "lora", "auto"], default="auto")
@@ -216,6 +244,9 @@ def build_parser() -> argparse.ArgumentParser:
     bg.add_argument("--max-staleness", type=int, default=1, help="the asynchronous mode's bound")
     bg.add_argument("--peer", choices=["trl"], help="also run TRL's GRPOTrainer (pip install -e '.[peer]')")
     bg.add_argument("--peer-steps", type=int, default=3, help="TRL optimizer steps (median of all but the first)")
+    bg.add_argument("--replicas", type=int, default=1, choices=range(1, 17), metavar="N",
+                    help="processes of each service (rollout, reference, reward) the steps spread over; "
+                         "reports each replica's share and any work lost or done twice")
     _out_dir(bg, "bench-grpo")
     bu = _bench_parser(bsub, "update-loop", "feedback sent -> first token from a version trained on it, "
                        "with users streaming; stage budget from the traces", config=True)

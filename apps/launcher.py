@@ -1,14 +1,16 @@
 """`hotloop up`: a whole mesh on one machine, as local processes on loopback, kept running.
 
-Owns: starting a NATS server (JetStream, store under the run directory), generating the admin
+Owns: starting NATS (one JetStream server, or a cluster of `[up] nats_servers`, stores under
+the run directory), generating the admin
 token and the gateway's user API key file, starting each service as `python -m services.<name>`
-(the rollout as `[up] rollout_replicas` replicas) with its log file, waiting until each is
-healthy, writing `<run_dir>/mesh.json` (how clients find the mesh, including the gateway's HTTP
-URL), supervising, and stopping everything in order on Ctrl-C.
+(rollout, reference and reward as `[up] replicas` processes each: `rollout`, `rollout-1`, ...)
+with its log file, waiting until each is healthy, writing `<run_dir>/mesh.json` (how clients
+find the mesh, including the gateway's HTTP URL; every replica of a replicated service listed
+under its name, in replica order), supervising, and stopping everything in order on Ctrl-C.
 
 Supervision (`Mesh.poll`, looped by `watch`): a service that exits without being stopped is
-restarted after a doubling backoff while the others keep running; NATS likewise, on the same
-port and store. Each comes back on the port it had (chosen by the OS at the first start, then
+restarted after a doubling backoff while the others keep running; NATS likewise (each server
+of a cluster on its own), on the same port and store. Each comes back on the port it had (chosen by the OS at the first start, then
 passed as `--set <section>.port`), so the endpoints and mesh.json stay valid and the gateway
 and the trainer find a restarted replica where they knew it; mesh.json is rewritten with the
 new pid. A restarted service reads the endpoints as they are then (a replica restarted after
@@ -32,13 +34,13 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pydantic import Field
+from pydantic import Field, field_validator, model_validator
 
 from hotloop import config as hconfig
 from hotloop.config import MeshConfig, Section
 from services.rollout.config import RolloutConfig
 
-from apps.natsserver import NatsServer
+from apps.natsserver import NatsCluster, NatsServer
 from apps.processes import die_with_parent, tail_log
 
 # Start order: the trainer job and the gateway need the others' endpoints.
@@ -50,15 +52,33 @@ MESH_FILE = "mesh.json"
 # Where each service takes its listening port (`--set`), so a restart can reuse it.
 PORT_KEYS = {"rollout": "rollout.port", "reward": "reward.port", "reference": "reference.port",
              "gateway": "gateway.port", "trainer": "trainer_server.port"}
+# Services that run as several processes (`[up] replicas`); mesh.json lists each as a list.
+REPLICATED = ("rollout", "reference", "reward")
+
+
+class UpReplicas(Section):
+    """`[up] replicas`: how many processes of each replicated service `hotloop up` starts,
+    each on its own port with its own restarts (`rollout`, `rollout-1`, ...: their logs, port
+    files and pids go by these names). A job spreads its work over them (hotloop/replicas.py)."""
+
+    rollout: int = Field(1, ge=1, le=16)
+    """Rollout replicas, each its own engine, with its adapters under `<run_dir>/<name>`. The
+    gateway routes users among them; the trainer pushes every version to each."""
+    reference: int = Field(1, ge=1, le=16)
+    """Reference replicas, each with its own copy of the base model."""
+    reward: int = Field(1, ge=1, le=16)
+    """Reward replicas, each with its own sandboxes."""
 
 
 class UpConfig(Section):
     """The `[up]` section: what `hotloop up` starts and how it keeps it running."""
 
-    rollout_replicas: int = Field(1, ge=1, le=16)
-    """Rollout replicas to start, each its own process and engine (`rollout`, `rollout-1`, ...:
-    their logs, port files and pids go by these names; adapters under `<run_dir>/<name>`).
-    The gateway routes among them; the trainer pushes every version to each."""
+    replicas: UpReplicas = UpReplicas()
+    """Processes of each replicated service, e.g. `replicas = {rollout = 2, reward = 2}`
+    (`hotloop up --replicas rollout=2,reward=2` sets the same)."""
+    rollout_replicas: int | None = Field(None, ge=1, le=16)
+    """The same as `replicas.rollout`, from before every service could have replicas; kept so
+    that older configs start as they did. Giving both with different counts is an error."""
     max_restarts: int = Field(5, ge=0, le=1000)
     """Restarts of one service (or of NATS) allowed within `restart_window_s`; its next crash
     in the window stops the whole mesh, saying which process and why. 0: the first crash of
@@ -70,10 +90,32 @@ class UpConfig(Section):
     """Wait before restarting a crashed process; it doubles with each crash in the window."""
     restart_backoff_max_s: float = Field(60.0, ge=0)
     """Cap on that wait."""
+    nats_servers: int = Field(1, ge=1, le=5)
+    """NATS servers to start on loopback: 1, or a JetStream cluster of 3 (or 5) routed to each
+    other, each with its own store and port. With `[nats] replicas` as large, the mesh loses
+    nothing while one server (two of five) is down. An even count is refused: its extra
+    server is one more that a majority needs, not one more that may fail."""
+
+    @model_validator(mode="after")
+    def _one_rollout_count(self) -> "UpConfig":
+        old = self.rollout_replicas
+        if old is not None:
+            if "rollout" in self.replicas.model_fields_set and self.replicas.rollout != old:
+                raise ValueError(f"rollout_replicas = {old} and replicas.rollout = {self.replicas.rollout} "
+                                 f"disagree; keep replicas.rollout only")
+            self.replicas = self.replicas.model_copy(update={"rollout": old})
+        return self
     start_timeout_s: float = Field(300.0, gt=0)
     """Longest a service may take to listen, at the first start (past it `hotloop up` fails)
     and after a restart (past it the restart counts as a crash). A vLLM engine takes ~20-60 s
     on a small CPU host; a rollout replica also catches up first (`catchup_timeout_s`)."""
+
+    @field_validator("nats_servers")
+    @classmethod
+    def _odd(cls, n: int) -> int:
+        if n % 2 == 0:
+            raise ValueError(f"{n} servers survive no more failures than {n - 1}; use 1, 3 or 5")
+        return n
 
 
 @dataclass
@@ -124,6 +166,7 @@ class MeshInfo:
     run_dir: str
     nats_url: str
     endpoints: dict[str, str | list[str]]
+    """Each service's address; a list for the replicated ones (`REPLICATED`)."""
     admin_token_file: str
     config_path: str | None = None
     pids: dict[str, int] = field(default_factory=dict)
@@ -158,12 +201,12 @@ class MeshInfo:
         security = {"admin_token": self.admin_token()}
         if self.user_keys_file:
             security["user_tokens_file"] = self.user_keys_file
-        endpoints = {k: (v if isinstance(v, list) else [v]) if k == "rollout" else v
-                     for k, v in self.endpoints.items()}
+        # validated, so that a mesh.json of any age gives the types the config has
+        endpoints = hconfig.Endpoints.model_validate({**mesh.endpoints.model_dump(), **self.endpoints})
         return mesh.model_copy(update={
             "nats": mesh.nats.model_copy(update={"url": self.nats_url}),
             "security": mesh.security.model_copy(update=security),
-            "endpoints": mesh.endpoints.model_copy(update=endpoints),
+            "endpoints": endpoints,
             "run_dir": self.run_dir,
         })
 
@@ -206,9 +249,10 @@ class Mesh:
                                               {"up": UpConfig, "rollout": RolloutConfig}, only_known=False)
             up, rollout = up or loaded["up"], rollout or loaded["rollout"]
         self.up = up
-        if self.up.rollout_replicas > 1 and rollout.port:
-            raise ValueError(f"rollout.port = {rollout.port} gives every replica one port; "
-                             f"with up.rollout_replicas = {self.up.rollout_replicas} leave it 0")
+        self._check_ports(config_path, overrides, rollout)
+        if mesh_cfg.nats.replicas > self.up.nats_servers:
+            raise ValueError(f"nats.replicas = {mesh_cfg.nats.replicas} needs as many NATS servers; "
+                             f"set up.nats_servers = {mesh_cfg.nats.replicas} (now {self.up.nats_servers})")
         self._rollout_storage = rollout.storage_dir
         self.cfg = mesh_cfg
         self.config_path = config_path
@@ -216,12 +260,33 @@ class Mesh:
         self.services = [s for s in ALL_SERVICES + OPT_IN_SERVICES if s in services]
         self.run_dir = Path(mesh_cfg.run_dir).resolve()
         self.procs: list[Proc] = []
-        self.nats: NatsServer | None = None
-        self._nats_restarts = RestartPolicy.of(self.up)
-        self._nats_due: float | None = None  # when NATS is to be restarted, while it is down
+        self.nats: NatsServer | NatsCluster | None = None
+        self._nats_restarts = RestartPolicy.of(self.up)  # one policy for all of a cluster's servers
+        self._nats_due: dict[Path, float] = {}  # store dir -> when that server is to be restarted
         self.info: MeshInfo | None = None
         self.quiet = quiet
         self._stopping = False
+
+    def _check_ports(self, config_path: str | None, overrides: list[str], rollout: RolloutConfig) -> None:
+        """Replicas of one service need a port each (and a metrics port each): a fixed one in
+        the service's section would be every replica's."""
+        several = [s for s in REPLICATED if getattr(self.up.replicas, s) > 1]
+        sections = {"rollout": rollout}
+        if set(several) - {"rollout"}:
+            from services.reference.__main__ import ReferenceServiceConfig
+            from services.reward.config import RewardConfig
+
+            _, loaded = hconfig.load_sections(hconfig.raw_config(config_path, overrides),
+                                              {"reward": RewardConfig, "reference": ReferenceServiceConfig},
+                                              only_known=False)
+            sections |= loaded
+        for service in several:
+            for key in ("port", "metrics_port"):
+                value = getattr(sections[service], key)
+                if value > 0:
+                    raise ValueError(f"{service}.{key} = {value} gives every replica one port; with "
+                                     f"up.replicas.{service} = {getattr(self.up.replicas, service)} "
+                                     f"leave it 0")
 
     def say(self, msg: str) -> None:
         if not self.quiet:
@@ -237,9 +302,14 @@ class Mesh:
         if not token_file.exists():
             token_file.write_text(secrets.token_hex(24))
         token_file.chmod(0o600)
-        self.nats = NatsServer(self.run_dir / "nats", self.run_dir / "logs" / "nats.log").start(
-            preexec_fn=die_with_parent)
-        self.say(f"nats-server (JetStream) on {self.nats.url}")
+        if self.up.nats_servers > 1:
+            self.nats = NatsCluster(self.run_dir / "nats", self.up.nats_servers,
+                                    self.run_dir / "logs").start(preexec_fn=die_with_parent)
+            self.say(f"NATS JetStream cluster of {self.up.nats_servers} on {self.nats.url}")
+        else:
+            self.nats = NatsServer(self.run_dir / "nats", self.run_dir / "logs" / "nats.log").start(
+                preexec_fn=die_with_parent)
+            self.say(f"nats-server (JetStream) on {self.nats.url}")
         self.info = MeshInfo(str(self.run_dir), self.nats.url, {}, str(token_file), self.config_path,
                              user_keys_file=self._user_keys_file())
         try:
@@ -283,17 +353,17 @@ class Mesh:
         return self.run_dir / "ports" / "gateway-http.json"
 
     def _new_procs(self, service: str) -> list[Proc]:
-        if service != "rollout" or self.up.rollout_replicas == 1:
-            return [Proc(service, None, self.run_dir / "logs" / f"{service}.log", service=service,
-                         restarts=RestartPolicy.of(self.up))]
+        count = getattr(self.up.replicas, service) if service in REPLICATED else 1
         procs = []
-        for i in range(self.up.rollout_replicas):
-            name = "rollout" if i == 0 else f"rollout-{i}"
-            # each replica empties its adapter directory at start: one directory each
-            storage = Path(self._rollout_storage or self.run_dir) / name / "adapters"
+        for i in range(count):
+            name = service if i == 0 else f"{service}-{i}"
+            sets = []
+            if service == "rollout" and count > 1:
+                # each replica empties its adapter directory at start: one directory each
+                storage = Path(self._rollout_storage or self.run_dir) / name / "adapters"
+                sets.append(f"rollout.storage_dir={storage}")
             procs.append(Proc(name, None, self.run_dir / "logs" / f"{name}.log", service=service,
-                              sets=[f"rollout.storage_dir={storage}"],
-                              restarts=RestartPolicy.of(self.up)))
+                              sets=sets, restarts=RestartPolicy.of(self.up)))
         return procs
 
     def _spawn(self, proc: Proc) -> None:
@@ -351,8 +421,8 @@ class Mesh:
                 section = PORT_KEYS[proc.kind].split(".")[0]
                 proc.sets.append(f"{section}.metrics_port={metrics_port}")
                 self.info.metrics[proc.name] = f"http://127.0.0.1:{metrics_port}/metrics"
-            if proc.kind == "rollout":
-                self.info.endpoints.setdefault("rollout", []).append(addr)  # in replica order
+            if proc.kind in REPLICATED:
+                self.info.endpoints.setdefault(proc.kind, []).append(addr)  # in replica order
             else:
                 self.info.endpoints[proc.kind] = addr
             if proc.kind == "gateway":
@@ -406,8 +476,8 @@ class Mesh:
 
     def _moved(self, proc: Proc, port: int) -> None:
         old, new = f"127.0.0.1:{proc.port}", f"127.0.0.1:{port}"
-        if proc.kind == "rollout":
-            eps = self.info.endpoints["rollout"]
+        if proc.kind in REPLICATED:
+            eps = self.info.endpoints[proc.kind]
             eps[eps.index(old)] = new
         else:
             self.info.endpoints[proc.kind] = new
@@ -440,25 +510,34 @@ class Mesh:
     def _poll_nats(self, now: float) -> str | None:
         if self.nats is None:
             return None
-        if self._nats_due is None:
-            if self.nats.proc.poll() is None:
+        servers = self.nats.members if isinstance(self.nats, NatsCluster) else [self.nats]
+        for server in servers:
+            if (why := self._poll_nats_server(server, now)) is not None:
+                return why
+        return None
+
+    def _poll_nats_server(self, server: NatsServer, now: float) -> str | None:
+        name = f"nats-server {server.name}" if server.name else "nats-server"
+        due = self._nats_due.get(server.store_dir)
+        if due is None:
+            if server.proc.poll() is None:
                 return None
-            what = f"nats-server died with exit code {self.nats.proc.returncode}"
-        elif now < self._nats_due:
+            what = f"{name} died with exit code {server.proc.returncode}"
+        elif now < due:
             return None
         else:
             try:  # on the same port and store: clients reconnect; streams and KV survive
-                self.nats.restart(preexec_fn=die_with_parent)
+                server.restart(preexec_fn=die_with_parent)
             except (RuntimeError, TimeoutError) as e:
-                what = f"nats-server did not restart ({e})"
+                what = f"{name} did not restart ({e})"
             else:
-                self._nats_due = None
-                self.say(f"nats-server is back on {self.nats.url}")
+                del self._nats_due[server.store_dir]
+                self.say(f"{name} is back on {server.url}")
                 return None
-        wait, tail = self._crash(self._nats_restarts, now, what, self.nats.log_path)
+        wait, tail = self._crash(self._nats_restarts, now, what, server.log_path)
         if wait is None:
             return tail
-        self._nats_due = now + wait
+        self._nats_due[server.store_dir] = now + wait
         self.say(f"{what}; restarting it in {wait:.1f}s on the same port and store. {tail}")
         return None
 

@@ -82,7 +82,7 @@ def train(args) -> int:
 
 def evaluate(args) -> int:
     """`hotloop eval`: pass@k of a policy version on held-out tasks or HumanEval."""
-    from hotloop.clients import RewardClient, RolloutClient
+    from hotloop.replicas import Rewards, Rollouts
     from hotloop.tasks import load_tasks
     from services.trainer.recipes.grpo import evaluate
 
@@ -98,9 +98,10 @@ def evaluate(args) -> int:
         print(f"pass@{max(ks)} needs at least {max(ks)} samples per task (--samples)")
         return 2
 
-    async def run():
-        rollout = RolloutClient(info.endpoints["rollout"][0])
-        reward = RewardClient(info.endpoints["reward"])
+    ep = info.apply(mesh_cfg).endpoints
+
+    async def run():  # spread over every replica of each
+        rollout, reward = Rollouts.connect(ep.rollout), Rewards.connect(ep.reward)
         try:
             return await evaluate(rollout, reward, tasks, samples=args.samples,
                                   temperature=job.eval_temperature, max_tokens=trainer_cfg.max_new_tokens,

@@ -1,6 +1,7 @@
 """`hotloop bench grpo`: GRPO samples/s, seconds per stage and how much of the cores sat idle,
 synchronous against asynchronous, on the demo configuration in one run; `--peer trl` adds
-TRL's GRPOTrainer on the same configuration.
+TRL's GRPOTrainer on the same configuration; `--replicas N` runs N processes of each service
+and reports each replica's share of the work and whether any was lost or done twice.
 
 Owns:
 - the run: the mesh (NATS, reference, reward, rollout; `apps.launcher.Mesh`), then in this
@@ -8,6 +9,12 @@ Owns:
   many of the asynchronous one (`grpo_async.run`), each from a fresh policy on the same tasks,
   with no evaluation; then the mesh stops and, with `--peer trl`, TRL's GRPOTrainer runs a few
   steps in a process of its own (grpo_trl.py) on the machine alone, as hotloop had it;
+- with `--replicas N`: N rollout, reference and reward processes (`[up] replicas`), which the
+  recipes spread their stages over (hotloop/replicas.py); `replicas` gives each replica's share
+  of its service's work from the services' own Prometheus counters (before and after the
+  steps), and `work` sets what each service counted against what the job consumed: `lost`
+  (consumed more than the services did) and `duplicated` (the services did more than was
+  consumed), both 0 when each sample was generated, scored and referenced exactly once;
 - the figures, with their methods in the JSON: samples/s from the median wall time of a step
   after the first (the first carries start-up and, asynchronous, the pipeline's fill; the
   whole-run rate is reported beside it); seconds per stage (medians); the idle share from CPU
@@ -132,6 +139,8 @@ class StepSeen:
     samples: int
     skipped: bool = False
     staleness_max: float = 0.0
+    tokens: int = 0  # completion tokens of the step's batch
+    trained: int = 0  # samples trained on (kept), which are the ones the reference scored
 
 
 def phase_figures(steps: list[StepSeen], samples: list[CpuSample], spans: list[tuple[str, float, float]],
@@ -211,6 +220,75 @@ def compare(sync: dict, asyn: dict, peer: dict | None) -> dict:
     return out
 
 
+# What each replicated service counts of its work, and in what unit: (counter, labels, unit).
+WORK = {"rollout": ("hotloop_rollout_generated_tokens_total", {}, "tokens"),
+        "reference": ("hotloop_reference_requests_total", {"result": "scored"}, "samples"),
+        "reward": ("hotloop_reward_samples_total", {}, "samples")}
+WORK_METHOD = ("each replica's counter (rollout: hotloop_rollout_generated_tokens_total; reference: "
+               "hotloop_reference_requests_total{result=scored}; reward: hotloop_reward_samples_total) "
+               "scraped from its /metrics before and after the steps; share: its part of its service's "
+               "increase. work: each service's increase against what the job consumed (rollout: the "
+               "batches' completion tokens; reference: the samples trained on, when kl_beta > 0; "
+               "reward: every sample); lost: consumed - counted when positive, duplicated: counted - "
+               "consumed when positive, in the service's unit; the top-level figures are their sums")
+
+
+def replica_of(process: str) -> tuple[str, int]:
+    """`reward-1` -> ("reward", 1): a process's service and its index among the replicas
+    (`apps.launcher.Mesh` names them so)."""
+    service, _, index = process.rpartition("-")
+    return (service, int(index)) if service and index.isdigit() else (process, 0)
+
+
+def replica_shares(before: dict[str, float], after: dict[str, float],
+                   endpoints: dict[str, list[str]]) -> dict[str, list[dict]]:
+    """Each replica's part of its service's work between two scrapes (by process name), in
+    replica order: {service: [{process, address, work, share}]}."""
+    out: dict[str, list[dict]] = {}
+    for process in sorted(after, key=replica_of):
+        service, index = replica_of(process)
+        if service not in WORK:
+            continue
+        work = after[process] - before.get(process, 0.0)
+        address = endpoints.get(service, [])[index] if index < len(endpoints.get(service, [])) else ""
+        out.setdefault(service, []).append({"process": process, "address": address, "work": work})
+    for reps in out.values():
+        total = sum(r["work"] for r in reps)
+        for r in reps:
+            r["share"] = r["work"] / total if total > 0 else None
+    return {service: out[service] for service in WORK if service in out}
+
+
+def work_accounting(replicas: dict[str, list[dict]], steps: list[StepSeen], kl: bool) -> dict:
+    """What each service counted against what the job consumed (`WORK_METHOD`)."""
+    consumed = {"rollout": sum(s.tokens for s in steps), "reward": sum(s.samples for s in steps),
+                "reference": sum(s.trained for s in steps) if kl else 0}
+    out = {}
+    for service, reps in replicas.items():
+        counted = sum(r["work"] for r in reps)
+        out[service] = {"unit": WORK[service][2], "consumed": consumed[service], "counted": counted,
+                        "lost": max(0.0, consumed[service] - counted),
+                        "duplicated": max(0.0, counted - consumed[service])}
+    return out
+
+
+def scrape_work(metrics: dict[str, str]) -> dict[str, float]:
+    """Each replicated service's work counter now, by process name (`MeshInfo.metrics`)."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = {}
+    for process, url in metrics.items():
+        service, _ = replica_of(process)
+        if service not in WORK:
+            continue
+        name, labels, _ = WORK[service]
+        text = httpx.get(url, timeout=10).text
+        out[process] = sum(s.value for fam in text_string_to_metric_families(text) for s in fam.samples
+                           if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
+    return out
+
+
 def markdown(result: dict) -> str:
     def f(x, spec=".2f"):
         return "-" if x is None else format(x, spec)
@@ -250,6 +328,15 @@ def markdown(result: dict) -> str:
     if "reward_diff" in c:
         lines.append(f"mean training reward async - sync: {c['reward_diff']:+.3f} ± {c['reward_diff_se']:.3f} "
                      f"(SE; {'within' if aims.get('learning_within_noise') else 'outside'} 2 SE)")
+    if result.get("replicas"):
+        lines += ["", "| service | replica | share | work | unit |", "|---|---|---|---|---|"]
+        for service, reps in result["replicas"].items():
+            unit = result.get("work", {}).get(service, {}).get("unit", "")
+            lines += [f"| {service} | {r['address']} | {f(r['share'], '.0%')} | {r['work']:g} | {unit} |"
+                      for r in reps]
+        lines.append(f"lost: {result.get('lost', 0):g}, duplicated: {result.get('duplicated', 0):g} "
+                     f"(" + "; ".join(f"{s}: {w['counted']:g} of {w['consumed']:g} {w['unit']}"
+                                      for s, w in result.get("work", {}).items()) + ")")
     lines += ["", f"samples/s: {SAMPLES_PER_S_METHOD}.", f"idle share: {IDLE_METHOD}."]
     for note in result.get("notes", []):
         lines.append(f"- {note}")
@@ -319,7 +406,8 @@ class Bench:
             else:  # sync: the stages are the step; async: the recipe measured its first step
                 wall = rec.train.get("step_wall_s") or sum(v for k, v in secs.items() if k != "wait")
             runs.append(StepSeen(rec.step, now, wall, secs, rec.reward_mean, self.samples_per_step,
-                                 rec.skipped, float(rec.train.get("staleness_max", 0.0))))
+                                 rec.skipped, float(rec.train.get("staleness_max", 0.0)), rec.tokens,
+                                 int(rec.train.get("trained_samples", 0))))
             self.say(f"{mode} step {rec.step}/{self.steps}: {wall:.1f} s ("
                      + ", ".join(f"{k} {v:.1f}" for k, v in secs.items()) + f"), reward {rec.reward_mean:.2f}"
                      + (f", staleness {rec.train.get('staleness_max', 0):g}" if mode == "async" else ""))
@@ -327,14 +415,14 @@ class Bench:
         return on_step
 
     async def run(self, mesh_cfg, trainer_cfg, job, model_dir: Path) -> None:
-        from hotloop.clients import RewardClient, RolloutClient
+        from hotloop.replicas import Rewards, Rollouts
 
         from services.trainer.recipes import grpo, grpo_async
         from services.trainer.recipes.job import open_edge
 
         ep = mesh_cfg.endpoints
         edge = await open_edge(mesh_cfg, trainer_cfg, self.out / "trainer", "grpo")
-        mesh = grpo.Mesh(rollout=[RolloutClient(a) for a in ep.rollout], reward=RewardClient(ep.reward),
+        mesh = grpo.Mesh(rollout=Rollouts.connect(ep.rollout), reward=Rewards.connect(ep.reward),
                          reference=edge.reference, publisher=edge.publisher)
         try:
             for mode, staleness in (("sync", 0), ("async", self.max_staleness)):
@@ -343,8 +431,8 @@ class Bench:
                 await grpo_async.recipe(j)(j, trainer_cfg, model_dir, mesh, self.out / mode, progress=False,
                                            on_step=self.on_step(mode))
         finally:
-            for c in [*mesh.rollout, mesh.reward]:
-                await c.close()
+            await mesh.rollout.close()
+            await mesh.reward.close()
             await edge.close()
 
 
@@ -405,6 +493,8 @@ def notes(result: dict, cpus: int) -> list[str]:
 
 def main(args) -> int:
     """`hotloop bench grpo`."""
+    import httpx
+
     from hotloop import config, models, telemetry
     from hotloop.config import TelemetryConfig
 
@@ -420,7 +510,8 @@ def main(args) -> int:
     out = (Path(args.out_dir) / time.strftime("bench-grpo-%Y%m%d-%H%M%S")).resolve()
     out.mkdir(parents=True, exist_ok=True)
     (out / "no-heldout.jsonl").write_text("")  # the bench evaluates nothing
-    overrides = [*args.set, f"run_dir={out / 'mesh'}", f"trainer.num_steps={args.steps}",
+    replicated = [f"up.replicas.{s}={args.replicas}" for s in MESH_SERVICES] if args.replicas > 1 else []
+    overrides = [*args.set, *replicated, f"run_dir={out / 'mesh'}", f"trainer.num_steps={args.steps}",
                  "grpo.train_budget_s=0", "grpo.run_budget_s=0", f"grpo.eval_tasks={out / 'no-heldout.jsonl'}",
                  "grpo.eval_split=all", f"grpo.out_dir={out}"]
 
@@ -435,6 +526,7 @@ def main(args) -> int:
         + (", then TRL's GRPOTrainer" if args.peer else "") + f"; run files under {out}")
     sampler = CpuSampler()
     interrupted = False
+    shares: dict = {}
     try:
         say("starting the mesh (NATS, reference, reward, rollout)")
         with sigterm_interrupts(), mesh:
@@ -442,12 +534,18 @@ def main(args) -> int:
             say(f"mesh up in {time.monotonic() - t_start:.0f} s")
             telemetry.setup("trainer", TelemetryConfig(exporter="memory"))
             sampler.start()
+            work_before = scrape_work(mesh.info.metrics)
             try:
                 _, interrupted = run_interruptible(
                     bench.run(mesh_cfg, trainer_cfg, job, models.resolve(mesh_cfg.model.name)))
             except Exception as e:  # report what was measured
                 bench.failed = f"{type(e).__name__}: {e}"
                 say(f"stopped: {bench.failed}")
+            try:
+                shares = replica_shares(work_before, scrape_work(mesh.info.metrics),
+                                        mesh_cfg.endpoints.model_dump())
+            except httpx.HTTPError as e:  # a replica that died took its counters with it
+                say(f"the replicas' work is not measured: {e!r}")
     except KeyboardInterrupt:
         interrupted = True
         say("interrupted; the mesh is stopped")
@@ -475,11 +573,19 @@ def main(args) -> int:
             result["peer"] = {"name": peer.get("name", "trl"), "samples_per_s": peer.get("samples_per_s"),
                               **{k: v for k, v in peer.items() if k not in ("name", "samples_per_s")}}
     result["comparison"] = compare(result["sync"], result["async"], result.get("peer"))
-    result["methods"] = {"samples_per_s": SAMPLES_PER_S_METHOD, "idle_share": IDLE_METHOD}
+    if shares:
+        every_step = [s for mode in ("sync", "async") for s in bench.seen.get(mode, [])]
+        result["replicas"] = shares
+        result["work"] = work_accounting(shares, every_step, trainer_cfg.loss.kl_beta > 0)
+        result["lost"] = sum(w["lost"] for w in result["work"].values())
+        result["duplicated"] = sum(w["duplicated"] for w in result["work"].values())
+    result["samples_per_s"] = {mode: result[mode].get("samples_per_s") for mode in ("sync", "async")}
+    result["methods"] = {"samples_per_s": SAMPLES_PER_S_METHOD, "idle_share": IDLE_METHOD, "replicas": WORK_METHOD}
     result.update({
         "interrupted": interrupted, "failed": bench.failed, "cpus": cpus,
         "seconds": time.monotonic() - t_start,
         "settings": {"config": config_path, "overrides": list(args.set), "steps": args.steps,
+                     "replicas": args.replicas,
                      "max_staleness": args.max_staleness, "peer": args.peer, "peer_steps": args.peer_steps,
                      "batch_prompts": trainer_cfg.batch_prompts, "group_size": trainer_cfg.group_size,
                      "max_new_tokens": trainer_cfg.max_new_tokens, "stop": job.stop,

@@ -126,7 +126,19 @@ async def _hot_update_one(args, mode: str, swap: str) -> dict:
                     seen(c.version_spans)
             latencies.append((first_seen[v] - sent["t"]) * 1e3)
             await push
-            swaps.append(core.last_swap)
+            swap = dict(core.last_swap)
+            # The replica runs in this process: its perf_counter marks time the two gaps
+            # around its own stages (what was still on the wire when the client had sent it
+            # all, and the engine step after the resume that samples the first token).
+            if "t_last_byte" in swap:
+                swap["receive_tail_ms"] = (swap["t_last_byte"] - sent["t"]) * 1e3
+            if "t_live" in swap:
+                swap["first_token_ms"] = (first_seen[v] - swap["t_live"]) * 1e3
+            worker = swap.get("worker") or {}
+            for k in ("read_s", "merge_s", "swap_s"):  # inside the pause, as the worker timed it
+                if k in worker:
+                    swap[f"worker_{k[:-2]}_ms"] = worker[k] * 1e3
+            swaps.append(swap)
             print(f"[{label}] push {v}/{args.pushes}: first token of v{v} after "
                   f"{latencies[-1]:.0f} ms", flush=True)
             await asyncio.sleep(0.2)
@@ -147,10 +159,21 @@ async def _hot_update_one(args, mode: str, swap: str) -> dict:
         "pushes": len(latencies), "failed_requests": failed["n"], "served_requests": served["n"],
         "mode": core.mode, "swap": core.swap, "rank": args.rank, "archive_bytes": len(archives[0]),
         "completions_across_a_swap": served["crossed"],
-        # medians: receive + verify the archive, build the version (factored first in flight),
-        # drain, pause, commit (+ label + resume), then the merged build that replaces it
-        "swap_ms": {"verify": med("verify_ms"), "prepare": med("prepare_ms"), "drain": med("drain_ms"),
-                    "pause": med("pause_ms"), "commit": med("commit_ms"), "finish": med("finish_ms")},
+        # medians of the replica's stages, in the order they run: receive (header to last
+        # byte; mostly before the client's last send), the part of it after that send,
+        # verify (digest, tar, shapes, finite values), then in flight: pause (the engine step
+        # in progress ends), prepare (the factored build and the swap, inside the pause),
+        # commit (label and resume), first token (the next step, to the client), and the
+        # merged build that replaces the factored one afterwards (finish). drain: prepare is
+        # starting the background build, drain and commit (waits for it) follow.
+        "swap_ms": {"receive": med("receive_ms"), "receive_tail": med("receive_tail_ms"),
+                    "verify": med("verify_ms"), "drain": med("drain_ms"),
+                    "pause": med("pause_ms"), "prepare": med("prepare_ms"),
+                    "commit": med("commit_ms"), "first_token": med("first_token_ms"),
+                    "finish": med("finish_ms")},
+        # in flight: what the worker timed of `prepare` (read the archive, build, swap)
+        "in_pause_ms": {"read": med("worker_read_ms"), "build": med("worker_merge_ms"),
+                        "swap": med("worker_swap_ms")},
         "tokens_per_s": {"base": base_rate, "after_update": after_rate,
                          "after_vs_base": after_rate / base_rate},
         "dtype": core.dtype,
@@ -161,6 +184,8 @@ async def _hot_update_one(args, mode: str, swap: str) -> dict:
           f"p95 {p['p95']:.1f} ms over {len(latencies)} pushes; user requests served {served['n']}, "
           f"failed {failed['n']}; tokens/s after the updates {after_rate:.1f} vs base {base_rate:.1f} "
           f"({after_rate / base_rate:.2f}x)", flush=True)
+    print(f"[{label}] stages, median ms: " + ", ".join(
+        f"{k} {v:.1f}" for k, v in result["swap_ms"].items() if v is not None), flush=True)
     return result
 
 

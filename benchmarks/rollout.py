@@ -1,10 +1,11 @@
-"""`hotloop bench rollout`: generation speed as ratios against a baseline measured in the same
-run.
+"""`hotloop bench rollout`: generation speed against a matmul roofline and HF `generate`,
+both measured in the same run.
 
-Owns the rollout benchmark (HF `generate` per prompt and batched vs vLLM with and without a
-fresh adapter), and the prompts and the random adapter that hot_update.py reuses. Machines
-here are noisy: every figure is a median over repeats, and only ratios from one run are
-comparable.
+Owns the rollout benchmark (vLLM with and without a fresh adapter; HF `generate` per prompt
+and batched unless `--no-hf`; `roofline_ratio`: the generated tokens' matmul FLOPs per second
+against a matmul roofline of the decode shapes, benchmarks/roofline.py), and the prompts and
+the random adapter that hot_update.py reuses. Machines here are noisy: every figure is a
+median over repeats, and only ratios from one run are comparable.
 """
 
 from __future__ import annotations
@@ -138,9 +139,70 @@ def make_bench_adapter(model_dir: Path, out: Path, rank: int, seed: int = 0) -> 
     return out
 
 
+def engine_threads(cfg) -> int:
+    """The threads a CPU engine computes with: its bound cores, or (vLLM's `auto`) the cores
+    this process may use less those reserved (`[rollout] cpu_reserved_cpus`)."""
+    from hotloop.threads import bound_cores
+
+    cores = bound_cores(cfg.cpu_omp_threads_bind)
+    if cores is not None:
+        return len(cores)
+    return max(1, len(os.sched_getaffinity(0)) - cfg.cpu_reserved_cpus)
+
+
+def decode_samples(model_dir: Path, prompts: list[str], n: int, max_tokens: int) -> list[tuple[int, int]]:
+    """(prompt tokens, generated tokens) of every sample of the workload: each prompt's chat
+    template, n samples of exactly `max_tokens` (the benchmark ignores EOS)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    return [(len(_chat_ids(tok, p)), max_tokens) for p in prompts for _ in range(n)]
+
+
+def roofline(model_dir: Path, samples: list[tuple[int, int]], tokens_per_s: float, rows: int,
+             dtype: str, threads: int) -> dict:
+    """Generated tokens' matmul FLOPs per second (benchmarks/roofline.py: every linear and the
+    head, plus attention over each token's keys; the prompts' prefill is not counted) against
+    a matmul roofline of the decode shapes measured now, at `rows` sequences per engine step,
+    in the engine's dtype, on the engine's device and (CPU) thread count."""
+    import torch
+
+    from benchmarks.roofline import ModelShape, cpu_mark, decode_flops, decode_roofline, other_cores
+
+    shape = ModelShape.from_model_dir(model_dir)
+    flops = decode_flops(shape, samples)
+    tokens = sum(g for _, g in samples)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    mark = cpu_mark()
+    try:
+        roof = decode_roofline(shape, rows, dtype, device)
+    finally:
+        torch.set_num_threads(before)
+    # Multi-threaded GEMMs wait at a barrier for any thread another process has descheduled:
+    # beside a busy process the roofline (and the ratio) is off by far more than its share.
+    others = other_cores(mark, cpu_mark())
+    achieved = tokens_per_s * flops["total"] / tokens / 1e9
+    return {"roofline_ratio": achieved / roof["gflops"],
+            "achieved_gflops": achieved,
+            "matmul_gflops": roof["gflops"],
+            "matmul_shapes": roof["shapes"],
+            "gflop_per_token": flops["total"] / tokens / 1e9,
+            "gflop_per_token_by_part": {k: flops[k] / tokens / 1e9 for k in ("linear", "attention")},
+            "flops_counted": "every linear of the body and the output head (2 x weights per "
+                             "token) plus attention (QK^T and PV over each token's keys); "
+                             "prefill not counted",
+            "roofline_rows": rows, "roofline_threads": threads if device == "cpu" else None,
+            "roofline_other_cores": others, "roofline_busy": device == "cpu" and others > 0.25,
+            "roofline_device": device if device == "cpu" else torch.cuda.get_device_name()}
+
+
 def bench_rollout(args) -> dict:
     from hotloop import models
     from hotloop.hardware import cpu_capability, resolve_dtype
+    from services.rollout.config import RolloutConfig
+    from services.rollout.core import resolve_mode
 
     model_dir = models.resolve(args.model)
     prompts = _prompts(args.prompts)
@@ -150,26 +212,30 @@ def bench_rollout(args) -> dict:
     # throughput (on an AVX512-BF16 CPU without AMX the probe gave fp32 67, bf16 60 tok/s).
     dtype = resolve_dtype("auto")
     cpu = str(cpu_capability())
+    skip_hf = getattr(args, "no_hf", False)
     hf_sub = prompts[:1]  # HF per-prompt is slow; one prompt x n gives its rate
     hf_batch = prompts[:2]  # HF batched: 2 x n sequences give its rate within the time budget
     t_start = time.perf_counter()
     print(f"workload: {len(prompts)} prompts x n={args.n} x {args.max_tokens} tokens, chat template, "
-          f"temperature 1; medians of {args.repeats} runs (HF, 1 run each: per-prompt {len(hf_sub)} "
-          f"prompt, batched {len(hf_batch)} prompts); dtype {dtype}, cpu {cpu}", flush=True)
-    probes = {dt: hf_tokens_per_s(model_dir, hf_sub, args.n, 8, batched=False, dtype=dt)
-              for dt in dict.fromkeys(["float32", dtype])}
-    hf_dtype = max(probes, key=probes.get)
-    print(f"  hf dtype probe (8 tokens): {', '.join(f'{k} {v:.1f} tok/s' for k, v in probes.items())}"
-          f" -> {hf_dtype}", flush=True)
-    hf_per_prompt = hf_tokens_per_s(model_dir, hf_sub, args.n, args.max_tokens, batched=False,
-                                    dtype=hf_dtype)
-    print(f"  hf_per_prompt  {hf_per_prompt:8.1f} tok/s", flush=True)
-    hf_batched = hf_tokens_per_s(model_dir, hf_batch, args.n, args.max_tokens, batched=True,
-                                 dtype=hf_dtype)
-    print(f"  hf_batched     {hf_batched:8.1f} tok/s", flush=True)
+          f"temperature 1; medians of {args.repeats} runs"
+          + ("" if skip_hf else f" (HF, 1 run each: per-prompt {len(hf_sub)} prompt, batched "
+                                f"{len(hf_batch)} prompts)")
+          + f"; dtype {dtype}, cpu {cpu}", flush=True)
+    hf: dict[str, float] = {}
+    hf_dtype = None
+    if not skip_hf:
+        probes = {dt: hf_tokens_per_s(model_dir, hf_sub, args.n, 8, batched=False, dtype=dt)
+                  for dt in dict.fromkeys(["float32", dtype])}
+        hf_dtype = max(probes, key=probes.get)
+        print(f"  hf dtype probe (8 tokens): "
+              f"{', '.join(f'{k} {v:.1f} tok/s' for k, v in probes.items())} -> {hf_dtype}", flush=True)
+        hf["hf_per_prompt"] = hf_tokens_per_s(model_dir, hf_sub, args.n, args.max_tokens,
+                                              batched=False, dtype=hf_dtype)
+        print(f"  hf_per_prompt  {hf['hf_per_prompt']:8.1f} tok/s", flush=True)
+        hf["hf_batched"] = hf_tokens_per_s(model_dir, hf_batch, args.n, args.max_tokens,
+                                           batched=True, dtype=hf_dtype)
+        print(f"  hf_batched     {hf['hf_batched']:8.1f} tok/s", flush=True)
     adapter = make_bench_adapter(model_dir, Path(tempfile.mkdtemp(prefix="hotloop-adapter-")), 16)
-    from services.rollout.core import resolve_mode
-    from services.rollout.config import RolloutConfig
 
     default_mode = resolve_mode(RolloutConfig())
     rates = {}
@@ -183,32 +249,60 @@ def bench_rollout(args) -> dict:
               f"fresh adapter {rates[mode]['adapter']:8.1f} tok/s", flush=True)
     vllm = rates[default_mode]["base"]
     vllm_adapter = rates[default_mode]["adapter"]
+    # After the engines have stopped, so that the matmuls have the cores the engine had.
+    rows = len(prompts) * args.n  # sequences in one engine step of the workload
+    print(f"  matmul roofline ({dtype}, {rows} rows)...", flush=True)
+    roof = roofline(model_dir, decode_samples(model_dir, prompts, args.n, args.max_tokens), vllm,
+                    rows, dtype, engine_threads(RolloutConfig(cpu_reserved_cpus=0)))
     result = {
         "workload": {"prompts": len(prompts), "n": args.n, "max_tokens": args.max_tokens,
                      "repeats": args.repeats, "model": args.model},
-        "tokens_per_s": {"hf_per_prompt": hf_per_prompt, "hf_batched": hf_batched,
-                         "vllm": vllm, "vllm_adapter": vllm_adapter,
+        "tokens_per_s": {**hf, "vllm": vllm, "vllm_adapter": vllm_adapter,
                          **({"vllm_lora_slot": rates["lora"]["adapter"]} if "lora" in rates else {})},
+        **roof,
         "update_mode": default_mode,
         "dtype": dtype,
         "hf_dtype": hf_dtype,
         "cpu": cpu,
         "seconds": time.perf_counter() - t_start,
-        "ratios": {"vllm_vs_hf_per_prompt": vllm / hf_per_prompt,
-                   "vllm_vs_hf_batched": vllm / hf_batched,
+        "ratios": {**({"vllm_vs_hf_per_prompt": vllm / hf["hf_per_prompt"],
+                       "vllm_vs_hf_batched": vllm / hf["hf_batched"]} if hf else {}),
                    "adapter_vs_base": vllm_adapter / vllm,
                    **({"lora_slot_vs_base": rates["lora"]["adapter"] / rates["lora"]["base"]}
                       if "lora" in rates else {})},
     }
-    r = result["ratios"]
-    print(f"vLLM {r['vllm_vs_hf_per_prompt']:.1f}x HF per-prompt, {r['vllm_vs_hf_batched']:.1f}x HF batched; "
-          f"fresh adapter ({default_mode}) {r['adapter_vs_base']:.2f}x base"
-          + (f"; LoRA slot {r['lora_slot_vs_base']:.2f}x base" if "lora_slot_vs_base" in r else ""))
     return result
+
+
+def table(r: dict) -> str:
+    """The printed summary: speeds, then the roofline."""
+    tps, ratios = r["tokens_per_s"], r["ratios"]
+    rows = [
+        ("vLLM tokens/s", f"{tps['vllm']:.0f} (fresh adapter {tps['vllm_adapter']:.0f}, "
+         f"{ratios['adapter_vs_base']:.2f}x, {r['update_mode']})"),
+        *([("vs HF generate", f"{ratios['vllm_vs_hf_per_prompt']:.1f}x per prompt "
+            f"({tps['hf_per_prompt']:.0f} tok/s), {ratios['vllm_vs_hf_batched']:.1f}x batched "
+            f"({tps['hf_batched']:.0f} tok/s)")] if "hf_per_prompt" in tps else []),
+        *([("LoRA slot", f"{ratios['lora_slot_vs_base']:.2f}x base")]
+          if "lora_slot_vs_base" in ratios else []),
+        ("FLOPs per token", f"{r['gflop_per_token']:.3f} GFLOP ("
+         + ", ".join(f"{k} {v:.3f}" for k, v in r["gflop_per_token_by_part"].items())
+         + "; prefill not counted)"),
+        ("achieved", f"{r['achieved_gflops']:.1f} GFLOP/s"),
+        ("matmul roofline", f"{r['matmul_gflops']:.1f} GFLOP/s ({r['dtype']}, "
+         + (f"{r['roofline_threads']} threads, {r['cpu']}" if r["roofline_threads"]
+            else r["roofline_device"]) + f", {r['roofline_rows']} rows)"),
+        ("roofline ratio", f"{r['roofline_ratio']:.2f}"),
+        *([("WARNING", f"other processes used {r['roofline_other_cores']:.2f} cores while the "
+            "roofline ran: it and the ratio are not this CPU's")] if r.get("roofline_busy") else []),
+    ]
+    w = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{w}}  {v}" for k, v in rows)
 
 
 def main(args) -> int:
     """`hotloop bench rollout`."""
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
-    report(bench_rollout(args), args.json)
+    result = bench_rollout(args)
+    report(result, args.json, table=table(result))
     return 0

@@ -31,10 +31,10 @@ flash-attention backward's recomputation of QK^T (an implementation choice). The
 over-counts: autograd skips dX of layer 0's q/k/v (their input, the normed embedding, needs no
 gradient), under 0.3% of the step for SmolLM2-135M.
 
-The roofline is a matmul benchmark of exactly the shapes the step's FLOPs run on: every body
-linear forward ([M, in] x [in, out]) and its backward dX ([M, out] x [out, in]) with M the
-padded tokens of the largest micro-batch, and the head forward and backward on one logprob
-chunk. `matmul_gflops` is their FLOP-weighted harmonic mean (the step's matmul FLOPs divided by
+The roofline (benchmarks/roofline.py measures it) is a matmul benchmark of exactly the shapes
+the step's FLOPs run on: every body linear forward ([M, in] x [in, out]) and its backward dX
+([M, out] x [out, in]) with M the padded tokens of the largest micro-batch, and the head
+forward and backward on one logprob chunk. `matmul_gflops` is their FLOP-weighted harmonic mean (the step's matmul FLOPs divided by
 the time they take at the benchmarked speeds), and
 
     roofline_ratio = (step_gflop / step_s) / matmul_gflops
@@ -51,43 +51,13 @@ import resource
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Any
 
 from benchmarks.common import report
+from benchmarks.roofline import MatmulCase, ModelShape, cpu_mark, linear_case, matmul_gflops, other_cores
 
-
-@dataclass(frozen=True)
-class ModelShape:
-    """What the FLOP model reads from an HF Llama-style config."""
-
-    hidden: int
-    intermediate: int
-    layers: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    vocab: int
-
-    @classmethod
-    def from_hf_config(cls, c: Any) -> ModelShape:
-        heads = c.num_attention_heads
-        return cls(
-            hidden=c.hidden_size,
-            intermediate=c.intermediate_size,
-            layers=c.num_hidden_layers,
-            heads=heads,
-            kv_heads=getattr(c, "num_key_value_heads", None) or heads,
-            head_dim=getattr(c, "head_dim", None) or c.hidden_size // heads,
-            vocab=c.vocab_size,
-        )
-
-    def linears(self) -> list[tuple[str, int, int]]:
-        """(name, in, out) of each body linear of one layer: what `all-linear` LoRA adapts."""
-        h, q, kv, i = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim, \
-            self.intermediate
-        return [("q_proj", h, q), ("k_proj", h, kv), ("v_proj", h, kv), ("o_proj", q, h),
-                ("gate_proj", h, i), ("up_proj", h, i), ("down_proj", i, h)]
+__all__ = ["ModelShape", "main", "matmul_roofline", "run", "step_flops"]
 
 
 def step_flops(shape: ModelShape, lora_r: int, lengths: Sequence[tuple[int, int]],
@@ -112,19 +82,6 @@ def step_flops(shape: ModelShape, lora_r: int, lengths: Sequence[tuple[int, int]
 # ---- the roofline ---------------------------------------------------------------------------
 
 
-def _time(fn: Callable[[], Any], min_s: float = 0.25, max_reps: int = 50) -> float:
-    """Median seconds of `fn` after one warm-up call, repeated for about `min_s`."""
-    fn()
-    times: list[float] = []
-    spent = 0.0
-    while len(times) < 3 or (spent < min_s and len(times) < max_reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-        spent += times[-1]
-    return statistics.median(times)
-
-
 def matmul_roofline(shape: ModelShape, rows: int, tokens: int, head_rows: int,
                     completion_tokens: int, dtype: str, adapted: int | None = None) -> dict[str, Any]:
     """Benchmark the step's matmul shapes (module docstring) in `dtype` on the current torch
@@ -132,42 +89,28 @@ def matmul_roofline(shape: ModelShape, rows: int, tokens: int, head_rows: int,
     `completion_tokens`: the step's totals, which weight each shape by the FLOPs it carries;
     `adapted`: the layers whose backward runs (None: all)."""
     import torch
-    import torch.nn.functional as F
 
-    dt = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
-    g = torch.Generator().manual_seed(0)
-
-    def rand(*size: int) -> torch.Tensor:
-        return torch.randn(*size, generator=g).to(dt)
-
-    # (label, m, k, n, step FLOPs on this shape); F.linear is what nn.Linear runs forward,
-    # mm(dY, W) what its backward runs for dX.
-    work: dict[tuple[int, int, int], float] = {}
+    # F.linear is what nn.Linear runs forward; F.linear of dY by W^T, i.e. [M, out] x
+    # [out, in] stored as [in, out], the same GEMM as the backward's mm(dY, W) for dX. The
+    # backward runs only in the adapted layers.
+    work: dict[tuple[int, int], float] = {}
     k = shape.layers if adapted is None else adapted
     for _, i, o in shape.linears():
         f = 2.0 * i * o * tokens
-        work[(rows, i, o)] = work.get((rows, i, o), 0.0) + f * shape.layers  # forward
-        work[(rows, o, i)] = work.get((rows, o, i), 0.0) + f * k  # backward dX
+        work[(i, o)] = work.get((i, o), 0.0) + f * shape.layers  # forward
+        work[(o, i)] = work.get((o, i), 0.0) + f * k  # backward dX
+    cases = [linear_case(rows, kk, n, f, dtype) for (kk, n), f in work.items()]
     head_f = 2.0 * shape.hidden * shape.vocab * completion_tokens
-    results = []
-    total_f = total_t = 0.0
-    with torch.no_grad():
-        for (m, k, n), f in work.items():
-            x, w = rand(m, k), rand(n, k)  # w as nn.Linear stores it: [out, in]
-            s = _time(lambda: F.linear(x, w))
-            results.append({"m": m, "k": k, "n": n, "gflops": 2 * m * k * n / s / 1e9})
-            total_f, total_t = total_f + f, total_t + f / (2 * m * k * n / s)
-        emb = rand(shape.vocab, shape.hidden)
-        h, dlogits = rand(head_rows, shape.hidden), rand(head_rows, shape.vocab)
-        for label, fn, (m, k, n) in (
-            ("head", lambda: F.linear(h, emb), (head_rows, shape.hidden, shape.vocab)),
-            ("head_dx", lambda: torch.mm(dlogits, emb), (head_rows, shape.vocab, shape.hidden)),
-        ):
-            s = _time(fn)
-            results.append({"m": m, "k": k, "n": n, "gflops": 2 * m * k * n / s / 1e9,
-                            "what": label})
-            total_f, total_t = total_f + head_f, total_t + head_f / (2 * m * k * n / s)
-    return {"gflops": total_f / total_t / 1e9, "shapes": results}
+    g = torch.Generator().manual_seed(1)
+    dt = getattr(torch, dtype)
+    emb = torch.randn(shape.vocab, shape.hidden, generator=g).to(dt)
+    h = torch.randn(head_rows, shape.hidden, generator=g).to(dt)
+    dlogits = torch.randn(head_rows, shape.vocab, generator=g).to(dt)
+    cases.append(MatmulCase(lambda: torch.nn.functional.linear(h, emb), head_rows, shape.hidden,
+                            shape.vocab, head_f, "head"))
+    cases.append(MatmulCase(lambda: torch.mm(dlogits, emb), head_rows, shape.vocab, shape.hidden,
+                            head_f, "head_dx"))
+    return matmul_gflops(cases)
 
 
 # ---- the profile ----------------------------------------------------------------------------
@@ -247,23 +190,6 @@ def profile_step(policy: Any, samples: Sequence[Any], lora_r: int) -> dict[str, 
 
 
 # ---- the machine ----------------------------------------------------------------------------
-
-
-def _cpu_busy() -> tuple[float, float, float]:
-    """(monotonic s, all CPUs' busy s, this process's CPU s) for `other_cores`."""
-    with open("/proc/stat") as f:
-        fields = [float(x) for x in f.readline().split()[1:]]
-    tick = os.sysconf("SC_CLK_TCK")
-    # user nice system idle iowait irq softirq steal ...: busy = all but idle, iowait, steal
-    busy = (sum(fields[:8]) - fields[3] - fields[4] - fields[7]) / tick
-    ru = resource.getrusage(resource.RUSAGE_SELF)
-    return time.monotonic(), busy, ru.ru_utime + ru.ru_stime
-
-
-def other_cores(a: tuple[float, float, float], b: tuple[float, float, float]) -> float:
-    """Cores' worth of CPU that other processes used between two `_cpu_busy` marks."""
-    wall = b[0] - a[0]
-    return max(0.0, (b[1] - a[1]) - (b[2] - a[2])) / wall if wall > 0 else 0.0
 
 
 def _cpu_model() -> str:
@@ -348,7 +274,7 @@ def run(model: str, dtype: str = "auto", samples: int = 16, prompt_tokens: int =
         warm = policy.train_step(batch)
         say(f"[train-step]   {warm.seconds:.2f} s ({warm.micro_batches} micro-batches)")
         secs = []
-        mark, ru = _cpu_busy(), resource.getrusage(resource.RUSAGE_SELF)
+        mark, ru = cpu_mark(), resource.getrusage(resource.RUSAGE_SELF)
         for k in range(steps):
             t0 = time.perf_counter()
             policy.train_step(batch)
@@ -359,7 +285,7 @@ def run(model: str, dtype: str = "auto", samples: int = 16, prompt_tokens: int =
     shared_ab = None
     if group_size > 1:
         warm, secs, mark0, ru0 = timed(f" (shared prompts, groups of {group_size})")
-        mark1, ru1 = _cpu_busy(), resource.getrusage(resource.RUSAGE_SELF)
+        mark1, ru1 = cpu_mark(), resource.getrusage(resource.RUSAGE_SELF)
         shared_s = statistics.median(secs)
         shipped = policy.cfg
         policy.cfg = shipped.model_copy(update={"share_prompts": False})
@@ -371,7 +297,7 @@ def run(model: str, dtype: str = "auto", samples: int = 16, prompt_tokens: int =
         step_s = statistics.median(plain)  # the FLOP model's step: every row runs its prompt
     else:
         warm, secs, mark0, ru0 = timed("")
-        mark1, ru1 = _cpu_busy(), resource.getrusage(resource.RUSAGE_SELF)
+        mark1, ru1 = cpu_mark(), resource.getrusage(resource.RUSAGE_SELF)
         step_s = statistics.median(secs)
 
     # The process's peak through the timed steps (ru_maxrss is in KiB on Linux), before the
@@ -381,7 +307,7 @@ def run(model: str, dtype: str = "auto", samples: int = 16, prompt_tokens: int =
         f"{min(cfg.logprob_chunk_tokens, completion)})...")
     roof = matmul_roofline(shape, rows, tokens, min(cfg.logprob_chunk_tokens, completion),
                            completion, dtype, top_layers)
-    mark2 = _cpu_busy()
+    mark2 = cpu_mark()
     say(f"[train-step]   {roof['gflops']:.1f} GFLOP/s")
     prof = None
     if profile:

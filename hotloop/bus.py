@@ -5,6 +5,12 @@ context in headers, durable pull consumers with explicit ack and a dead-letter s
 messages that cannot be decoded, and the KV bucket holding the current policy version.
 Does not own: what a service does with a message.
 
+Clusters: `connect` takes one URL or several of one cluster, comma-separated; the client
+fails over among them (and the servers the cluster advertises). The streams and the KV bucket
+are created with `replicas` copies (`ensure_streams`), so with 3 on a cluster of three a dead
+server loses nothing: the survivors elect new leaders, and meanwhile JetStream requests are
+retried and pull fetches come back empty, as in any outage (below).
+
 Outages: once connected, the client reconnects for as long as the process lives (a NATS
 restart on the same port and store keeps the streams, consumers and KV), and calls the
 `on_reconnect` listeners when it is back (plain subscriptions miss what was published while it
@@ -48,6 +54,8 @@ TRAFFIC_MAX_AGE_S = 24 * 3600.0
 VERSIONS_BUCKET = "hotloop-versions"
 LATEST_KEY = "latest"
 """KV key (in `VERSIONS_BUCKET`) of the newest announced version (a `common_pb2.VersionInfo`)."""
+KV_STREAM_PREFIX = "KV_"  # JetStream keeps a KV bucket in the stream KV_<bucket>
+STREAM_NAME_IN_USE = 10058  # JetStream's error code: a stream of that name exists, configured otherwise
 TYPE_HEADER = "hotloop-type"
 OUTAGE_S = 30.0
 """How long a JetStream request keeps retrying while the server is unreachable."""
@@ -113,12 +121,22 @@ class Received:
         return int(self.raw.metadata.sequence.stream)
 
 
+def servers(url: str) -> list[str]:
+    """The server URLs of `url` (one, or several comma-separated), in order."""
+    found = [u.strip() for u in url.split(",") if u.strip()]
+    if not found:
+        raise BusError(f"no NATS server in {url!r}")
+    return found
+
+
 class Bus:
     def __init__(self, nc, js, outage_s: float = OUTAGE_S,
-                 reconnect_listeners: list[Callable[[], None]] | None = None):
+                 reconnect_listeners: list[Callable[[], None]] | None = None, replicas: int = 1):
         self.nc = nc
         self.js = js
         self.outage_s = outage_s
+        self.replicas = replicas
+        """Copies of each stream and KV bucket `ensure_streams` (and a first `kv()`) asks for."""
         self._kv = None
         self._pulls: list = []  # pull subscriptions, unsubscribed (not drained) at close
         self._reconnect_listeners = [] if reconnect_listeners is None else reconnect_listeners
@@ -129,9 +147,10 @@ class Bus:
 
     @classmethod
     async def connect(cls, url: str, name: str, timeout_s: float = 10.0,
-                      outage_s: float = OUTAGE_S) -> "Bus":
-        """Connect within `timeout_s` (BusError if no server answers by then). `outage_s`: how
-        long JetStream requests ride out a lost server afterwards."""
+                      outage_s: float = OUTAGE_S, replicas: int = 1) -> "Bus":
+        """Connect to `url` (one server, or several of one cluster comma-separated) within
+        `timeout_s` (BusError if no server answers by then). `outage_s`: how long JetStream
+        requests ride out a lost server afterwards. `replicas`: see `Bus.replicas`."""
         from nats.aio.client import Client
 
         async def _quiet(e: Exception) -> None:  # reconnects are logged once, not per traceback
@@ -149,7 +168,7 @@ class Bus:
         # bound is this wait_for; after it, reconnecting never gives up (see the docstring).
         try:
             await asyncio.wait_for(nc.connect(
-                url, name=name, connect_timeout=2, allow_reconnect=True, max_reconnect_attempts=-1,
+                servers(url), name=name, connect_timeout=2, allow_reconnect=True, max_reconnect_attempts=-1,
                 reconnect_time_wait=RECONNECT_WAIT_S, drain_timeout=DRAIN_TIMEOUT_S, error_cb=_quiet,
                 reconnected_cb=_reconnected,
             ), timeout_s)
@@ -158,7 +177,7 @@ class Bus:
             await nc.close()
             raise BusError(f"no NATS server answered at {url} within {timeout_s:g}s"
                            + (f" ({last})" if last else "")) from None
-        return cls(nc, nc.jetstream(timeout=REQUEST_TIMEOUT_S), outage_s, listeners)
+        return cls(nc, nc.jetstream(timeout=REQUEST_TIMEOUT_S), outage_s, listeners, replicas)
 
     async def close(self) -> None:
         """Deliver what is buffered (acks included) and close. Pull subscriptions are
@@ -246,27 +265,59 @@ class Bus:
 
     # ---- streams and KV ------------------------------------------------------------------
     async def ensure_streams(self) -> None:
-        from nats.js.api import StreamConfig
-
+        """Create the streams and the versions KV bucket, or bring existing ones to what this
+        bus wants (subjects, limits, `replicas`), leaving their other settings as they are.
+        Idempotent, so each service that needs them calls it at start, in any order; two at
+        once are fine too (the one that loses the race to create compares and updates)."""
         extra = {"FEEDBACK": {"duplicate_window": FEEDBACK_DEDUP_WINDOW_S},
                  "TRAFFIC": {"max_age": TRAFFIC_MAX_AGE_S}}
         for name, subjects in STREAMS.items():
-            cfg = StreamConfig(name=name, subjects=subjects, **extra.get(name, {}))
+            await self._ensure_stream(name, subjects=subjects, num_replicas=self.replicas,
+                                      **extra.get(name, {}))
+        await self.kv()  # a bucket made by a process with another `replicas` is brought to ours:
+        await self._ensure_stream(KV_STREAM_PREFIX + VERSIONS_BUCKET, num_replicas=self.replicas)
+
+    async def _ensure_stream(self, name: str, **want) -> None:
+        """Create stream `name` with `want` (StreamConfig fields), or update the existing one
+        where it differs from `want`."""
+        from nats.js.api import StreamConfig
+        from nats.js.errors import APIError, NotFoundError
+
+        try:
             try:
-                await self.retrying(lambda: self.js.add_stream(cfg), f"create stream {name}")
-            except Exception as e:  # already exists with the same config is fine
-                if "already in use" not in str(e):
-                    await self.retrying(lambda: self.js.update_stream(cfg), f"update stream {name}")
+                info = await self.retrying(lambda: self.js.stream_info(name), f"stream {name}")
+            except NotFoundError:
+                try:
+                    await self.retrying(lambda: self.js.add_stream(StreamConfig(name=name, **want)),
+                                        f"create stream {name}")
+                    return
+                except APIError as e:
+                    if e.err_code != STREAM_NAME_IN_USE:
+                        raise
+                info = await self.retrying(lambda: self.js.stream_info(name), f"stream {name}")
+            if all(getattr(info.config, k) == v for k, v in want.items()):
+                return
+            updated = info.config.evolve(**want)
+            await self.retrying(lambda: self.js.update_stream(updated), f"update stream {name}")
+        except APIError as e:
+            raise BusError(f"stream {name} with {self.replicas} replica(s) ([nats] replicas): "
+                           f"{e.description or e}") from e
 
     async def kv(self):
-        from nats.js.errors import BucketNotFoundError
+        """The versions KV bucket, created with `replicas` copies if it does not exist yet."""
+        from nats.js.errors import APIError, BucketNotFoundError
 
         if self._kv is None:
             try:
                 self._kv = await self.retrying(lambda: self.js.key_value(VERSIONS_BUCKET), "KV lookup")
             except BucketNotFoundError:
-                self._kv = await self.retrying(
-                    lambda: self.js.create_key_value(bucket=VERSIONS_BUCKET, history=16), "KV create")
+                try:
+                    self._kv = await self.retrying(lambda: self.js.create_key_value(
+                        bucket=VERSIONS_BUCKET, history=16, replicas=self.replicas), "KV create")
+                except APIError as e:  # created meanwhile by another process (other replicas)
+                    if e.err_code != STREAM_NAME_IN_USE:
+                        raise
+                    self._kv = await self.retrying(lambda: self.js.key_value(VERSIONS_BUCKET), "KV lookup")
         return self._kv
 
     async def kv_put(self, key: str, msg: Message) -> None:
@@ -340,11 +391,20 @@ class PullConsumer:
     async def fetch(self, batch: int | None = None, timeout_s: float | None = None) -> list[Received]:
         import nats
 
+        timeout_s = timeout_s or self.timeout_s
         try:
-            raws = await self.sub.fetch(batch or self.batch, timeout=timeout_s or self.timeout_s)
+            raws = await self.sub.fetch(batch or self.batch, timeout=timeout_s)
         except (nats.errors.TimeoutError, asyncio.TimeoutError):
             # nats-py raises the builtin TimeoutError instead of its own when the event loop
             # stalled past the fetch deadline (a busy 2-core host): still just "nothing yet".
+            return []
+        except Exception as e:
+            if not transient(e):
+                raise
+            # No consumer leader answers (503): a cluster electing a new one after losing a
+            # server. Nothing yet, after the wait a fetch would have had, so a caller's loop
+            # keeps its pace instead of spinning through the election.
+            await asyncio.sleep(timeout_s)
             return []
         out = []
         for raw in raws:

@@ -57,9 +57,9 @@ def direct_channel(address: str, reconnect_backoff_ms: tuple[int, int],
     return grpc.aio.insecure_channel(address, options=options)
 
 
-async def _call(what: str, address: str, fn):
-    """Run a whole call, retrying on UNAVAILABLE (a service restarting) a bounded number of
-    times; then fail with an error that names the service."""
+async def _call(what: str, address: str, fn, attempts: int = RETRY_ATTEMPTS):
+    """Run a whole call, retrying on UNAVAILABLE (a service restarting) up to `attempts` times
+    in all; then fail with an error that names the service."""
     from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_exponential
 
     def unavailable(e: BaseException) -> bool:
@@ -67,7 +67,7 @@ async def _call(what: str, address: str, fn):
 
     try:
         async for attempt in AsyncRetrying(
-            stop=stop_after_attempt(RETRY_ATTEMPTS),
+            stop=stop_after_attempt(attempts),
             wait=wait_exponential(multiplier=0.2, max=2.0),
             retry=retry_if_exception(unavailable),
             reraise=True,
@@ -77,7 +77,7 @@ async def _call(what: str, address: str, fn):
     except grpc.aio.AioRpcError as e:
         if e.code() == grpc.StatusCode.UNAVAILABLE:
             raise Unavailable(
-                f"{what} at {address} is unavailable after {RETRY_ATTEMPTS} attempts: {e.details()}"
+                f"{what} at {address} is unavailable after {attempts} attempts: {e.details()}"
             ) from e
         raise
 
@@ -164,19 +164,20 @@ class Pushed:
 
 
 class RolloutClient:
-    def __init__(self, address: str, channel: grpc.aio.Channel | None = None, retry: bool = True):
+    def __init__(self, address: str, channel: grpc.aio.Channel | None = None, retry: bool = True,
+                 attempts: int = RETRY_ATTEMPTS):
         """`channel`: None opens one that retries UNAVAILABLE in its service config
         (`grpcutil.channel`); a caller with its own retry policy passes a `direct_channel`.
-        `retry`: `generate` and `status` retry UNAVAILABLE a bounded number of times (tenacity)
-        and then raise `Unavailable`; with False every call is made once and a failure
-        surfaces as grpc.aio.AioRpcError, for the caller to judge by its code."""
+        `retry`: `generate` and `status` retry UNAVAILABLE up to `attempts` times in all
+        (tenacity) and then raise `Unavailable`; with False every call is made once and a
+        failure surfaces as grpc.aio.AioRpcError, for the caller to judge by its code."""
         self.address = address
         self.channel = channel if channel is not None else grpcutil.channel(address)
         self.stub = rollout_pb2_grpc.RolloutStub(self.channel)
-        self.retry = retry
+        self.retry, self.attempts = retry, attempts
 
     async def _unary(self, fn):
-        return await (_call("rollout", self.address, fn) if self.retry else fn())
+        return await (_call("rollout", self.address, fn, self.attempts) if self.retry else fn())
 
     async def generate(self, chats: Sequence[Sequence[dict[str, str]]], **sampling) -> list[Completion]:
         """Sample completions of each chat, returned sorted by (prompt, sample). `sampling`:
@@ -333,8 +334,9 @@ def _score_request(it: ScoreItem) -> reward_pb2.ScoreRequest:
 
 
 class RewardClient:
-    def __init__(self, address: str):
-        self.address = address
+    def __init__(self, address: str, attempts: int = RETRY_ATTEMPTS):
+        """`attempts`: how often `score` tries in all while the service is UNAVAILABLE."""
+        self.address, self.attempts = address, attempts
         self.channel = grpcutil.channel(address)
         self.stub = reward_pb2_grpc.RewardStub(self.channel)
 
@@ -348,7 +350,7 @@ class RewardClient:
         async def run():
             return [r async for r in self.stub.Score(requests())]
 
-        results = {r.id: r for r in await _call("reward", self.address, run)}
+        results = {r.id: r for r in await _call("reward", self.address, run, self.attempts)}
         missing = [it.id for it in items if it.id not in results]
         if missing:
             raise RuntimeError(f"reward service returned no result for {len(missing)} items, e.g. {missing[:3]}")
@@ -380,8 +382,10 @@ class RewardClient:
 
 # ---- reference ----------------------------------------------------------------------------
 class ReferenceClient:
-    def __init__(self, address: str):
-        self.address = address
+    def __init__(self, address: str, attempts: int = RETRY_ATTEMPTS):
+        """`attempts`: how often `logprobs` and `status` try in all while the service is
+        UNAVAILABLE."""
+        self.address, self.attempts = address, attempts
         self.channel = grpcutil.channel(address)
         self.stub = reference_pb2_grpc.ReferenceStub(self.channel)
 
@@ -395,7 +399,8 @@ class ReferenceClient:
         async def run():
             return [r async for r in self.stub.Logprobs(requests())]
 
-        results = {r.id: list(r.logprobs) for r in await _call("reference", self.address, run)}
+        answers = await _call("reference", self.address, run, self.attempts)
+        results = {r.id: list(r.logprobs) for r in answers}
         if len(results) != len(pairs):
             raise RuntimeError(f"reference returned {len(results)} of {len(pairs)} results")
         return [results[str(i)] for i in range(len(pairs))]
@@ -420,7 +425,8 @@ class ReferenceClient:
 
     async def status(self) -> reference_pb2.ReferenceStatus:
         return await _call("reference", self.address,
-                           lambda: self.stub.Status(reference_pb2.ReferenceStatusRequest(), timeout=10))
+                           lambda: self.stub.Status(reference_pb2.ReferenceStatusRequest(), timeout=10),
+                           self.attempts)
 
     async def close(self) -> None:
         await self.channel.close()

@@ -21,9 +21,9 @@ import os
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
 
 ENV_PREFIX = "HOTLOOP__"
 
@@ -71,9 +71,24 @@ class ModelConfig(Section):
 
 class NatsConfig(Section):
     url: str = ""
-    """NATS server URL. Empty: no bus (services run, nothing is announced)."""
+    """NATS server URL, or the servers of one cluster comma-separated
+    (`nats://n1:4222,nats://n2:4222,nats://n3:4222`): the client connects to any of them and
+    fails over to the others. Empty: no bus (services run, nothing is announced)."""
     connect_timeout_s: float = Field(10.0, gt=0)
     """Give up connecting after this long (bounded retry with backoff inside)."""
+    replicas: int = Field(1, ge=1, le=5)
+    """Copies JetStream keeps of each stream and KV bucket hotloop creates (feedback, traffic,
+    dead letters, the versions KV). 1 on a single server; 3 on a cluster of three, which then
+    loses nothing when one server dies. A service that ensures the streams brings existing
+    ones to this count; a single server refuses more than 1 (the error says so)."""
+
+    @field_validator("url")
+    @classmethod
+    def _servers(cls, url: str) -> str:
+        parts = [p.strip() for p in url.split(",")]
+        if url.strip() and not all(parts):
+            raise ValueError(f"empty server in {url!r} (comma-separated NATS URLs)")
+        return ",".join(parts) if url.strip() else ""
 
 
 class TelemetryConfig(Section):
@@ -87,7 +102,9 @@ class TelemetryConfig(Section):
 
 class SecurityConfig(Section):
     admin_token: str = ""
-    """Bearer token required on admin RPCs (PushAdapter). Empty: admin RPCs are refused."""
+    """Bearer token required on admin RPCs (PushAdapter). Empty: admin RPCs are refused.
+    Surrounding whitespace is dropped: a token from a file (a Kubernetes Secret, `openssl rand
+    -hex 24 > file`) ends in a newline, which gRPC metadata cannot carry."""
     user_tokens: list[str] = []
     """API keys the gateway accepts for user traffic, each `key` or `id:key`. The id (given, or
     `key-` + the first 8 hex digits of the key's sha256) is what traffic and feedback record,
@@ -96,16 +113,44 @@ class SecurityConfig(Section):
     """A file of further API keys, one per line as above (blank lines and `#` comments are
     skipped). `hotloop up` generates one in the run directory (mode 0600)."""
 
+    @field_validator("admin_token")
+    @classmethod
+    def _strip(cls, token: str) -> str:
+        return token.strip()
+
+
+Replicas = Annotated[list[Annotated[str, Field(min_length=1)]], BeforeValidator(
+    lambda v: ([v] if v else []) if isinstance(v, str) else v)]
+"""A service's replicas: a list of gRPC targets, or one target as a string (configs and
+environment overrides written for one replica). A target is `host:port`, or `dns:///name:port`
+for a name that resolves to several addresses, which gRPC balances call by call
+(`grpcutil.channel`)."""
+
 
 class Endpoints(Section):
-    """Where each service listens, as host:port. `hotloop up` fills these in."""
+    """Where each service listens, as gRPC targets. `hotloop up` fills these in."""
 
-    rollout: list[str] = []
-    """Rollout replicas; the trainer pushes every version to each of them."""
-    reward: str = ""
-    reference: str = ""
+    rollout: Replicas = []
+    """Rollout replicas; the trainer pushes every version to each of them, and a training
+    job spreads its generation over them (`hotloop.replicas`). An entry `dns:///host:port`
+    names replicas by DNS (a compose service scaled with `--scale`, a Kubernetes headless
+    Service): the gateway routes to every address it resolves to and resolves it again as
+    replicas come and go; a trainer's gRPC channel reaches one of them, and the others catch
+    up on their own from the version announcement."""
+    reward: Replicas = []
+    """Reward replicas; a job spreads its scoring over them."""
+    reference: Replicas = []
+    """Reference replicas; a job spreads its reference passes over them."""
     trainer: str = ""
     gateway: str = ""
+
+    @field_validator("rollout", "reward", "reference")
+    @classmethod
+    def _once_each(cls, targets: list[str]) -> list[str]:
+        twice = sorted({t for t in targets if targets.count(t) > 1})
+        if twice:  # one replica listed twice would get twice the share of every batch
+            raise ValueError(f"{', '.join(twice)} listed more than once")
+        return targets
 
 
 class MeshConfig(Section):
@@ -159,10 +204,11 @@ class ConfigTree(dict):
 
 
 def _parse_value(raw: str) -> Any:
-    """Lists, tables and null from JSON; everything else stays text for the field's own type
-    to parse (pydantic reads "3" as an int field's 3, and a string field keeps "3")."""
+    """Lists, tables, null and quoted strings from JSON (`--set x='"1"'` is the text 1, as in
+    TOML); everything else stays text for the field's own type to parse (pydantic reads "3" as
+    an int field's 3, and a string field keeps "3")."""
     text = raw.strip()
-    if text == "null" or text[:1] in ("[", "{"):
+    if text == "null" or text[:1] in ("[", "{", '"'):
         try:
             return json.loads(text)
         except json.JSONDecodeError:

@@ -378,15 +378,15 @@ def _service_config(max_attempts: int) -> str:
 
 
 def channel(address: str, max_attempts: int = 5) -> grpc.aio.Channel:
-    """An aio channel with message-size limits and bounded retry on UNAVAILABLE."""
-    return grpc.aio.insecure_channel(
-        address,
-        options=[
-            *_OPTIONS,
-            ("grpc.enable_retries", 1),
-            ("grpc.service_config", _service_config(max_attempts)),
-        ],
-    )
+    """An aio channel with message-size limits and bounded retry on UNAVAILABLE. A `dns:///`
+    target (a name that resolves to several replicas: a headless Kubernetes service, a
+    compose service with replicas) is balanced call by call over its addresses, skipping
+    those that are down (gRPC's round_robin; its default would hold to the first address)."""
+    options = [*_OPTIONS, ("grpc.enable_retries", 1),
+               ("grpc.service_config", _service_config(max_attempts))]
+    if address.startswith("dns:"):
+        options.append(("grpc.lb_policy_name", "round_robin"))
+    return grpc.aio.insecure_channel(address, options=options)
 
 
 def bearer(token: str) -> tuple[tuple[str, str], ...]:

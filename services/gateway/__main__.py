@@ -19,6 +19,7 @@ async def build(mesh: MeshConfig, cfg: GatewayConfig) -> service.Running:
     from hotloop.bus import Bus
 
     from .core import GatewayCore
+    from .discovery import Discovery
     from .events import BusEvents
     from .http import serve_http
     from .keys import KeyConfigError, KeyRing, load_keys
@@ -36,14 +37,20 @@ async def build(mesh: MeshConfig, cfg: GatewayConfig) -> service.Running:
         raise SystemExit("gateway: no rollout replicas configured ([endpoints] rollout)")
     if not mesh.nats.url:
         raise SystemExit("gateway: no bus configured ([nats] url): traffic and feedback go there")
+    try:
+        discovery = Discovery(mesh.endpoints.rollout, GrpcReplica, cfg.discovery_interval_s)
+    except ValueError as e:
+        raise SystemExit(f"gateway: [endpoints] rollout: {e}") from None
 
-    bus = await Bus.connect(mesh.nats.url, "gateway", mesh.nats.connect_timeout_s)
-    router = Router([GrpcReplica(a) for a in mesh.endpoints.rollout], cfg.routing,
+    bus = await Bus.connect(mesh.nats.url, "gateway", mesh.nats.connect_timeout_s,
+                            replicas=mesh.nats.replicas)
+    router = Router(await discovery.refresh(), cfg.routing,
                     cfg.health_interval_s, cfg.health_timeout_s, cfg.health_failures,
                     cfg.max_version_lag)
     core = GatewayCore(cfg, keys, router, BusEvents(bus, cfg.traffic_queue),
                        cfg.served_model or mesh.model.name, registry=metrics.registry())
     await core.start()
+    discovery.start(router.update)
     server, port, health = await serve(core, f"{cfg.host}:{cfg.port}")
     http = await serve_http(core, cfg.host, cfg.http_port)
     log.info("OpenAI-compatible HTTP on http://%s:%d/v1 (%d keys, replicas %s)",
@@ -55,7 +62,7 @@ async def build(mesh: MeshConfig, cfg: GatewayConfig) -> service.Running:
         tmp.write_text(json.dumps({"port": http.port, "pid": os.getpid()}))
         tmp.rename(path)  # the launcher never reads a half-written file
     # cleanups run last-first: HTTP stops taking requests, then the core drains traffic
-    return service.Running(server, port, health, [bus.close, core.close, http.stop])
+    return service.Running(server, port, health, [bus.close, core.close, discovery.close, http.stop])
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
 Owns the typed knobs of the user-facing edge: where it listens (gRPC and HTTP), request limits,
 the deadline, routing, the traffic fork's queue and the memory of served responses.
 Does not own: the API keys (`[security] user_tokens` / `user_tokens_file`, shared with
-`hotloop up`) or the replica list (`[endpoints] rollout`).
+`hotloop up`) or the replica list (`[endpoints] rollout`; discovery.py resolves its names).
 """
 
 from __future__ import annotations
@@ -70,6 +70,11 @@ class GatewayConfig(ServiceSection):
     older one gets no user until it has caught up, and with none current users get 503 /
     UNAVAILABLE saying why. A replica whose push is still landing is skipped until the next
     poll (`health_interval_s`) sees it done."""
+    discovery_interval_s: float = Field(10.0, gt=0, le=3600)
+    """How often the `dns:///host:port` entries of `[endpoints] rollout` are resolved again
+    (a compose service scaled with `--scale`, a Kubernetes headless Service): a replica that
+    appears gets users within this plus one health poll. Plain addresses are never resolved
+    again."""
     health_failures: int = Field(3, ge=1, le=100)
     """Missed polls in a row before a replica is skipped. A replica that says it is not
     serving, or fails a request, is skipped at once."""

@@ -412,6 +412,9 @@ class GatewayCore:
         able = self.router.servable()
         if able:
             return Readiness(True, f"{len(able)} of {len(states)} rollout replicas can serve")
+        if not states:
+            return Readiness(False, "no rollout replica found ([endpoints] rollout resolves to "
+                                    "no address yet)")
         why = "; ".join(f"{s.replica.address}: {self.router.why_not(s)}" for s in states)
         return Readiness(False, f"no healthy rollout replica ({why})")
 

@@ -14,7 +14,12 @@ request goes elsewhere without waiting; the poll brings it back when it answers 
 that merely gets no answer in time marks it down only after `failures` in a row: a replica (or
 this gateway's own loop) busy with a burst answers slowly, and refusing users then would turn
 load into outage.
-Does not own: the wire (a `Replica` talks to its server) or retrying a request.
+The set of replicas may change while it runs (`update`, from `discovery.Discovery`: a scaled
+service's name resolving to other addresses): a replica that stays keeps its state, a new one
+gets users after its first poll, a gone one gets no new request and is closed once the
+requests it has in flight end.
+Does not own: the wire (a `Replica` talks to its server), finding the replicas
+(discovery.py), or retrying a request.
 """
 
 from __future__ import annotations
@@ -51,9 +56,8 @@ class Router:
     def __init__(self, replicas: list[Replica], policy: str = "least_loaded",
                  interval_s: float = 2.0, timeout_s: float = 1.0, failures: int = 3,
                  max_version_lag: int = 0):
-        if not replicas:
-            raise ValueError("no rollout replicas configured ([endpoints] rollout)")
         self._states = [ReplicaState(r) for r in replicas]
+        self._retired: list[ReplicaState] = []  # gone from the set, closed when idle
         self._policy = policy
         self._interval_s = interval_s
         self._timeout_s = timeout_s
@@ -99,7 +103,32 @@ class Router:
         if self._poller is not None:
             self._poller.cancel()
             await asyncio.gather(self._poller, return_exceptions=True)
-        for s in self._states:
+        for s in self._states + self._retired:
+            await s.replica.close()
+        self._retired.clear()
+
+    def update(self, replicas: list[Replica]) -> None:
+        """Route among `replicas` from now on. A replica already here (same address) keeps its
+        state; a new one starts unpolled (no user until a poll finds it healthy); one no
+        longer listed gets no new request and is closed once its requests in flight end."""
+        current = {s.replica.address: s for s in self._states}
+        states = []
+        for r in replicas:
+            state = current.pop(r.address, None)
+            if state is None:
+                log.info("replica %s found", r.address)
+                state = ReplicaState(r)
+            states.append(state)
+        for gone in current.values():
+            log.info("replica %s is gone (%d requests in flight finish there)",
+                     gone.replica.address, gone.in_flight)
+            self._retired.append(gone)
+        self._states = states
+
+    async def _close_retired(self) -> None:
+        idle = [s for s in self._retired if s.in_flight == 0]
+        self._retired = [s for s in self._retired if s.in_flight > 0]
+        for s in idle:
             await s.replica.close()
 
     async def poll(self) -> None:
@@ -123,6 +152,7 @@ class Router:
                 log.info("replica %s is %s", s.replica.address,
                          "healthy" if s.healthy else f"unhealthy ({s.reason})")
 
+        await self._close_retired()
         servable = {id(s) for s in self.servable()}
         await asyncio.gather(*(one(s) for s in self._states))
         for s in self._states:
@@ -149,6 +179,8 @@ class Router:
         """A replica that may serve (`servable`) not in `exclude` (ids of states), else
         Unavailable saying why each one may not."""
         n = len(self._states)
+        if not n:
+            raise Unavailable("no rollout replica found ([endpoints] rollout resolves to no address yet)")
         order = [(self._turn + i) % n for i in range(n)]  # rotating start: ties go in turn
         candidates = [self._states[i] for i in order
                       if self.may_serve(self._states[i]) and id(self._states[i]) not in exclude]

@@ -13,10 +13,12 @@ Two ways to make a version live, chosen once by `make_updater` (the only branch 
   ways to swap (`swap`):
   * `drain`: close admission, wait for in-flight requests to finish on the old version, swap,
     reopen. Every completion has one version.
-  * `inflight`: close admission for the few milliseconds of a pause in vLLM's "keep" mode,
-    swap, label the engine's weight version, resume. On the CPU the version first goes live
-    in its factored build (tens of ms to prepare, ~10-20% slower generation) and its merged
-    build replaces it once packed, without a pause (same version, same function). Running sequences go on with the new
+  * `inflight`: close admission, pause vLLM's engine in "keep" mode, build the version and
+    swap it in, label the engine's weight version, resume. The pause and the build-and-swap
+    call are sent back to back, so the build runs in the pause with no round trip between
+    them; on the CPU that build is the factored one (milliseconds; generation ~10-20% below
+    base), and the merged build replaces it once packed, in a worker thread, without a pause
+    (same version, same function). Running sequences go on with the new
     weights (their KV cache, computed under the old weights, is kept: PipelineRL's choice).
     vLLM labels every engine step's outputs with the engine's weight version, so each
     completion's `version_spans` say exactly from which token the new version sampled (the
@@ -145,8 +147,9 @@ class Updater(ABC):
     mode: str
 
     @abstractmethod
-    async def prepare(self, version: int, adapter_dir: Path) -> None:
-        """Make `version` ready to go live without disturbing what is serving."""
+    async def prepare(self, version: int, archive: Path) -> None:
+        """Make `version` (its verified archive, `hotloop.adapters.pack`'s tar, stored at
+        `archive`) ready to go live without disturbing what is serving."""
 
     @abstractmethod
     async def commit(self, version: int) -> dict:
@@ -172,8 +175,8 @@ class MergedUpdater(Updater):
     mode = "merged"
     pinnable_history = False
 
-    # How often an in-flight swap polls the background build. Each poll is one utility call
-    # between engine steps (well under a millisecond of engine time).
+    # How often the merged build that replaces a factored one is polled. Each poll is one
+    # utility call between engine steps (well under a millisecond of engine time).
     POLL_S = 0.005
 
     def __init__(self, engine, model_dir: Path, max_rank: int, swap: str):
@@ -184,12 +187,12 @@ class MergedUpdater(Updater):
         # drain: one weight set, so in-flight requests must finish before a swap.
         self.needs_drain = swap == "drain"
         # inflight on the CPU: go live first with the factored build (base GEMM + low-rank
-        # term; reading the adapter takes tens of ms, generation runs ~10-20% below base),
-        # then swap in the merged build of the same version (a few hundred ms of merge and
-        # pack on a busy core) without a pause: both compute base + scale*B@A, so the version
-        # label does not change. Keeps the merge off push-to-first-token.
+        # term; reading the adapter and building it take milliseconds, generation runs ~10-20%
+        # below base), then swap in the merged build of the same version without a pause:
+        # both compute base + scale*B@A, so the version label does not change. Keeps the merge
+        # (hundreds of ms of merge and pack on a busy core) off push-to-first-token.
         self.factored_first = False
-        self._dirs: dict[int, Path] = {}
+        self._archives: dict[int, Path] = {}
 
     async def init(self) -> None:
         (summary,) = await self.engine.collective_rpc(
@@ -197,26 +200,74 @@ class MergedUpdater(Updater):
         )
         self.factored_first = self.swap == "inflight" and summary["platform"] == "cpu"
 
-    async def prepare(self, version: int, adapter_dir: Path) -> None:
-        # In a worker thread: the engine keeps stepping while the version is built.
-        # drain: commit waits for the build (it overlaps the drain) and raises its error.
-        # inflight: wait here, so the engine is paused only for the attribute swap.
+    async def prepare(self, version: int, archive: Path) -> None:
+        self._archives[version] = archive
+        if self.swap == "inflight":
+            # Built inside the pause (`swap_inflight`): the build is milliseconds, and waiting
+            # for a background one costs an engine step per status poll.
+            return
+        # drain: in a worker thread while the engine keeps stepping; commit waits for it (it
+        # overlaps the drain) and raises its error.
+        await self._build(version, archive, "merged", wait=False)
+
+    async def swap_inflight(self, version: int) -> dict:
+        """Pause the engine between two steps, build and commit `version`, label the engine's
+        weight version, resume. Returns the stages' milliseconds and the worker's report.
+
+        The pause and the build-and-commit (`hotloop_swap`) are sent back to back, without
+        waiting for the pause's reply: the engine core takes utility calls in the order they
+        were sent (one socket, one input queue), and once the pause is taken no step schedules
+        a token (vLLM's "keep" pause), so the swap lands at the pause with no round trip in
+        between. Order holds because each call's message is sent in the first synchronous
+        stretch of its task and tasks start in the order they are created. The label and the
+        resume follow both replies (a failed build must not be labelled), again back to
+        back. If the build fails, the live layers are untouched, the engine resumes and the
+        error is raised."""
         build = "factored" if self.factored_first else "merged"
-        self._dirs[version] = adapter_dir
-        await self._build(version, adapter_dir, build, wait=self.swap == "inflight")
+        archive = self._archives[version]
+        t0 = time.perf_counter()
+        pause = asyncio.ensure_future(self.engine.engine_core.pause_scheduler_async(
+            mode="keep", clear_cache=False))
+        swap = asyncio.ensure_future(self.engine.collective_rpc(
+            "hotloop_swap", args=(version, str(archive)), kwargs={"mode": build, "snapshot": True}))
+        try:
+            # Both replies, whichever comes first: the pause's can follow the swap's (it waits
+            # until the engine has flushed an empty step), and the label must follow both.
+            await asyncio.wait([pause, swap])
+            if pause.exception() is not None:
+                raise pause.exception()
+            if swap.exception() is not None:
+                raise swap.exception()
+            (report,) = swap.result()
+            t1 = time.perf_counter()
+            # vLLM attaches this label to every step's outputs, which gives each completion
+            # its exact per-token version spans (CompletionOutput.weight_versions).
+            await asyncio.gather(self.engine.update_weight_version(str(version)),
+                                 self.engine.resume_generation())
+        except BaseException:
+            # Resume whatever happened (a paused engine would stop every user); the pause
+            # may still be on its way, so wait for it first.
+            await asyncio.wait([pause, swap])
+            await self.engine.resume_generation()
+            raise
+        # The worker times its own part (read, build, swap); the rest until both replies is
+        # the wait for the engine step in progress to end (and the messages' trips).
+        build_ms = (report["prepare_s"] + report["swap_s"]) * 1e3
+        return {"pause_ms": max(0.0, (t1 - t0) * 1e3 - build_ms), "prepare_ms": build_ms,
+                "commit_ms": (time.perf_counter() - t1) * 1e3, "worker": report, "build": build}
 
     async def finish(self, version: int) -> None:
-        adapter_dir = self._dirs.pop(version, None)
-        if not self.factored_first or adapter_dir is None:
+        archive = self._archives.pop(version, None)
+        if not self.factored_first or archive is None:
             return
-        await self._build(version, adapter_dir, "merged", wait=True)
+        await self._build(version, archive, "merged", wait=True)
         # No pause: a collective_rpc runs between two engine steps, and the version (and so
         # the engine's weight-version label) stays the same.
         await self.engine.collective_rpc("hotloop_commit", args=(version,))
 
-    async def _build(self, version: int, adapter_dir: Path, build: str, wait: bool) -> None:
+    async def _build(self, version: int, archive: Path, build: str, wait: bool) -> None:
         await self.engine.collective_rpc(
-            "hotloop_prepare", args=(version, str(adapter_dir), True), kwargs={"mode": build}
+            "hotloop_prepare", args=(version, str(archive), True), kwargs={"mode": build}
         )
         if not wait:
             return
@@ -236,9 +287,8 @@ class MergedUpdater(Updater):
             (res,) = await self.engine.collective_rpc(
                 "hotloop_commit", args=(version,), kwargs={"snapshot": True}
             )
-        # Label the engine's weight version: vLLM attaches it to every step's outputs, which
-        # gives each completion its exact per-token version spans (CompletionOutput.
-        # weight_versions). A utility call like the commit, so it lands between the same steps.
+        # Label the engine's weight version (see swap_inflight). A utility call like the
+        # commit, so it lands between the same steps when admission is closed and drained.
         await self.engine.update_weight_version(str(version))
         return res
 
@@ -246,7 +296,7 @@ class MergedUpdater(Updater):
         return None
 
     async def retire(self, version: int) -> None:
-        self._dirs.pop(version, None)  # prepared weights are freed by the worker on commit
+        self._archives.pop(version, None)  # prepared weights are freed by the worker on commit
 
 
 class LoraUpdater(Updater):
@@ -256,9 +306,11 @@ class LoraUpdater(Updater):
         self.engine = engine
         self._requests: dict[int, object] = {}
 
-    async def prepare(self, version: int, adapter_dir: Path) -> None:
+    async def prepare(self, version: int, archive: Path) -> None:
         from vllm.lora.request import LoRARequest
 
+        # vLLM loads a LoRA from a peft directory: unpack beside the archive.
+        adapter_dir = await asyncio.to_thread(adapters.unpack, archive, archive.parent / "peft")
         req = LoRARequest(f"v{version}", version, str(adapter_dir))
         # add_lora loads it into a slot now, so the first request on it pays nothing extra.
         await self.engine.add_lora(req)
@@ -395,7 +447,8 @@ class RolloutMetrics:
             "mode) and result (ok, failed).", ["swap", "result"], registry=registry)
         self.swap_seconds = Histogram(
             "hotloop_rollout_swap_seconds", "Seconds admission was closed to make a version live "
-            "(inflight: pause, swap, resume; drain: the drain too; slot: loading the slot).",
+            "(inflight: pause, build, swap, resume; drain: the drain too; slot: loading the "
+            "slot).",
             ["swap"], buckets=LATENCY_BUCKETS, registry=registry)
 
 
@@ -445,7 +498,11 @@ class RolloutCore:
         self.updater: Updater | None = None
         self.mode = resolve_mode(cfg)
         self.swap = resolve_swap(cfg, self.mode)
-        self.last_swap: dict = {}  # the latest swap's timings and worker report (tests, logs)
+        # The latest version made live: its stages in ms (receive, verify, prepare, drain or
+        # pause, commit, finish), the worker's report, and the perf_counter marks t_last_byte
+        # and t_live (this process's clock: a benchmark in the process times the gaps around
+        # them). For tests, logs and benchmarks.
+        self.last_swap: dict = {}
         self.engine_name = ""
         self._held: dict[int, _Held] = {0: _Held(Version(0, base_model=base_model), None)}
         self._latest = 0
@@ -817,65 +874,78 @@ class RolloutCore:
             )
         if not 0 < info.bytes <= adapters.MAX_ARCHIVE_BYTES:
             raise InvalidArgument(f"declared size {info.bytes} is out of range")
-        buf = bytearray()
-        async for chunk in chunks:
-            buf.extend(chunk)
-            if len(buf) > info.bytes:
-                raise InvalidArgument(f"push is larger than its declared {info.bytes} bytes")
-        if len(buf) != info.bytes:
-            raise InvalidArgument(
-                f"push truncated: got {len(buf)} of {info.bytes} bytes; version not loaded"
-            )
-        digest = adapters.sha256(bytes(buf))
-        if digest != info.sha256:
-            raise InvalidArgument(f"sha256 mismatch (got {digest[:12]}, header {info.sha256[:12]})")
-        async with self._push_lock:
-            held = self._held.get(info.version)
-            if held is not None:
-                if held.version.sha256 != info.sha256:
+        # Hashed and written to disk chunk by chunk as it arrives (adapters.Incoming): after
+        # the last chunk only the checks on the bytes already in memory are left.
+        incoming = adapters.Incoming(info, self.storage / f".incoming-{uuid.uuid4().hex}.tar")
+        try:
+            async for chunk in chunks:
+                incoming.add(chunk)
+            t_last = time.perf_counter()
+            files = incoming.finish()  # size, sha256
+            # In the event loop: ~3 ms of checks, where a thread hop waited up to tens of ms
+            # for a core beside a busy engine.
+            adapters.validate(files, self.model_dir, self.cfg.max_lora_rank)
+            t1 = time.perf_counter()
+            async with self._push_lock:
+                held = self._held.get(info.version)
+                if held is not None:
+                    if held.version.sha256 != info.sha256:
+                        raise FailedPrecondition(
+                            f"version {info.version} is already held with different content"
+                        )
+                    return PushResult(held.version, 0.0, 0.0, already_present=True)
+                if make_latest and info.version < self._latest:
                     raise FailedPrecondition(
-                        f"version {info.version} is already held with different content"
+                        f"version {info.version} is older than the latest ({self._latest})"
                     )
-                return PushResult(held.version, 0.0, 0.0, already_present=True)
-            if make_latest and info.version < self._latest:
-                raise FailedPrecondition(
-                    f"version {info.version} is older than the latest ({self._latest})"
-                )
-            path = self.storage / f"v{info.version}"
-            try:
-                await asyncio.to_thread(adapters.unpack, bytes(buf), path)
-                await asyncio.to_thread(
-                    adapters.validate, path, self.model_dir, self.cfg.max_lora_rank
-                )
-                t1 = time.perf_counter()
-                await self.updater.prepare(info.version, path)
-                t_prepared = time.perf_counter()
-            except BaseException:
-                shutil.rmtree(path, ignore_errors=True)
-                raise
-            self._held[info.version] = _Held(info, path)
-            if make_latest:
-                try:
-                    await self._make_live(info.version)
-                except BaseException:
-                    # nothing of a failed version stays: the previous one keeps serving
-                    self._held.pop(info.version, None)
-                    await self.updater.retire(info.version)
-                    shutil.rmtree(path, ignore_errors=True)
-                    raise
-                # The version serves from here on; an error in its final build (e.g. out of
-                # memory) is returned to the pusher while the provisional build keeps serving.
-                self.last_swap.update(verify_ms=(t1 - t0) * 1e3,
-                                      prepare_ms=(t_prepared - t1) * 1e3)
-                t_live = time.perf_counter()
-                await self.updater.finish(info.version)
-                self.last_swap["finish_ms"] = (time.perf_counter() - t_live) * 1e3
-            t2 = time.perf_counter()
+                path = self.storage / f"v{info.version}"
+                t2, timings = await self._load(info, incoming, path, make_latest)
+        finally:
+            incoming.discard()  # the file was moved into `path` if the version was kept
+        if timings:  # a version made live: its stages from the header on
+            self.last_swap.update(timings, receive_ms=(t_last - t0) * 1e3,
+                                  verify_ms=(t1 - t_last) * 1e3, t_last_byte=t_last)
         await self._retire_old()
         result = PushResult(info, (t1 - t0) * 1e3, (t2 - t1) * 1e3)
         if self.on_loaded is not None:
             await self.on_loaded(info, result.load_ms)
         return result
+
+    async def _load(self, info: Version, incoming: adapters.Incoming, path: Path,
+                    make_latest: bool) -> tuple[float, dict]:
+        """Under the push lock: store the verified archive, prepare, go live, finish. Returns
+        when it was done and the stages' milliseconds."""
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+            archive = path / "adapter.tar"
+            os.replace(incoming.path, archive)
+            t1 = time.perf_counter()
+            await self.updater.prepare(info.version, archive)
+            t_prepared = time.perf_counter()
+        except BaseException:
+            shutil.rmtree(path, ignore_errors=True)
+            raise
+        self._held[info.version] = _Held(info, path)
+        if not make_latest:
+            return time.perf_counter(), {}
+        self.last_swap = {"version": info.version, "swap": self.swap or "slot"}
+        try:
+            await self._make_live(info.version)
+        except BaseException:
+            if self._latest != info.version:
+                # nothing of a failed version stays: the previous one keeps serving
+                self._held.pop(info.version, None)
+                await self.updater.retire(info.version)
+                shutil.rmtree(path, ignore_errors=True)
+            raise
+        # The version serves from here on; an error in its final build (e.g. out of memory)
+        # is returned to the pusher while the provisional build keeps serving. In flight,
+        # the build that went live ran inside the pause (its prepare_ms).
+        timings = {"prepare_ms": (t_prepared - t1) * 1e3, **self.last_swap}
+        t_live = time.perf_counter()
+        await self.updater.finish(info.version)
+        timings["finish_ms"] = (time.perf_counter() - t_live) * 1e3
+        return time.perf_counter(), timings
 
     async def _make_live(self, version: int) -> None:
         how = self.swap or "slot"
@@ -909,7 +979,8 @@ class RolloutCore:
                 self._live = self._latest = version
                 self.last_swap = {"version": version, "swap": "drain",
                                   "drain_ms": (t1 - t0) * 1e3,
-                                  "commit_ms": (time.perf_counter() - t1) * 1e3, "worker": report}
+                                  "commit_ms": (time.perf_counter() - t1) * 1e3, "worker": report,
+                                  "t_live": time.perf_counter()}
             except TimeoutError:
                 raise FailedPrecondition(
                     f"in-flight requests did not finish within {self.cfg.swap_drain_timeout_s}s; "
@@ -920,28 +991,28 @@ class RolloutCore:
                 self._cond.notify_all()
 
     async def _swap_inflight(self, version: int) -> None:
-        """Swap under running requests: admission waits only for pause + swap + resume."""
+        """Swap under running requests: admission waits only for pause + build + swap +
+        resume (MergedUpdater.swap_inflight)."""
         async with self._cond:
             # New requests wait (milliseconds) so they are admitted on the new version.
             self._gate_open = False
         try:
-            t0 = time.perf_counter()
-            # keep: running requests are frozen between two steps, KV cache kept. Through the
-            # engine-core client: AsyncLLM.pause_generation adds a fixed 20 ms sleep that only
-            # orders log output (its comment: "not required for correctness").
-            await self.engine.engine_core.pause_scheduler_async(mode="keep", clear_cache=False)
-            t1 = time.perf_counter()
+            swap = asyncio.ensure_future(self.updater.swap_inflight(version))
             try:
-                report = await self.updater.commit(version)
-            finally:
-                await self.engine.resume_generation()
-            t2 = time.perf_counter()
+                report = await asyncio.shield(swap)
+            except asyncio.CancelledError:
+                # The pusher went away with the engine paused and the swap on its way: finish
+                # it, so that the weights, their label and the version table agree.
+                report = await swap
+                self._live = self._latest = version
+                self.last_swap = {"version": version, "swap": "inflight", **report}
+                raise
             self._live = self._latest = version
-            self.last_swap = {"version": version, "swap": "inflight",
-                              "pause_ms": (t1 - t0) * 1e3, "commit_ms": (t2 - t1) * 1e3,
-                              "worker": report}
-            log.info("version %d live in flight: pause %.1f ms, commit+resume %.1f ms",
-                     version, (t1 - t0) * 1e3, (t2 - t1) * 1e3)
+            self.last_swap = {"version": version, "swap": "inflight", **report,
+                              "t_live": time.perf_counter()}
+            log.info("version %d live in flight: pause %.1f ms, build and swap %.1f ms, "
+                     "label and resume %.1f ms", version, report["pause_ms"],
+                     report["prepare_ms"], report["commit_ms"])
         finally:
             async with self._cond:
                 self._gate_open = True

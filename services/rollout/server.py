@@ -8,7 +8,7 @@ from contextlib import aclosing
 import grpc
 from opentelemetry import trace
 
-from hotloop.adapters import Version, version_from_proto, version_to_proto
+from hotloop.adapters import version_from_proto, version_to_proto
 from hotloop.errors import InvalidArgument
 from hotloop.grpcutil import create_server, map_errors
 from hotloop.hardware import runtime_info

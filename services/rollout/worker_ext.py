@@ -21,10 +21,14 @@ Two ways to build a version (``hotloop_prepare(..., mode=)``):
   merged    base + delta merged and packed per layer: generation afterwards runs at exactly base
             speed; building costs two passes over all linear weights (SmolLM2-135M: ~0.1 s on an
             idle core, several times that on a contended one).
-  factored  (CPU only) the load-time base handles plus ``y += (x @ A^T) @ (scale B)^T`` in the
-            closure: building is reading the adapter (tens of ms), generation runs ~10-20 %
-            below base. A version can go live factored and later be replaced by its merged build
-            under the same version number.
+  factored  (CPU only) the load-time base handles plus ``y += scale (x @ A^T) @ B^T`` in the
+            closure: building is reading the adapter and a few small copies for the fused
+            layers (SmolLM2-135M, r=16: under 10 ms), generation runs ~10-20 % below base. A
+            version can go live factored and later be replaced by its merged build under the
+            same version number.
+
+An adapter is read from its peft directory or from the archive the rollout service stores
+(``hotloop.adapters.pack``'s tar): one read into memory, the factors view that buffer.
 
 The building blocks of each path live in ``services/rollout/updates/`` (``merged``, ``factored``,
 ``device``; what they share in ``common``); this module owns the worker-side state, the RPCs and
@@ -34,15 +38,17 @@ Protocol (one pending version at a time):
   hotloop_init(model_dir)                read base weights of every linear layer from safetensors
   hotloop_prepare(v, dir, background=, mode=)  validate + build a pending set; live untouched
   hotloop_commit(v)                      swap pending into the live layers (attribute writes)
+  hotloop_swap(v, adapter, mode=)        build and commit in one call (engine paused meanwhile)
   hotloop_reset()                        back to the base weights (version 0)
   hotloop_discard() / hotloop_status() / hotloop_live_version()
 
 Invariants:
   * The worker keeps its own copy of the base weights (engine dtype, fused layout); merges are
     always base + delta, never incremental, so numerical error does not accumulate over versions.
-  * ``hotloop_commit`` and ``hotloop_reset`` are the only code that touches live layers. They run
-    in the worker's main thread, which also runs forward passes, so a swap never lands inside a
-    step: every forward pass sees one version in all layers. A background prepare only builds.
+  * ``hotloop_commit``, ``hotloop_swap`` and ``hotloop_reset`` are the only code that touches
+    live layers. They run in the worker's main thread, which also runs forward passes, so a
+    swap never lands inside a step: every forward pass sees one version in all layers. A
+    background prepare only builds.
   * A failed prepare raises ``ValueError`` and leaves the live layers and any earlier pending
     version untouched (the pending slot is replaced only by a fully built version).
   * The packed handles vLLM built at load time are kept as version 0, so a reset is a swap too.
@@ -123,6 +129,10 @@ class _State:
     live_adapter: str | None = None
     live_mode: str | None = None
     live_packed: dict[str, _Packed] = field(default_factory=dict)  # non-v0 entries that are live
+    # A set swapped out by hotloop_swap, freed later (by the next prepare, commit or reset):
+    # freeing a merged set (~0.5 GB for a 135M model) took 5-10 ms that the paused engine
+    # would otherwise wait for.
+    retired: dict[str, _Packed] | None = None
     pending: _Prepared | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
     job: threading.Thread | None = None
@@ -209,13 +219,14 @@ class HotloopWorkerExtension:
     def hotloop_prepare(
         self, version: int, adapter_dir: str, background: bool = False, mode: str = "merged"
     ) -> dict[str, Any]:
-        """Validate + build ``adapter_dir`` as pending ``version``; live layers untouched.
+        """Validate + build ``adapter_dir`` (a peft directory or an adapter archive) as pending
+        ``version``; live layers untouched.
 
         ``mode="merged"``: base + delta merged and packed per layer; generation afterwards runs
         at exactly base speed. Costs about two passes over all linear weights (SmolLM2-135M:
         0.1-0.6 s on one busy core). ``mode="factored"`` (CPU only): keeps the load-time packed
-        base GEMMs and adds ``(x @ A^T) @ (scale B)^T`` in the closure; prepare is just reading
-        the adapter (tens of ms), generation runs ~10-20 % below base. A version can go
+        base GEMMs and adds ``scale (x @ A^T) @ B^T`` in the closure; prepare is reading the
+        adapter (ms), generation runs ~10-20 % below base. A version can go
         live factored first and be replaced by its merged build later (same version number).
         ``background=False``: runs here and returns the timing breakdown (the engine does not step
         meanwhile: an RPC runs between steps in the worker's main thread).
@@ -252,6 +263,7 @@ class HotloopWorkerExtension:
     def _hotloop_prepare_job(self, st: _State, version: int, adapter_dir: str, mode: str) -> None:
         if st.is_cpu:
             _off_engine_cores()
+        st.retired = None  # freed here, off the engine's thread
         try:
             prepared = _build_prepared(st, version, adapter_dir, mode)
         except BaseException as e:  # reported through status / commit
@@ -265,7 +277,7 @@ class HotloopWorkerExtension:
     ) -> dict[str, Any]:
         """Make pending ``version`` live: per layer, assign its ``cpu_linear`` and ``weight``.
 
-        The only method that touches live layers. Waits up to ``wait_s`` for a background prepare
+        Waits up to ``wait_s`` for a background prepare
         of this version. Drops the previously live merged handles. The caller owns the prefix
         cache (see module docstring); ``prefix_caching`` in the result says whether it is on.
         ``snapshot=True`` adds ``tokens_at_commit``: {engine request id: output tokens so far}
@@ -293,13 +305,45 @@ class HotloopWorkerExtension:
                 have = None if st.pending is None else st.pending.version
                 raise ValueError(f"version {version} is not prepared (pending: {have})")
             prepared, st.pending = st.pending, None
+        return {**self._hotloop_make_live(st, prepared, snapshot), "wait_s": t_wait}
+
+    def hotloop_swap(
+        self, version: int, adapter: str, mode: str = "factored", snapshot: bool = False
+    ) -> dict[str, Any]:
+        """Build ``adapter`` as ``version`` here and now, then make it live: prepare and commit
+        in one call, for an engine paused between two steps (in-flight swaps). One call
+        instead of two: a caller that sends it right behind the pause (both queue in order,
+        and a paused engine runs no step in between) pays for no round trip, and a failed build
+        raises before any live layer is touched, with no pending version left to commit by
+        mistake. ``snapshot``: as in ``hotloop_commit``. Refused while a background prepare
+        runs (its result would become pending behind this version).
+        """
+        st = self._hotloop_state()
+        version = int(version)
+        if version <= 0:
+            raise ValueError("version must be a positive int (0 is the base model)")
+        if mode not in ("merged", "factored"):
+            raise ValueError(f"mode must be 'merged' or 'factored', not {mode!r}")
+        if mode == "factored" and not st.is_cpu:
+            raise ValueError("mode='factored' is CPU-only; on GPUs use LoRA slots or 'merged'")
+        with st.lock:
+            if st.job is not None and st.job.is_alive():
+                raise RuntimeError(f"prepare of version {st.job_version} is still running")
+        prepared = _build_prepared(st, version, adapter, mode)
+        return {**self._hotloop_make_live(st, prepared, snapshot, defer_free=True),
+                **prepared.timings}
+
+    def _hotloop_make_live(self, st: _State, prepared: _Prepared, snapshot: bool,
+                           defer_free: bool = False) -> dict[str, Any]:
         t1 = time.perf_counter()
         new_set = {**st.v0, **prepared.packed}
         _swap_in(st, new_set)
         t2 = time.perf_counter()
-        st.live_packed = prepared.packed  # the old merged set loses its last reference here
+        # Unless retired, the old set loses its last reference here (and is freed).
+        st.retired = st.live_packed if defer_free else None
+        st.live_packed = prepared.packed
         t_free = time.perf_counter() - t2
-        st.live_version, st.live_adapter = version, prepared.adapter_dir
+        st.live_version, st.live_adapter = prepared.version, prepared.adapter_dir
         st.live_mode = prepared.mode
         extra: dict[str, Any] = {}
         if snapshot:
@@ -309,9 +353,8 @@ class HotloopWorkerExtension:
             }
         return {
             **extra,
-            "version": version,
+            "version": prepared.version,
             "mode": prepared.mode,
-            "wait_s": t_wait,
             "swap_s": t2 - t1,
             "free_s": t_free,
             "layers_merged": len(prepared.packed),
@@ -324,7 +367,7 @@ class HotloopWorkerExtension:
         t0 = time.perf_counter()
         _swap_in(st, st.v0)
         t1 = time.perf_counter()
-        st.live_packed = {}
+        st.live_packed, st.retired = {}, None
         st.live_version, st.live_adapter, st.live_mode = 0, None, None
         return {"version": 0, "swap_s": t1 - t0, "free_s": time.perf_counter() - t1,
                 "prefix_caching": self._hotloop_prefix_caching()}

@@ -80,3 +80,33 @@ def test_cpu_sampler_stops_cleanly_started_or_not():
     s.stop()
     assert not s.is_alive() and len(s.samples) >= 3  # and the one `stop` takes
     assert all(b.at >= a.at and b.own_s >= a.own_s for a, b in zip(s.samples, s.samples[1:]))
+
+
+def test_each_replicas_share_is_its_part_of_its_services_work_in_replica_order():
+    from benchmarks.grpo import replica_of, replica_shares, work_accounting
+
+    assert replica_of("reward-1") == ("reward", 1) and replica_of("reward") == ("reward", 0)
+    assert replica_of("trainer_server") == ("trainer_server", 0)
+    endpoints = {"rollout": ["r:1", "r:2"], "reward": ["w:1", "w:2"], "reference": ["f:1"], "gateway": "g:1"}
+    before = {"rollout": 10.0, "rollout-1": 0.0, "reward": 0.0, "reward-1": 5.0, "reference": 0.0}
+    after = {"rollout-1": 300.0, "rollout": 110.0, "reward": 20.0, "reward-1": 25.0, "reference": 12.0,
+             "gateway": 99.0}
+    shares = replica_shares(before, after, endpoints)
+    assert shares["rollout"] == [{"process": "rollout", "address": "r:1", "work": 100.0, "share": 0.25},
+                                 {"process": "rollout-1", "address": "r:2", "work": 300.0, "share": 0.75}]
+    assert [r["share"] for r in shares["reward"]] == [0.5, 0.5] and "gateway" not in shares
+
+    seen = [StepSeen(1, 0.0, 1.0, {}, 0.0, 20, tokens=200, trained=8),
+            StepSeen(2, 1.0, 1.0, {}, 0.0, 20, tokens=200, trained=4)]
+    work = work_accounting(shares, seen, kl=True)
+    assert work["rollout"] == {"unit": "tokens", "consumed": 400, "counted": 400.0, "lost": 0.0, "duplicated": 0.0}
+    assert work["reward"]["lost"] == 0.0 and work["reward"]["duplicated"] == 0.0
+    assert (work["reference"]["consumed"], work["reference"]["lost"]) == (12, 0.0)
+    # a sample scored twice, and reference passes that never reached the service
+    assert work_accounting({**shares, "reward": [{**shares["reward"][0], "work": 21.0}, shares["reward"][1]]},
+                           seen, kl=True)["reward"]["duplicated"] == 1.0
+    assert work_accounting(shares, seen, kl=False)["reference"]["duplicated"] == 12.0
+    result = {"replicas": shares, "work": work, "lost": 0.0, "duplicated": 0.0}
+    md = markdown(json.loads(json.dumps(result)))
+    assert "| rollout | r:2 | 75% | 300 | tokens |" in md
+    assert "lost: 0, duplicated: 0 (rollout: 400 of 400 tokens;" in md

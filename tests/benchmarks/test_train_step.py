@@ -18,10 +18,15 @@ TINY = ModelShape(hidden=4, intermediate=8, layers=2, heads=2, kv_heads=1, head_
 
 
 def bench_args(out: Path, model: Path, **kw) -> Namespace:
-    """`hotloop bench train-step`'s arguments: a one-step run on one thread, `kw` over these."""
-    base = dict(model=str(model), dtype="float32", samples=3, prompt_tokens=4, completion_tokens=6,
-                steps=1, threads=1, json=str(out), group_size=1, micro_batch_tokens=2048)
-    return Namespace(**{**base, **kw})
+    """`hotloop bench train-step`'s arguments as the CLI parses them (so a new option cannot
+    be missing here): a one-step run on one thread, `kw` over these."""
+    from apps.cli import build_parser
+
+    args = build_parser().parse_args([
+        "bench", "train-step", "--model", str(model), "--dtype", "float32", "--samples", "3",
+        "--prompt-tokens", "4", "--completion-tokens", "6", "--steps", "1", "--threads", "1",
+        "--json", str(out)])
+    return Namespace(**{**vars(args), **kw})
 
 
 def test_step_flops_match_a_hand_count() -> None:

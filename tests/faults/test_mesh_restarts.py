@@ -54,7 +54,6 @@ max_tokens = 32
 default_max_tokens = 8
 health_interval_s = 0.3
 [trainer]
-dtype = "float32"
 torch_threads = 1
 micro_batch_tokens = 4096
 [trainer.lora]

@@ -70,3 +70,37 @@ def test_gateway_without_keys_refuses_to_start(tmp_path):
     assert p.returncode != 0
     assert "no user API keys configured" in p.stderr
     assert "Traceback" not in p.stderr
+
+
+def test_the_gateway_finds_replicas_behind_a_dns_name(tmp_path, replica_in_thread):
+    """`[endpoints] rollout = ["dns:///host:port"]` (a scaled compose service, a headless
+    Service) routes to every address the name resolves to; here `localhost`."""
+    import httpx
+
+    port = replica_in_thread.rsplit(":", 1)[1]
+    overrides = [f"run_dir={tmp_path}", f'endpoints.rollout=["dns:///localhost:{port}"]', "model.name=tiny"]
+    cfg = config.load_mesh(config.raw_config(None, overrides, environ={}))
+    mesh = Mesh(cfg, None, overrides, ["gateway"], quiet=True)
+    try:
+        info = mesh.start(timeout_s=60)
+        client = openai.OpenAI(base_url=info.gateway_url, api_key=MeshInfo.load(tmp_path).user_key(),
+                               max_retries=0)
+        r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}])
+        assert r.model_extra["policy_version"] == 5
+        ready = httpx.get(info.gateway_url.removesuffix("/v1") + "/ready").json()
+        assert ready["status"] == "ready"
+    finally:
+        mesh.stop()
+    assert f"dns:///localhost:{port} resolves to [" in (tmp_path / "logs" / "gateway.log").read_text()
+
+
+def test_a_malformed_dns_entry_refuses_to_start(tmp_path):
+    p = subprocess.run(
+        [sys.executable, "-m", "services.gateway", "--set", f"run_dir={tmp_path}",
+         "--set", 'security.user_tokens=["sk-test-key-1"]',
+         "--set", 'endpoints.rollout=["dns:///rollout"]', "--set", "nats.url=nats://127.0.0.1:1"],
+        capture_output=True, text=True, timeout=60,
+        env={k: v for k, v in __import__("os").environ.items() if not k.startswith("HOTLOOP__")},
+    )
+    assert p.returncode != 0
+    assert "want dns:///<host>:<port>" in p.stderr and "Traceback" not in p.stderr

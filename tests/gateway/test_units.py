@@ -157,9 +157,90 @@ async def test_a_replica_that_knows_it_is_behind_is_skipped_on_its_own_word():
     assert router.pick().replica is lone
 
 
-def test_router_needs_replicas():
-    with pytest.raises(ValueError, match="no rollout replicas"):
-        Router([])
+async def test_a_router_with_no_replica_yet_refuses_saying_so():
+    """A name that resolves to nothing yet (no replica ready) leaves the router empty."""
+    router = Router([])
+    await router.poll()
+    with pytest.raises(Unavailable, match="no rollout replica found"):
+        router.pick()
+
+
+async def test_update_keeps_staying_replicas_and_closes_gone_ones_once_idle():
+    a, b, c = Stub("a", running=2), Stub("b"), Stub("c")
+    closed: list[str] = []
+    for r in (a, b, c):
+        r.close = lambda r=r: _record(closed, r.address)
+    router = Router([a, b])
+    await router.poll()
+    busy = router.pick(exclude={id(router.states[0])})
+    assert busy.replica is b
+    router.acquire(busy)
+    router.mark_down(a, "it failed a request")
+
+    router.update([a, c])  # b is gone with a request in flight; c is new
+    assert [s.replica for s in router.states] == [a, c]
+    assert router.states[0].failures == 1 and router.states[0].others == 2  # a kept its state
+    with pytest.raises(Unavailable):
+        router.pick()  # a is down until polled, c is not polled yet, b is gone
+    await router.poll()
+    assert closed == [] and router.pick().replica in (a, c)  # b still serves its request
+    router.release(busy, ok=True)
+    await router.poll()
+    assert closed == ["b"]
+    await router.close()
+    assert sorted(closed) == ["a", "b", "c"]
+
+
+async def _record(closed: list[str], address: str) -> None:
+    closed.append(address)
+
+
+async def test_discovery_expands_names_to_every_address_and_follows_them():
+    """`dns:///host:port` stands for every address the name has (a scaled compose service, a
+    headless Service); plain entries stay as written; a replica is kept while its address
+    stays; a name that stops existing has no address, a failed lookup keeps the last ones."""
+    import socket
+
+    from services.gateway.discovery import Discovery
+
+    records = {"rollout": ["10.0.0.1", "10.0.0.2"]}
+
+    async def resolve(host, port):
+        got = records[host]
+        if isinstance(got, OSError):
+            raise got
+        return [f"{ip}:{port}" for ip in got]
+
+    made: list[str] = []
+
+    def make(address):
+        made.append(address)
+        return Stub(address)
+
+    d = Discovery(["dns:///rollout:50051", "10.0.0.9:50051", "dns:///rollout:50051"], make,
+                  resolve=resolve)
+    first = await d.refresh()
+    assert [r.address for r in first] == ["10.0.0.1:50051", "10.0.0.2:50051", "10.0.0.9:50051"]
+    records["rollout"] = ["10.0.0.2", "10.0.0.3"]  # scaled: one replaced
+    second = await d.refresh()
+    assert [r.address for r in second] == ["10.0.0.2:50051", "10.0.0.3:50051", "10.0.0.9:50051"]
+    assert second[0] is first[1] and made.count("10.0.0.2:50051") == 1
+    records["rollout"] = socket.gaierror(socket.EAI_AGAIN, "temporary failure")
+    assert [r.address for r in await d.refresh()] == [r.address for r in second]
+    records["rollout"] = socket.gaierror(socket.EAI_NONAME, "no such name")
+    assert [r.address for r in await d.refresh()] == ["10.0.0.9:50051"]
+    assert d.dynamic and not Discovery(["10.0.0.9:50051"], make).dynamic
+    for bad in ("dns:///rollout", "dns:///:50051", "dns:///rollout:port", "dns:///rollout:0"):
+        with pytest.raises(ValueError, match="dns:///<host>:<port>"):
+            Discovery([bad], make)
+    with pytest.raises(ValueError, match="not a host name"):
+        Discovery(["dns:///roll..out:50051"], make)
+
+
+async def test_the_default_resolver_asks_the_system():
+    from services.gateway.discovery import resolve_all
+
+    assert "127.0.0.1:50051" in await resolve_all("localhost", 50051)
 
 
 def test_response_index_is_bounded_in_age_and_count():

@@ -89,3 +89,43 @@ async def test_feedback_ids_deduplicate_and_traffic_is_looked_up_by_response(nat
     with pytest.raises(hbus.BusError):
         hbus.traffic_subject("a.b", 0)
     await b.close()
+
+
+async def test_one_server_gets_one_replica_and_ensure_brings_streams_to_their_settings(nats_server):
+    """The default config (`[nats] replicas` 1) on a single server: every stream and the KV
+    bucket with one replica. A FEEDBACK made elsewhere with JetStream's default 2-minute
+    duplicate window is brought to the 24 h one; ensuring again changes nothing and keeps the
+    messages; asking a single server for 3 replicas is an error naming the setting."""
+    from nats.js.api import StreamConfig
+
+    from hotloop.config import MeshConfig
+
+    nats = MeshConfig.model_validate({"nats": {"url": nats_server.url}}).nats
+    b = await hbus.Bus.connect(nats.url, "test", replicas=nats.replicas)
+    await b.js.add_stream(StreamConfig(name="FEEDBACK", subjects=[hbus.FEEDBACK]))
+    await b.ensure_streams()
+    names = [*hbus.STREAMS, hbus.KV_STREAM_PREFIX + hbus.VERSIONS_BUCKET]
+    configs = {n: (await b.js.stream_info(n)).config for n in names}
+    assert {n: c.num_replicas for n, c in configs.items()} == dict.fromkeys(names, 1)
+    assert configs["FEEDBACK"].duplicate_window == hbus.FEEDBACK_DEDUP_WINDOW_S
+    assert configs["TRAFFIC"].max_age == hbus.TRAFFIC_MAX_AGE_S
+
+    await b.js_publish(hbus.FEEDBACK, bus_pb2.FeedbackEvent(response_id="kept"))
+    await b.ensure_streams()
+    assert (await b.js.stream_info("FEEDBACK")).state.messages == 1
+
+    three = await hbus.Bus.connect(nats.url, "three", replicas=3)
+    with pytest.raises(hbus.BusError, match=r"\[nats\] replicas"):
+        await three.ensure_streams()
+    await three.close()
+    await b.close()
+
+
+async def test_several_urls_connect_to_whichever_answers(nats_server):
+    """`[nats] url` may list a cluster's servers, comma-separated: one of them down does not
+    keep the client from the others."""
+    b = await hbus.Bus.connect(f"nats://127.0.0.1:1, {nats_server.url}", "test", timeout_s=10)
+    assert b.nc.connected_url.port == nats_server.port
+    await b.close()
+    with pytest.raises(hbus.BusError):
+        hbus.servers(" , ")

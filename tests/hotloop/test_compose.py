@@ -1,6 +1,7 @@
 """The GPU deployment cannot run here; check what can be checked: it parses, every served
 service exists and has a health check, and the configs it names exist and validate."""
 
+import json
 from pathlib import Path
 
 import yaml
@@ -39,7 +40,7 @@ def test_long_running_services_restart_and_jobs_end():
         job = svc.get("command", [""])[0] in ("train", "models")
         want = "no" if job else "unless-stopped"
         assert svc.get("restart", "no") == want, f"{name}: restart {svc.get('restart')!r}, want {want!r}"
-    assert {"nats", "rollout", "gateway", "online-trainer"} <= {
+    assert {"nats-1", "nats-2", "nats-3", "rollout", "gateway", "online-trainer"} <= {
         n for n, s in services.items() if s.get("restart") == "unless-stopped"}
 
 
@@ -132,3 +133,74 @@ def test_the_image_holds_every_package_pyproject_installs():
     copied = {line.split()[1] for line in (ROOT / "compose/Dockerfile").read_text().splitlines()
               if line.startswith("COPY ")}
     assert {pattern.rstrip("*") for pattern in find["include"]} <= copied
+
+
+def _flag(cmd: list[str], name: str) -> str:
+    return cmd[cmd.index(name) + 1]
+
+
+def test_nats_is_a_jetstream_cluster_of_three_that_every_service_reaches():
+    """Three JetStream servers, each with a store of its own, routed to each other; every
+    hotloop service lists all three (the client fails over among them) and keeps 3 replicas
+    of each stream, which the project's own loader accepts."""
+    from urllib.parse import urlsplit
+
+    from hotloop import config
+
+    doc = yaml.safe_load((ROOT / "compose/docker-compose.yml").read_text())
+    services = doc["services"]
+    nats = {n: s for n, s in services.items() if s.get("image", "").startswith("nats:")}
+    assert len(nats) == 3, sorted(nats)
+    routes, stores, names, clusters = set(), set(), set(), set()
+    for name, svc in nats.items():
+        cmd = svc["command"]
+        assert "-js" in cmd and cmd[0] == "nats-server", name
+        port = urlsplit(_flag(cmd, "--cluster")).port
+        routes.add(frozenset(_flag(cmd, "--routes").split(",")))
+        clusters.add(_flag(cmd, "--cluster_name"))
+        names.add(_flag(cmd, "--server_name"))
+        (volume,) = [v for v in svc["volumes"] if v.endswith(":" + _flag(cmd, "-sd"))]
+        stores.add(volume.split(":")[0])
+        assert volume.split(":")[0] in doc["volumes"], f"{name}: store {volume} is not a named volume"
+        monitor = _flag(cmd, "-m")
+        assert svc["healthcheck"]["test"][-1] == f"http://127.0.0.1:{monitor}/healthz", name
+        assert svc["restart"] == "unless-stopped"
+    assert routes == {frozenset(f"nats://{n}:{port}" for n in nats)}, routes  # a full mesh, all alike
+    assert len(clusters) == 1 and len(names) == len(stores) == 3
+
+    hotloop = {n: s for n, s in services.items() if s.get("image") == "hotloop:latest"}
+    for name, svc in hotloop.items():
+        env = svc["environment"]
+        tree = config.raw_config(None, environ={k: str(v) for k, v in env.items()
+                                                if k.startswith("HOTLOOP__NATS__")})
+        mesh = config.load_mesh(tree)
+        servers = {urlsplit(u).hostname: urlsplit(u).port for u in mesh.nats.url.split(",")}
+        assert servers == dict.fromkeys(nats, 4222), (name, servers)  # the servers' default port
+        assert mesh.nats.replicas == 3, name
+
+    def after(name: str) -> set[str]:  # what must be healthy (or done) before `name` starts
+        deps = services[name].get("depends_on", {})
+        return set(deps).union(*(after(d) for d in deps))
+
+    for name in ("rollout", "gateway", "online-trainer", "trainer", "ppo-trainer"):  # the bus's users
+        assert set(nats) <= after(name), name
+    for name, svc in services.items():  # started is not enough: JetStream needs its meta leader
+        for dep, how in svc.get("depends_on", {}).items():
+            assert dep not in nats or how["condition"] == "service_healthy", (name, dep)
+
+
+def test_the_gateway_finds_every_replica_of_a_scaled_rollout():
+    """`--scale rollout=N`: N containers behind one name. The gateway's replica entry is that
+    name as dns:/// on the port the rollout listens on, which its discovery parses; a replica
+    publishes no host port (N would collide) and has no fixed container name."""
+    from services.gateway.discovery import parse_name
+
+    services = yaml.safe_load((ROOT / "compose/docker-compose.yml").read_text())["services"]
+    rollout, gateway = services["rollout"], services["gateway"]
+    (entry,) = json.loads(gateway["environment"]["HOTLOOP__ENDPOINTS__ROLLOUT"])
+    assert parse_name(entry) is not None, f"{entry}: a plain address is one replica, whatever it resolves to"
+    host, port = parse_name(entry)
+    assert services[host] is rollout
+    assert f"rollout.port={port}" in rollout["command"] and "rollout.host=0.0.0.0" in rollout["command"]
+    assert "ports" not in rollout and "container_name" not in rollout
+    assert rollout["deploy"]["resources"]["reservations"]["devices"][0]["count"] == 1  # one GPU each

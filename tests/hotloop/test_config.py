@@ -84,6 +84,31 @@ def test_json_values_parse():
     assert config.load_mesh(tree).endpoints.rollout == ["a:1", "b:2"]
 
 
+def test_a_quoted_value_is_its_text_as_in_toml():
+    """`--set rollout.cpu_omp_threads_bind="1"` (quoted as in the TOML file) is the text 1,
+    not the three characters with quotes; a broken quote stays text for the field to judge."""
+    tree = config.raw_config(None, ['rollout.cpu_omp_threads_bind="1"', 'nats.url="nats://h:1"',
+                                    'run_dir="unclosed'], environ={})
+    assert tree["rollout"]["cpu_omp_threads_bind"] == "1"
+    assert tree["nats"]["url"] == "nats://h:1"
+    assert tree["run_dir"] == '"unclosed'
+
+
+def test_every_replicated_endpoint_takes_a_list_or_one_address():
+    """Configs and environment overrides written for one replica (`HOTLOOP__ENDPOINTS__REWARD=
+    reward:50053`, as compose sets it) still work; a list gives several replicas."""
+    env = {"HOTLOOP__ENDPOINTS__REWARD": "reward:50053", "HOTLOOP__ENDPOINTS__REFERENCE": '["r:1", "r:2"]',
+           "HOTLOOP__ENDPOINTS__ROLLOUT": "dns:///rollout:50051"}
+    ep = config.load_mesh(config.raw_config(None, [], environ=env)).endpoints
+    assert (ep.reward, ep.reference, ep.rollout) == (["reward:50053"], ["r:1", "r:2"], ["dns:///rollout:50051"])
+    assert config.load_mesh(config.raw_config(None, ["endpoints.reward="], environ={})).endpoints.reward == []
+    with pytest.raises(ConfigError) as e:
+        config.load_mesh(config.raw_config(None, ['endpoints.reward=["a:1","b:2","a:1"]',
+                                                  'endpoints.reference=["r:1", ""]'], environ={}))
+    assert "[endpoints] reward: Value error, a:1 listed more than once" in str(e.value)
+    assert "[endpoints] reference.1: String should have at least 1 character" in str(e.value)
+
+
 @pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*.toml")), ids=lambda p: p.name)
 def test_every_config_file_parses(path):
     """Each section of each shipped config validates against its service's model."""
@@ -110,3 +135,24 @@ def test_every_config_file_parses(path):
             config.load_section(tree, name, sections[name])
         else:
             assert name in config.MeshConfig.model_fields, f"unknown section [{name}] in {path.name}"
+
+
+def test_nats_names_a_cluster_and_its_replica_count():
+    """`[nats] url` lists a cluster's servers comma-separated (spaces trimmed); an empty entry
+    is an error, not a server; `replicas` is 1 unless set, and JetStream's bounds hold."""
+    mesh = config.load_mesh(config.raw_config(
+        None, ["nats.url=nats://a:4222, nats://b:4222", "nats.replicas=3"], environ={}))
+    assert mesh.nats.url == "nats://a:4222,nats://b:4222" and mesh.nats.replicas == 3
+    assert config.load_mesh(config.raw_config(None, environ={})).nats.replicas == 1
+    with pytest.raises(ConfigError, match=r"\[nats\] url: .*empty server"):
+        config.load_mesh(config.raw_config(None, ["nats.url=nats://a:4222,,nats://b:4222"], environ={}))
+    with pytest.raises(ConfigError, match=r"\[nats\] replicas: .*less than or equal to 5"):
+        config.load_mesh(config.raw_config(None, ["nats.replicas=7"], environ={}))
+
+
+def test_an_admin_token_read_from_a_file_loses_its_newline():
+    """A Secret written with `openssl rand -hex 24 > file` ends in a newline, which gRPC
+    metadata refuses; both ends of a push read the same stripped token."""
+    mesh = config.load_mesh(config.raw_config(
+        None, environ={"HOTLOOP__SECURITY__ADMIN_TOKEN": "0123abcd\n"}))
+    assert mesh.security.admin_token == "0123abcd"

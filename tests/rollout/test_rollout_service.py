@@ -179,6 +179,9 @@ async def test_bad_pushes_are_refused_and_serving_continues(rollout, adapter_fac
     assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "another base model" in e.value.details()
     assert core.latest == before
+    # nothing of a refused push stays on disk: neither its partial file nor its version
+    assert not list(core.storage.glob(".incoming-*"))
+    assert not (core.storage / "v60").exists() and not (core.storage / "v61").exists()
     out = await generate(stub, [text_prompt("hi")], max_tokens=2)
     assert out[0].policy_version == before
 

@@ -202,6 +202,52 @@ def test_base_weights_and_merge_math(tiny_model, adapters):
     assert torch.allclose(merged[384:].float(), ref_v, atol=2e-2 * ref_v.abs().max())
 
 
+def test_an_archive_reads_as_its_directory(adapters, tmp_path):
+    """What the rollout service stores (adapters.pack's tar) gives the same factors."""
+    from hotloop import adapters as archives
+
+    for name in ("good", "partial_rslora"):
+        (tmp_path / f"{name}.tar").write_bytes(archives.pack(adapters[name]))
+        from_dir = wx.read_peft_adapter(adapters[name], 64)
+        from_tar = wx.read_peft_adapter(tmp_path / f"{name}.tar", 64)
+        assert from_dir.keys() == from_tar.keys()
+        for k, f in from_dir.items():
+            g = from_tar[k]
+            assert torch.equal(f.a, g.a) and torch.equal(f.b, g.b) and f.scale == g.scale, k
+    (tmp_path / "junk.tar").write_bytes(b"x" * 2048)
+    with pytest.raises(ValueError, match="not a valid tar"):
+        wx.read_peft_adapter(tmp_path / "junk.tar", 64)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_factored_layer_computes_the_merged_weight(adapters, tiny_model, tmp_path, dtype):
+    """x @ (base + delta)^T for every layer, fused ones included, with per-shard scales that
+    differ (layer 0's q has rank 4 and its own scale; o_proj its own alpha)."""
+    def shrink_q(t):
+        for ab, sl in (("lora_A", (slice(0, 4), slice(None))), ("lora_B", (slice(None), slice(0, 4)))):
+            k = f"base_model.model.model.layers.0.self_attn.q_proj.{ab}.weight"
+            t[k] = t[k][sl].contiguous()
+        return t
+
+    d = _rewrite(adapters["good"], tmp_path / "pat",
+                 {"rank_pattern": {"layers.0.self_attn.q_proj": 4}, "alpha_pattern": {"o_proj": 8}},
+                 shrink_q)
+    specs = _tiny_specs()
+    base = wx.load_base_weights(tiny_model, specs, dtype)
+    plan = wx.plan_merge(wx.read_peft_adapter(d, 64), specs, wx.build_hf_index(specs))
+    x = torch.randn(5, 512, generator=torch.Generator().manual_seed(0))
+    tol = 1e-4 if dtype == torch.float32 else 5e-2
+    for name, shards in plan.items():
+        k = specs[name].in_features
+        xs = x[:, :k].to(dtype)
+        fn = wx.factored_linear(lambda x_, w_, b_, name=name: x_ @ base[name].T,
+                                *wx.factor_layer(specs[name], shards, dtype))
+        got = fn(xs, None, None).float()
+        merged = wx.merge_layer(base[name].float(), specs[name], shards)
+        want = xs.float() @ merged.T
+        assert (got - want).abs().max() <= tol * want.abs().max(), name
+
+
 def test_device_path_merges_in_place(tiny_model, adapters):
     """The non-CPU branch (CUDA), exercised with plain CPU modules that keep a real weight:
     commit writes base + delta into the existing weight storage; reset copies base back."""
@@ -416,3 +462,30 @@ def test_factored_then_merged_same_version(llm, tiny_model, adapters):
     # Same version, different rounding: the same tokens where margins are clear, close logprobs.
     assert _hf_check(tiny_model, adapters["good"], *fact) < LOGPROB_TOL
     assert _hf_check(tiny_model, adapters["good"], *merged) < LOGPROB_TOL
+
+
+@pytest.mark.slow
+def test_swap_builds_and_commits_an_archive_in_one_call(llm, tiny_model, adapters, base_out, tmp_path):
+    """hotloop_swap (the in-flight path, sent right behind a pause): from the stored archive,
+    the factored build goes live in one call; a bad archive raises with the live version and
+    nothing pending left behind."""
+    from hotloop import adapters as archives
+
+    good, bad = tmp_path / "good.tar", tmp_path / "bad.tar"
+    good.write_bytes(archives.pack(adapters["good"]))
+    bad.write_bytes(archives.pack(adapters["other_base"]))
+    (res,) = llm.collective_rpc("hotloop_swap", args=(30, str(good)),
+                                kwargs={"mode": "factored", "snapshot": True})
+    assert res["version"] == 30 and res["mode"] == "factored" and "tokens_at_commit" in res
+    llm.reset_prefix_cache()
+    try:
+        live_out = _generate(llm)
+        assert _hf_check(tiny_model, adapters["good"], *live_out) < LOGPROB_TOL
+        with pytest.raises(Exception, match="do not fit the base weight"):
+            llm.collective_rpc("hotloop_swap", args=(31, str(bad)), kwargs={"mode": "factored"})
+        (st,) = llm.collective_rpc("hotloop_status")
+        assert st["live_version"] == 30 and st["pending_version"] is None
+        assert _generate(llm) == live_out
+    finally:
+        llm.collective_rpc("hotloop_reset")
+        llm.reset_prefix_cache()

@@ -182,20 +182,42 @@ def _pattern_value(patterns: dict[str, Any], module: str, default: Any) -> Any:
     return default
 
 
+def read_adapter_files(source: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """A peft adapter's config and tensors, from its directory or from an archive made by
+    `hotloop.adapters.pack` (what the rollout service stores). The file is read once into
+    memory and the tensors view that buffer (no per-tensor copies). Raises ValueError."""
+    from hotloop import adapters
+    from hotloop.errors import InvalidArgument
+
+    source = Path(source)
+    try:
+        if source.is_file():
+            files = adapters.read_archive(source)
+        else:
+            cfg_path = source / "adapter_config.json"
+            weights_path = source / "adapter_model.safetensors"
+            if not cfg_path.exists() or not weights_path.exists():
+                raise ValueError(f"{source} is not a peft adapter dir (needs adapter_config.json "
+                                 "and adapter_model.safetensors) nor an adapter archive")
+            files = {"adapter_config.json": memoryview(cfg_path.read_bytes()),
+                     "adapter_model.safetensors": memoryview(adapters.read_file(weights_path))}
+        cfg = adapters.read_config(files["adapter_config.json"])
+        entries, body = adapters.safetensors_header(files["adapter_model.safetensors"])
+        bad = adapters.nonfinite(entries, body)
+        if bad is not None:
+            raise ValueError(f"{source}: {bad}: non-finite values in lora_A / lora_B")
+        return cfg, adapters.tensor_views(entries, body)
+    except InvalidArgument as e:
+        raise ValueError(f"{source}: {e}") from None
+
+
 def read_peft_adapter(adapter_dir: str | Path, max_rank: int) -> dict[str, LoraFactor]:
-    """Read a peft LoRA directory -> {checkpoint module name: LoraFactor}; validates everything.
+    """Read a peft LoRA (directory or archive) -> {checkpoint module name: LoraFactor};
+    validates everything. The factors view the read buffer: never write to them.
 
     Raises ValueError for anything this merge path cannot represent exactly.
     """
-    from safetensors.torch import load_file
-
-    adapter_dir = Path(adapter_dir)
-    cfg_path = adapter_dir / "adapter_config.json"
-    weights_path = adapter_dir / "adapter_model.safetensors"
-    if not cfg_path.exists() or not weights_path.exists():
-        raise ValueError(f"{adapter_dir} is not a peft adapter dir (needs adapter_config.json and "
-                         "adapter_model.safetensors)")
-    cfg = json.loads(cfg_path.read_text())
+    cfg, tensors = read_adapter_files(adapter_dir)
     if str(cfg.get("peft_type", "LORA")).upper() != "LORA":
         raise ValueError(f"{adapter_dir}: peft_type {cfg.get('peft_type')!r} is not LORA")
     bad = [f for f in _UNSUPPORTED_FLAGS if cfg.get(f)]
@@ -213,7 +235,6 @@ def read_peft_adapter(adapter_dir: str | Path, max_rank: int) -> dict[str, LoraF
     alpha_pattern: dict[str, float] = cfg.get("alpha_pattern") or {}
     rslora = bool(cfg.get("use_rslora", False))
 
-    tensors = load_file(str(weights_path))
     parts: dict[str, dict[str, torch.Tensor]] = {}
     for key, t in tensors.items():
         m = re.fullmatch(r"(.+)\.(lora_A|lora_B)(?:\.[^.]+)?\.weight", key)
@@ -249,8 +270,6 @@ def read_peft_adapter(adapter_dir: str | Path, max_rank: int) -> dict[str, LoraF
             raise ValueError(f"{adapter_dir}: {module}: rank {r} in weights, config says {r_cfg}")
         if r > max_rank:
             raise ValueError(f"{adapter_dir}: {module}: rank {r} exceeds the limit {max_rank}")
-        if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
-            raise ValueError(f"{adapter_dir}: {module}: non-finite values in lora_A / lora_B")
         alpha = float(_pattern_value(alpha_pattern, module, alpha_default))
         scale = alpha / math.sqrt(r) if rslora else alpha / r
         if not math.isfinite(scale):

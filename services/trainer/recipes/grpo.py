@@ -7,9 +7,13 @@ publisher it is given. This module also holds what the recipes over code tasks s
 and asynchronous GRPO import it): the `Mesh`, the task stream, `start_on_tasks`, `publish`,
 `Batch`, and the held-out evaluation and summary.
 
-Failure policy: a reward or reference service that is down fails the step after bounded
-retries (hotloop.clients), never a silent zero reward; a NaN/inf loss skips the update and
-publishes nothing; everything a resumed run needs is in the checkpoint.
+Every stage is spread over its service's replicas (hotloop.replicas): generation over the
+rollout replicas, scoring over the reward replicas, reference passes over the reference
+replicas; what a replica that dies mid-step held is re-run on the others.
+
+Failure policy: a reward or reference service whose every replica is down fails the step after
+bounded retries (hotloop.clients, hotloop.replicas), never a silent zero reward; a NaN/inf loss
+skips the update and publishes nothing; everything a resumed run needs is in the checkpoint.
 """
 
 from __future__ import annotations
@@ -29,8 +33,9 @@ from typing import Annotated
 from opentelemetry import trace
 from pydantic import ConfigDict, Field
 
-from hotloop.clients import Completion, ReferenceClient, RewardClient, RolloutClient, Score, ScoreItem
+from hotloop.clients import Completion, ReferenceClient, RewardClient, Score, ScoreItem
 from hotloop.config import Section
+from hotloop.replicas import References, Rewards, Rollouts
 from hotloop.tasks import CodeTask, load_tasks
 
 from .base import Recipe, Run, Schedule, runner
@@ -186,7 +191,7 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
 
 
-async def evaluate(rollout: RolloutClient, reward: RewardClient, tasks: list[CodeTask],
+async def evaluate(rollout: Rollouts, reward: Rewards | RewardClient, tasks: list[CodeTask],
                    samples: int, temperature: float, max_tokens: int, version: int = 0,
                    ks: tuple[int, ...] = (1,), step: int = 0, stop: Sequence[str] = ()) -> EvalRecord:
     """pass@k of the version the replica serves (or `version` when pinned) on `tasks`."""
@@ -215,7 +220,7 @@ async def evaluate(rollout: RolloutClient, reward: RewardClient, tasks: list[Cod
     )
 
 
-async def evaluate_both(rollout: RolloutClient, reward: RewardClient, heldout: list[CodeTask],
+async def evaluate_both(rollout: Rollouts, reward: Rewards | RewardClient, heldout: list[CodeTask],
                         job: GrpoJobConfig, trainer_cfg, step: int) -> EvalRecord:
     """The held-out evaluation of a run: the main one (greedy with eval_samples == 1) and,
     with `eval_sampled`, sampled pass@1 at the training temperature (as `.sampled`). Both
@@ -260,12 +265,17 @@ class TaskStream:
 
 @dataclass
 class Mesh:
-    """The services a run talks to."""
+    """The services a run talks to, each spread over its replicas (a single client works for
+    reward and reference; a list of rollout clients becomes a `Rollouts`)."""
 
-    rollout: list[RolloutClient]
-    reward: RewardClient
-    reference: ReferenceClient | None
+    rollout: Rollouts  # every replica, each pushed every version; training samples spread over them
+    reward: Rewards | RewardClient
+    reference: References | ReferenceClient | None
     publisher: object  # services.trainer.recipes.publisher.Publisher
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.rollout, Rollouts):
+            self.rollout = Rollouts(list(self.rollout))
 
 
 async def serve_policy(policy, mesh: Mesh, run_dir: Path, version: int) -> int:
@@ -358,8 +368,8 @@ class Grpo(Recipe):
 
         t = time.perf_counter()
         with _tracer.start_as_current_span("generate"):
-            # one replica samples; every replica gets each version
-            comps = await mesh.rollout[0].generate(
+            # the prompts spread over the replicas, which all serve the same version
+            comps = await mesh.rollout.generate(
                 [chat(tk) for tk in tasks], n=G, max_tokens=cfg.max_new_tokens,
                 temperature=job.sample_temperature, seed=job.seed * 100_003 + step, stop=job.stop)
         secs["generate"] = time.perf_counter() - t
@@ -434,7 +444,7 @@ class Grpo(Recipe):
                                     data_position={**position, "version": self.version})
 
     async def evaluate(self, step: int) -> dict:
-        rec = await evaluate_both(self.mesh.rollout[0], self.mesh.reward, self.heldout, self.job,
+        rec = await evaluate_both(self.mesh.rollout, self.mesh.reward, self.heldout, self.job,
                                   self.cfg, step)
         self.evals.append(rec)
         log.info("held-out pass@1 at step %d (v%d): %.3f ± %.3f", step, rec.version, rec.pass_at_1,

@@ -4,7 +4,7 @@ Owns: the pipelined recipe (`AsyncGrpo`), which composes the synchronous one (gr
 stays the baseline: `max_staleness = 0` runs `grpo.run`) with a producer that samples ahead;
 the staleness gate (`StalenessGate`); and producing a batch (`produce`), where each group is
 scored as soon as the engine finishes it and its reference logprobs are requested as soon as
-its rewards are known, over one stream per service.
+its rewards are known, over one stream per replica of each service (hotloop.replicas).
 
 Does not own: the objective (`algorithms.make_offpolicy_algorithm`), the update, publishing,
 evaluation, checkpoints and task order (`grpo.Grpo`, whose `learn` each step calls), or the
@@ -20,7 +20,8 @@ logprobs by truncated importance sampling (docs/architecture.md, "Asynchronous G
 
 Failure policy: as grpo.py (a service that is down fails the step; a NaN/inf update publishes
 nothing; the checkpoint holds the task position of the last trained batch, so batches produced
-ahead and not trained are simply sampled again on resume). The streams are not retried.
+ahead and not trained are simply sampled again on resume). A stream is not retried on its
+replica: what a replica that dies had not answered goes to the others (hotloop.replicas).
 """
 
 from __future__ import annotations
@@ -124,7 +125,7 @@ async def produce(step: int, tasks: list[CodeTask], position: dict, mesh: Mesh, 
     @_traced(_tracer, "generate")
     async def generate() -> None:
         try:
-            async for c in mesh.rollout[0].generate_each(
+            async for c in mesh.rollout.generate_each(
                     [chat(t) for t in tasks], n=G, max_tokens=trainer_cfg.max_new_tokens,
                     temperature=job.sample_temperature, seed=seed, stop=job.stop):
                 i = c.prompt_index * G + c.sample_index

@@ -4,7 +4,8 @@ server (Status, FetchAdapter), then the recipe, then the report.
 Used by `hotloop train grpo`, `hotloop train online`, `hotloop demo` and the trainer's
 `__main__` (the online trainer as a mesh process). `open_edge` is what every job holds around
 its recipe. Endpoints come from the mesh config (`[endpoints]`, filled in by `hotloop up`
-through the environment or mesh.json).
+through the environment or mesh.json); each service's replicas are one balanced client
+(hotloop.replicas), whose per-replica counts the summary reports under `replicas`.
 """
 
 from __future__ import annotations
@@ -16,8 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from hotloop import models, telemetry
-from hotloop.clients import ReferenceClient, RewardClient, RolloutClient
+from hotloop.clients import ReferenceClient, RolloutClient
 from hotloop.config import MeshConfig
+from hotloop.replicas import References, Replicas, Rewards, Rollouts
 
 from . import grpo, grpo_async, report
 from ..config import TrainerConfig
@@ -25,20 +27,24 @@ from ..config import TrainerConfig
 log = logging.getLogger(__name__)
 
 
-async def check_dtype(trainer_cfg: TrainerConfig, reference: ReferenceClient | None) -> str:
+async def check_dtype(trainer_cfg: TrainerConfig,
+                      reference: References | ReferenceClient | None) -> str:
     """The trainer's resolved dtype, after checking that the reference computes in the same
-    one: bf16 and fp32 logprobs differ by ~1e-2 per token, which the KL term would read as
-    policy drift. A mismatch stops the job before any step."""
+    one (every replica of it): bf16 and fp32 logprobs differ by ~1e-2 per token, which the KL
+    term would read as policy drift. A mismatch stops the job before any step."""
     from hotloop.hardware import resolve_dtype
 
     dtype = resolve_dtype(trainer_cfg.dtype)
     if reference is not None and trainer_cfg.loss.kl_beta > 0:
-        theirs = (await reference.status()).runtime.dtype
-        if theirs and theirs != dtype:
-            raise SystemExit(
-                f"the reference service computes in {theirs} but the trainer in {dtype} "
-                f"(configured {trainer_cfg.dtype!r}): start both from a config with the same "
-                f"[model] dtype (\"auto\" resolves identically on one host)")
+        for replica in reference if isinstance(reference, References) else [reference]:
+            theirs = (await replica.status()).runtime.dtype
+            if theirs and theirs != dtype:
+                several = isinstance(reference, References) and len(reference) > 1
+                where = f" at {replica.address}" if several else ""
+                raise SystemExit(
+                    f"the reference service{where} computes in {theirs} but the trainer in {dtype} "
+                    f"(configured {trainer_cfg.dtype!r}): start both from a config with the same "
+                    f"[model] dtype (\"auto\" resolves identically on one host)")
     return dtype
 
 
@@ -72,7 +78,7 @@ class Edge:
     trainer's own server, whose `state` the recipe's `on_step` updates."""
 
     bus: Any  # hotloop.bus.Bus | None
-    reference: ReferenceClient | None
+    reference: References | None
     publisher: Any  # .publisher.Publisher
     state: Any  # .server.TrainerState
     server: Any  # grpc.aio.Server
@@ -104,8 +110,9 @@ async def open_edge(mesh_cfg: MeshConfig, trainer_cfg: TrainerConfig, run_dir: P
     if mesh_cfg.nats.url:
         from hotloop.bus import Bus
 
-        bus = await Bus.connect(mesh_cfg.nats.url, "trainer", mesh_cfg.nats.connect_timeout_s)
-    reference = ReferenceClient(ep.reference) if ep.reference else None
+        bus = await Bus.connect(mesh_cfg.nats.url, "trainer", mesh_cfg.nats.connect_timeout_s,
+                                replicas=mesh_cfg.nats.replicas)
+    reference = References.connect(ep.reference) if ep.reference else None
     try:
         dtype = await check_dtype(trainer_cfg, reference)
     except BaseException:
@@ -157,8 +164,8 @@ async def run_job(mesh_cfg: MeshConfig, job, trainer_cfg: TrainerConfig, config_
         state.last_metrics.update({f"seconds_{k}": v for k, v in rec.stage_seconds.items()})
 
     mesh = grpo.Mesh(
-        rollout=[RolloutClient(a) for a in ep.rollout],
-        reward=RewardClient(ep.reward),
+        rollout=Rollouts.connect(ep.rollout),
+        reward=Rewards.connect(ep.reward),
         reference=edge.reference,
         publisher=edge.publisher,
     )
@@ -166,13 +173,22 @@ async def run_job(mesh_cfg: MeshConfig, job, trainer_cfg: TrainerConfig, config_
         effective = await effective_config(mesh_cfg, job, trainer_cfg, edge.dtype, mesh, recipe)
         summary = await run(job, trainer_cfg, model_dir, mesh, run_dir, progress, on_step)
         summary["config"] = effective
+        summary["replicas"] = replica_counts(mesh)
         path = write(summary, run_dir, config_text)
     finally:
-        for c in [*mesh.rollout, mesh.reward]:
-            await c.close()
+        await mesh.rollout.close()
+        await mesh.reward.close()
         await edge.close()
         telemetry.shutdown()
     return summary, path
+
+
+def replica_counts(mesh: grpo.Mesh) -> dict[str, dict[str, dict]]:
+    """What each replica of each service did for the job, as its balanced client saw it
+    (`hotloop.replicas.ReplicaStats`: results kept, calls lost with it, items re-sent)."""
+    return {name: {a: asdict(s) for a, s in pool.stats.items()}
+            for name, pool in (("rollout", mesh.rollout), ("reward", mesh.reward),
+                               ("reference", mesh.reference)) if isinstance(pool, Replicas)}
 
 
 # ---- the online trainer ------------------------------------------------------------------------

@@ -141,9 +141,9 @@ class HeldOut:
 
 async def _rewards(mesh: Mesh, tasks: list[CodeTask], scorer: str, n: int, temperature: float,
                    max_tokens: int, stop: Sequence[str]) -> tuple[list[float], list[Completion]]:
-    comps = await mesh.rollout[0].generate([chat(t) for t in tasks], n=n, max_tokens=max_tokens,
-                                           temperature=temperature, seed=1234,
-                                           priority=TRAINING_PRIORITY, stop=stop)
+    comps = await mesh.rollout.generate([chat(t) for t in tasks], n=n, max_tokens=max_tokens,
+                                        temperature=temperature, seed=1234,
+                                        priority=TRAINING_PRIORITY, stop=stop)
     scores = await mesh.reward.score(score_items(tasks, comps, scorer))
     per = [0.0] * len(tasks)
     for c, s in zip(comps, scores):
@@ -205,7 +205,7 @@ class Ppo(Recipe):
         tasks = self.stream.take(cfg.batch_prompts)
         t = time.perf_counter()
         with _tracer.start_as_current_span("generate"):
-            comps = await mesh.rollout[0].generate(
+            comps = await mesh.rollout.generate(
                 [chat(tk) for tk in tasks], n=cfg.group_size, max_tokens=cfg.max_new_tokens,
                 temperature=job.sample_temperature, seed=job.seed * 100_003 + step,
                 priority=TRAINING_PRIORITY, stop=job.stop)

@@ -143,8 +143,22 @@ def _fenced(text: str) -> list[str]:
     return [fence, text, fence]
 
 
+def _replicas(summary: dict) -> list[str]:
+    """What each replica did, for the services the job spread over several (job.py)."""
+    spread = {name: reps for name, reps in summary.get("replicas", {}).items() if len(reps) > 1}
+    if not spread:
+        return []
+    lines = ["", "## Replicas", "", "| service | replica | results kept | calls lost with it | items re-sent |",
+             "|---|---|---|---|---|"]
+    for name, reps in spread.items():
+        lines += [f"| {name} | {a} | {s['answered']} | {s['failed_calls']} | {s['resent']} |"
+                  for a, s in reps.items()]
+    return lines
+
+
 def _finish(lines: list[str], summary: dict, run_dir: Path, config_text: str) -> Path:
-    """Append the configuration and write report.md."""
+    """Append the replicas' shares and the configuration, and write report.md."""
+    lines += _replicas(summary)
     if summary.get("config"):
         # The effective configuration (after overrides and automatic choices), not the file.
         lines += ["", "## Configuration that ran", "", "```json",

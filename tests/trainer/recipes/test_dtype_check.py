@@ -38,3 +38,19 @@ async def test_a_dtype_mismatch_with_the_reference_stops_the_trainer(reference, 
     # without a KL term the reference is never asked, so no mismatch can matter
     no_kl = TrainerConfig(model=str(tiny_model), dtype="bfloat16")
     assert await check_dtype(no_kl, reference) == "bfloat16"
+
+
+async def test_every_reference_replica_is_checked(reference, tiny_model):
+    from hotloop.replicas import References
+
+    core = ReferenceCore(ReferenceConfig(model=str(tiny_model), dtype="bfloat16"))
+    server, port, _ = await serve(core, "127.0.0.1:0")
+    other = ReferenceClient(f"127.0.0.1:{port}")
+    cfg = TrainerConfig(model=str(tiny_model), dtype="float32", loss={"kl_beta": 0.04})
+    try:
+        with pytest.raises(SystemExit, match=f"reference service at 127.0.0.1:{port} computes in bfloat16 "
+                                             "but the trainer in float32"):
+            await check_dtype(cfg, References([reference, other]))
+    finally:
+        await other.close()
+        await server.stop(0)

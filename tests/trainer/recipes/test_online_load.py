@@ -47,6 +47,20 @@ def job(tmp_path, **kw) -> OnlineConfig:
     return OnlineConfig(**{**base, **kw})
 
 
+async def acks_landed(bus: Bus, pending: int, timeout: float = 10.0):
+    """The consumer's info once `pending` messages are un-acked, read again a moment later.
+    The server applies acks from its own queue, after a consumer info sent behind them may have
+    been answered, so one read can still count acks that have left; a count that overshoots
+    (an ack too many) shows on the second read."""
+    deadline = time.monotonic() + timeout
+    while (info := await bus.js.consumer_info("FEEDBACK", DURABLE)).num_ack_pending != pending:
+        if time.monotonic() > deadline:
+            return info
+        await asyncio.sleep(0.05)
+    await asyncio.sleep(0.3)
+    return await bus.js.consumer_info("FEEDBACK", DURABLE)
+
+
 def records(tmp_path, kind: str) -> list[dict]:
     lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     return [r[kind] for r in map(json.loads, lines) if kind in r]
@@ -106,7 +120,7 @@ async def test_arrivals_faster_than_training_are_shed_and_none_is_lost(
         await run_until(job(tmp_path, batch_size=2, batch_window_s=0, max_wait_s=1.0, max_queue=64),
                         make_cfg(), tiny_model, tmp_path, bus, policy, all_settled, metrics=om)
         got = await scrape(endpoint.port)
-        info = await bus.js.consumer_info("FEEDBACK", DURABLE)
+        info = await acks_landed(bus, 0)
     finally:
         endpoint.close()
         await bus.close()
@@ -144,7 +158,7 @@ async def test_an_update_stops_at_its_token_bound_newest_first(
         # the window holds the update until all six are queued
         await run_until(job(tmp_path, batch_size=6, batch_window_s=60, max_batch_tokens=25),
                         make_cfg(), tiny_model, tmp_path, bus, None, lambda rec: True)
-        info = await bus.js.consumer_info("FEEDBACK", DURABLE)
+        info = await acks_landed(bus, 3)
     finally:
         await bus.close()
     (step,) = records(tmp_path, "step")
