@@ -10,7 +10,7 @@ LoRA policy with truncated-importance-sampling REINFORCE against a running (EMA)
 update is published as a new version with the same `Publisher` GRPO uses. Each update is one
 trace (consume, join, reference, train, pack, publish, checkpoint, ack) whose parent is the
 gateway's feedback span, read from the message headers; the other feedback of the batch are
-links.
+links. The publish span belongs to its update's trace, though it ends during the next update.
 
 Delivery: nothing lost, nothing trained twice.
 - A feedback is acked only after the version trained on it is published and a checkpoint lists
@@ -25,6 +25,11 @@ Delivery: nothing lost, nothing trained twice.
   never redelivers at or below it), so it holds about one checkpoint interval of feedback.
 - Redelivered while still held (ack_wait shorter than a step): kept once, with the newer
   delivery's handle for the ack.
+- An update's publish runs beside the next update's training (most of a push is the replica
+  building and swapping the version, not this process computing). Its feedback joins `trained`
+  only once the publish returned; the next publish, every checkpoint and the end of the run
+  wait for it, so versions go out in order and a checkpoint never holds an unpublished update.
+  A publish that fails stops the loop at its next step or while it waits for feedback.
 
 Rejected feedback is settled at once (it can never train, so acking it loses nothing) and
 written to metrics.jsonl with its reason: malformed feedback (score unset, NaN or outside
@@ -62,6 +67,7 @@ __main__.py).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import shutil
@@ -150,12 +156,13 @@ class OnlineMetrics:
             "skipped (a non-finite loss or gradient: nothing published, the batch dead-lettered).",
             ["result"], registry=reg)
         self.step_seconds = Histogram(
-            "hotloop_trainer_step_seconds", "Seconds of one update, from its first feedback "
-            "taken off the queue (the batch window included) to its checkpoint.",
+            "hotloop_trainer_step_seconds", "Seconds of one update, from its start (the batch "
+            "window included) until its publish is under way, or to its checkpoint.",
             buckets=STEP_BUCKETS, registry=reg)
         self.stage_seconds = Histogram(
             "hotloop_trainer_stage_seconds", "Seconds of each stage of an update: consume, "
-            "join, reference, train, pack, publish, commit.", ["stage"],
+            "join, reference, train, publish_wait (for the previous version to land), pack, "
+            "publish (beside the next update), commit.", ["stage"],
             buckets=STEP_BUCKETS, registry=reg)
         self.loop_seconds = Histogram(
             "hotloop_trainer_loop_seconds", "Seconds from a trained feedback's arrival at the "
@@ -362,16 +369,18 @@ class Intake:
                     self.queue.put(p)
 
 
-async def _wait(queue: FeedbackQueue, intake: asyncio.Task, n: int, timeout: float | None) -> bool:
-    """Until `n` feedback are queued (True) or `timeout` passes (False). An intake that died
-    raises here."""
+async def _wait(queue: FeedbackQueue, intake: asyncio.Task, n: int, timeout: float | None,
+                publishing: asyncio.Task | None = None) -> bool:
+    """Until `n` feedback are queued (True), or `timeout` passes or `publishing` ends (False).
+    An intake that died raises here."""
     deadline = None if timeout is None else time.monotonic() + timeout
     while queue.qsize() < n:
         left = None if deadline is None else deadline - time.monotonic()
-        if left is not None and left <= 0:
+        if (left is not None and left <= 0) or (publishing is not None and publishing.done()):
             return False
         put = asyncio.ensure_future(queue.changed())
-        done, _ = await asyncio.wait({put, intake}, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+        watched = {put, intake} | ({publishing} if publishing is not None else set())
+        done, _ = await asyncio.wait(watched, timeout=left, return_when=asyncio.FIRST_COMPLETED)
         if put not in done:
             put.cancel()
         if intake in done:
@@ -439,6 +448,7 @@ class Online(Recipe):
         self.uncommitted: list[Pending] = []  # trained and published, waiting for a checkpoint and ack
         self.updates = 0
         self.intake: asyncio.Task | None = None
+        self.publishing: asyncio.Task | None = None  # the latest update's publish, in flight
 
     async def setup(self, run: Run) -> Schedule:
         from ..learner.algorithms import EmaBaseline, make_online_algorithm
@@ -480,9 +490,11 @@ class Online(Recipe):
         return Schedule(0, job.max_steps or None, checkpoint_every=0)
 
     async def before_step(self) -> Context:
-        """Idle until feedback arrives (not a stage); the step continues the trace of the
-        newest feedback queued then, the first its batch takes."""
-        await _wait(self.queue, self.intake, 1, None)
+        """Idle until feedback arrives (not a stage), or until the version in flight fails;
+        the step continues the trace of the newest feedback queued then, the first its batch
+        takes."""
+        while not await _wait(self.queue, self.intake, 1, None, self.publishing):
+            await self.landed()  # raises what the publish raised, else clears it
         self.first = self.queue.newest()
         return telemetry.extract_context(self.first.msg.headers)
 
@@ -551,34 +563,24 @@ class Online(Recipe):
             metrics.steps.labels("skipped").inc()
             return None
 
+        t = time.perf_counter()
+        await self.landed()  # versions go out in order: the previous one first
+        secs["publish_wait"] = time.perf_counter() - t
         self.version += 1
         t = time.perf_counter()
         with _tracer.start_as_current_span("pack"):
             adapter = self.policy.save_adapter(self.run.dir / "adapters" / f"v{self.version}")
         secs["pack"] = time.perf_counter() - t
-        t = time.perf_counter()
-        await publish_tolerant(mesh, self.version, adapter)  # opens the "publish" span
-        served_at = time.time()  # the version serves on the replicas that took it
-        shutil.rmtree(adapter)  # the publisher's store keeps the archive
-        secs["publish"] = time.perf_counter() - t
-        metrics.version = self.version
-        metrics.published.inc()
-        for _, fb, _ in rows:
-            if fb.received_at > 0:  # 0: a gateway that did not say
-                metrics.loop_seconds.observe(max(0.0, served_at - fb.received_at))
         for w in waited:
             metrics.wait_seconds.observe(w)
-
-        for p, _, _ in rows:
-            self.trained.add(p.seq)
-            self.uncommitted.append(p)
-        self.counters.trained += len(rows)
+        # The push runs beside the next update's training; its "publish" span stays this step's.
+        self.publishing = asyncio.create_task(self.publish(self.version, adapter, rows),
+                                              name=f"publish-v{self.version}")
         self.updates += 1
         t = time.perf_counter()
         if self.updates % job.checkpoint_interval == 0:
             await self.save()
         secs["commit"] = time.perf_counter() - t
-        metrics.steps.labels("published").inc()
         metrics.step_seconds.observe(time.perf_counter() - t_step)
         for stage, seconds in secs.items():
             metrics.stage_seconds.labels(stage).observe(seconds)
@@ -593,6 +595,32 @@ class Online(Recipe):
             counters=asdict(self.counters), queue_depth=self.queue.qsize(), shed=len(shed),
             queue_wait_s=max(waited),
         )
+
+    async def publish(self, version: int, adapter: Path, rows: list[tuple[Pending, Any, Any]]) -> None:
+        """Make `version` the mesh's; only then do its feedback count as trained (for the next
+        checkpoint, then the ack)."""
+        t = time.perf_counter()
+        await publish_tolerant(self.mesh, version, adapter)  # opens the "publish" span
+        served_at = time.time()  # the version serves on the replicas that took it
+        shutil.rmtree(adapter)  # the publisher's store keeps the archive
+        metrics = self.metrics
+        metrics.stage_seconds.labels("publish").observe(time.perf_counter() - t)
+        metrics.version = version
+        metrics.published.inc()
+        metrics.steps.labels("published").inc()
+        for _, fb, _ in rows:
+            if fb.received_at > 0:  # 0: a gateway that did not say
+                metrics.loop_seconds.observe(max(0.0, served_at - fb.received_at))
+        for p, _, _ in rows:
+            self.trained.add(p.seq)
+            self.uncommitted.append(p)
+        self.counters.trained += len(rows)
+
+    async def landed(self) -> None:
+        """Wait for the version in flight to be published; its error is raised here."""
+        task, self.publishing = self.publishing, None
+        if task is not None:
+            await task
 
     async def take(self, job: OnlineConfig) -> tuple[list[tuple[Pending, Any, Any]], list[Pending]]:
         """The update's batch, newest first: feedback joined with its traffic until it holds
@@ -646,9 +674,11 @@ class Online(Recipe):
 
     async def save(self) -> None:
         """Checkpoint (with the trained set), then ack what it covers. A stop saves nothing:
-        what was not acked is redelivered to the next run."""
+        what was not acked is redelivered to the next run. The version in flight lands first:
+        a checkpoint never holds an update that is not published."""
         from ..learner.checkpoint import prune_checkpoints
 
+        await self.landed()
         if not self.uncommitted:
             return
         with _tracer.start_as_current_span("checkpoint"):
@@ -665,6 +695,11 @@ class Online(Recipe):
 
     async def close(self) -> None:
         await self.users.close()
+        if self.publishing is not None:  # a stop or a failure: what it carried is not acked
+            self.publishing.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self.publishing
+            self.publishing = None
         if self.intake is not None:
             self.intake.cancel()
             try:

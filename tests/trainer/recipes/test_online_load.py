@@ -180,3 +180,101 @@ def test_the_queue_sheds_its_oldest_but_never_the_newest() -> None:
     assert q.shed(100.0) == [] and q.newest().seq == 3  # the newest stays, however old
     q.put(pending(5, 14.0))
     assert [q.pop_newest().seq, q.pop_newest().seq] == [5, 3] and q.empty()
+
+
+class SlowPublisher(Publisher):
+    """A publisher whose every push takes `delay` s (a replica building and swapping the
+    version), logging when each version's publish starts and ends; `fail_at` raises there."""
+
+    def __init__(self, *args, delay: float, fail_at: int | None = None, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.delay, self.fail_at, self.log = delay, fail_at, []
+
+    async def publish(self, version, adapter_dir):
+        self.log.append(("start", version, time.monotonic()))
+        await asyncio.sleep(self.delay)
+        if version == self.fail_at:
+            raise RuntimeError(f"replica refused version {version}")
+        result = await super().publish(version, adapter_dir)
+        self.log.append(("end", version, time.monotonic()))
+        return result
+
+
+def watched(policy, log: list):
+    """The policy, logging when each train step starts and which version each checkpoint holds."""
+    step, save = policy.train_step, policy.save_checkpoint
+
+    def train_step(*args, **kwargs):
+        log.append(("train", None, time.monotonic()))
+        return step(*args, **kwargs)
+
+    def save_checkpoint(root, data_position=None, *args, **kwargs):
+        log.append(("checkpoint", data_position["version"], time.monotonic()))
+        return save(root, data_position, *args, **kwargs)
+
+    policy.train_step, policy.save_checkpoint = train_step, save_checkpoint
+    return policy
+
+
+async def test_a_publish_runs_beside_the_next_training_and_versions_land_in_order(
+        nats_server, tmp_path, make_cfg, tiny_model) -> None:
+    """Six feedback, one per update, each publish 1 s long: the next update trains while a
+    version is pushed, yet versions go out one after another in order, every checkpoint
+    holds only published versions, and at the end everything is published and acked."""
+    from services.trainer.learner.policy import LoraPolicy
+
+    bus = await Bus.connect(nats_server.url, "gateway")
+    await bus.ensure_streams()
+    gw = Gateway(bus)
+    seqs = [await gw.answer_and_rate(f"p{i}", 8, 1.0 if i % 2 else -1.0) for i in range(6)]
+    publisher = SlowPublisher([], "token", tmp_path / "store", bus, "tiny", delay=1.0)
+    policy = watched(LoraPolicy(make_cfg()), publisher.log)
+    try:
+        await asyncio.wait_for(online.run(
+            job(tmp_path, batch_size=1, batch_window_s=0, checkpoint_interval=3, max_steps=6),
+            make_cfg(), tiny_model, online.OnlineMesh(bus, publisher), tmp_path / "run",
+            policy=policy), 180)
+        info = await acks_landed(bus, 0)
+    finally:
+        await publisher.close()
+        await bus.close()
+
+    log = publisher.log
+    pushes = [(v, t) for kind, v, t in log if kind in ("start", "end")]
+    assert [v for v, _ in pushes] == [v for v in range(1, 7) for _ in (0, 1)]  # in order, one at a time
+    spans = {v: (t0, t1) for (v, t0), (_, t1) in zip(pushes[::2], pushes[1::2])}
+    trains = [t for kind, _, t in log if kind == "train"]
+    assert any(t0 < t < t1 for t in trains for t0, t1 in spans.values())  # trained while pushing
+    for kind, v, t in log:  # a checkpoint never holds a version still on its way
+        if kind == "checkpoint":
+            assert spans[v][1] <= t
+    assert [v for kind, v, _ in log if kind == "checkpoint"] == [3, 6]
+    assert sorted(s for r in records(tmp_path, "step") for s in r["seqs"]) == seqs
+    assert info.num_ack_pending == 0 and info.num_pending == 0
+
+
+@pytest.mark.parametrize("queued", [4, 0], ids=["while-training", "while-waiting-for-feedback"])
+async def test_a_failed_publish_stops_the_loop_and_acks_nothing_it_carried(
+        nats_server, tmp_path, make_cfg, tiny_model, queued) -> None:
+    """Version 2's push fails while the loop trains the next update, or while it idles for
+    feedback: the run ends with that error (it does not train on past it or wait forever),
+    no checkpoint holds version 2, and none of its feedback is acked (redelivered next run)."""
+    bus = await Bus.connect(nats_server.url, "gateway")
+    await bus.ensure_streams()
+    gw = Gateway(bus)
+    for i in range(queued + 2):  # one each for versions 1 and 2, `queued` after them
+        await gw.answer_and_rate(f"f{i}", 8, 1.0 if i % 2 else -1.0)
+    publisher = SlowPublisher([], "token", tmp_path / "store", bus, "tiny", delay=0.5, fail_at=2)
+    try:
+        with pytest.raises(RuntimeError, match="replica refused version 2"):
+            await asyncio.wait_for(online.run(
+                job(tmp_path, batch_size=1, batch_window_s=0, checkpoint_interval=10),
+                make_cfg(), tiny_model, online.OnlineMesh(bus, publisher), tmp_path / "run"), 120)
+        trained = {s for r in records(tmp_path, "step") if r["version"] == 2 for s in r["seqs"]}
+        info = await bus.js.consumer_info("FEEDBACK", DURABLE)
+    finally:
+        await publisher.close()
+        await bus.close()
+    assert len(trained) == 1
+    assert info.ack_floor.stream_seq == 0 and info.num_ack_pending == queued + 2  # none acked
+    assert not list((tmp_path / "run").glob("checkpoints/*/"))
