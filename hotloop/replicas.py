@@ -46,7 +46,7 @@ import dataclasses
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Self, TypeVar
 
 import grpc
 
@@ -339,17 +339,29 @@ async def spread_stream(pool: Replicas[M], items: AsyncIterator[T], key: Callabl
 # ---- the balanced clients -------------------------------------------------------------------
 
 
-class Rollouts(Replicas[RolloutClient]):
+class _Service(Replicas[M]):
+    """The replicas of one service: its name in errors (`service`) and the client that
+    `connect` opens to each address (`client`)."""
+
+    service: str
+    client: Callable[..., M]
+
+    def __init__(self, members: Sequence[M], cooldown_s: float = COOLDOWN_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__(self.service, members, cooldown_s, clock)
+
+    @classmethod
+    def connect(cls, addresses: Sequence[str], **kw) -> Self:
+        """One client per address. A client retries a call itself only when it is the only
+        replica; among several, the pool moves the call to another one instead."""
+        return cls([cls.client(a, attempts=_attempts(addresses)) for a in addresses], **kw)
+
+
+class Rollouts(_Service[RolloutClient]):
     """Training generation spread over the rollout replicas; a sequence of their clients
     (each gets every version: the publisher pushes to all of them)."""
 
-    def __init__(self, members: Sequence[RolloutClient], cooldown_s: float = COOLDOWN_S,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        super().__init__("rollout", members, cooldown_s, clock)
-
-    @classmethod
-    def connect(cls, addresses: Sequence[str], **kw) -> "Rollouts":
-        return cls([RolloutClient(a, attempts=_attempts(addresses)) for a in addresses], **kw)
+    service, client = "rollout", RolloutClient
 
     def _run(self, prompts: Sequence, sampling: dict, each: bool):
         texts = sampling.pop("texts", None)
@@ -405,16 +417,10 @@ class Rollouts(Replicas[RolloutClient]):
             yield c
 
 
-class Rewards(Replicas[RewardClient]):
+class Rewards(_Service[RewardClient]):
     """Scoring spread over the reward replicas."""
 
-    def __init__(self, members: Sequence[RewardClient], cooldown_s: float = COOLDOWN_S,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        super().__init__("reward", members, cooldown_s, clock)
-
-    @classmethod
-    def connect(cls, addresses: Sequence[str], **kw) -> "Rewards":
-        return cls([RewardClient(a, attempts=_attempts(addresses)) for a in addresses], **kw)
+    service, client = "reward", RewardClient
 
     async def score(self, items: Sequence[ScoreItem]) -> list[Score]:
         """`RewardClient.score` spread over the replicas; results in the order of `items`."""
@@ -434,16 +440,10 @@ class Rewards(Replicas[RewardClient]):
             yield s
 
 
-class References(Replicas[ReferenceClient]):
+class References(_Service[ReferenceClient]):
     """Reference passes spread over the reference replicas."""
 
-    def __init__(self, members: Sequence[ReferenceClient], cooldown_s: float = COOLDOWN_S,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        super().__init__("reference", members, cooldown_s, clock)
-
-    @classmethod
-    def connect(cls, addresses: Sequence[str], **kw) -> "References":
-        return cls([ReferenceClient(a, attempts=_attempts(addresses)) for a in addresses], **kw)
+    service, client = "reference", ReferenceClient
 
     async def logprobs(self, pairs: Sequence[tuple[Sequence[int], Sequence[int]]]
                        ) -> list[list[float]]:
