@@ -579,7 +579,7 @@ class Online(Recipe):
         self.updates += 1
         t = time.perf_counter()
         if self.updates % job.checkpoint_interval == 0:
-            await self.save()
+            await self.save_whole()
         secs["commit"] = time.perf_counter() - t
         metrics.step_seconds.observe(time.perf_counter() - t_step)
         for stage, seconds in secs.items():
@@ -692,6 +692,19 @@ class Online(Recipe):
         for p in self.uncommitted:
             self.held.pop(p.seq, None)
         self.uncommitted.clear()
+
+    async def save_whole(self) -> None:
+        """`save`, finished even when a stop arrives during it, so the acks it sends are always
+        followed by the record of the step they belong to; the stop then goes on after that
+        step (at the runner's next await)."""
+        saving = asyncio.ensure_future(self.save())
+        try:
+            await asyncio.shield(saving)
+        except asyncio.CancelledError:
+            if saving.cancelled():
+                raise
+            await saving
+            asyncio.current_task().cancel()
 
     async def close(self) -> None:
         await self.users.close()

@@ -278,3 +278,45 @@ async def test_a_failed_publish_stops_the_loop_and_acks_nothing_it_carried(
     assert len(trained) == 1
     assert info.ack_floor.stream_seq == 0 and info.num_ack_pending == queued + 2  # none acked
     assert not list((tmp_path / "run").glob("checkpoints/*/"))
+
+
+async def test_a_stop_during_a_checkpoint_still_records_the_step_its_acks_cover(
+        nats_server, tmp_path, make_cfg, tiny_model) -> None:
+    """A SIGTERM that lands while a checkpoint acks its feedback: the acks finish and so does
+    the record of the step they cover, so every feedback is either in a step record (and
+    acked) or still in JetStream; none is acked unrecorded."""
+    from services.trainer.learner.policy import LoraPolicy
+
+    bus = await Bus.connect(nats_server.url, "gateway")
+    await bus.ensure_streams()
+    gw = Gateway(bus)
+    seqs = [await gw.answer_and_rate(f"s{i}", 8, 1.0 if i % 2 else -1.0) for i in range(3)]
+    publisher = Publisher([], "token", tmp_path / "store", bus, "tiny")
+    policy = LoraPolicy(make_cfg())
+    save = policy.save_checkpoint
+
+    def save_then_stop(*args, **kwargs):  # the stop arrives between the checkpoint and its acks
+        out = save(*args, **kwargs)
+        run.cancel()
+        return out
+
+    policy.save_checkpoint = save_then_stop
+    run = asyncio.create_task(online.run(
+        job(tmp_path, batch_size=1, batch_window_s=0, checkpoint_interval=2),
+        make_cfg(), tiny_model, online.OnlineMesh(bus, publisher), tmp_path / "run", policy=policy))
+    try:
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(run, 120)
+        recorded = [s for r in records(tmp_path, "step") for s in r["seqs"]]
+        deadline = time.monotonic() + 10
+        while True:  # the server applies acks from its own queue (acks_landed)
+            info = await bus.js.consumer_info("FEEDBACK", DURABLE)
+            waiting = info.num_pending + info.num_ack_pending
+            if len(recorded) + waiting == len(seqs) or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.05)
+    finally:
+        await publisher.close()
+        await bus.close()
+    assert len(recorded) == 2  # both updates of the checkpoint, the second's record included
+    assert len(recorded) + waiting == len(seqs), (recorded, info)
