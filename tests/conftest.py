@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import hotloop  # noqa: F401  (before any test imports grpc: gRPC's fork support off, see there)
+
 import pytest
 
 # Tests share 2 cores with vLLM engines: keep torch from oversubscribing them.

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import os
 
 import grpc
 import pytest
@@ -195,3 +196,21 @@ async def test_a_refused_stream_that_never_ends_is_answered_within_the_bounds(se
     finally:
         await ch.close()
         await server.stop(None)
+
+
+def test_grpc_fork_support_is_off_in_hotloop_processes_and_the_children_they_start():
+    """Any process that imports hotloop, and every child it starts, runs with gRPC's fork
+    support off (grpc/grpc#43055: with it on, a service the launcher started could abort
+    before its exec); a value the user set is kept."""
+    import subprocess
+    import sys
+
+    probe = ("import hotloop, os, subprocess, sys; print(os.environ['GRPC_ENABLE_FORK_SUPPORT']); "
+             "subprocess.run([sys.executable, '-c', "
+             "'import os; print(os.environ.get(\"GRPC_ENABLE_FORK_SUPPORT\"))'], check=True)")
+    env = {k: v for k, v in os.environ.items() if k != "GRPC_ENABLE_FORK_SUPPORT"}
+    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["0", "0"]
+    out = subprocess.run([sys.executable, "-c", probe], env={**env, "GRPC_ENABLE_FORK_SUPPORT": "1"},
+                         capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["1", "1"]
