@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from apps.processes import tail_log
+
 REPO = Path(__file__).resolve().parent.parent
 # Qwen2.5-0.5B-Instruct (Apache-2.0) is the smallest model in the 0.5B-1.5B range that vLLM,
 # peft and the merged update path all serve; no package ships one, so it comes from the HF
@@ -237,7 +239,7 @@ def run_stage(stage: Stage, work: Path, timeout_s: float, env: dict[str, str]) -
         rec["status"] = "failed" if status == "ok" else status
         rec["figures_error"] = f"{type(e).__name__}: {e}"
     if rec["status"] != "ok":
-        rec["log_tail"] = _tail(log)
+        rec["log_tail"] = tail_log(log, 30)
     return rec
 
 
@@ -254,13 +256,6 @@ def _stop_group(proc: subprocess.Popen) -> None:
             return
         except subprocess.TimeoutExpired:
             continue
-
-
-def _tail(path: Path, lines: int = 30) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return ""
 
 
 def check(stage_list: list[Stage], out: Path, work: Path, budget_s: float,

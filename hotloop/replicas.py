@@ -224,11 +224,7 @@ async def spread(pool: Replicas[M], n: int,
                 raise pool.exhausted(len(again)) from e
             launch(again)
     finally:
-        for t in tasks:
-            t.cancel()
-        for t in tasks:
-            with contextlib.suppress(BaseException):
-                await t
+        await _cancel_all(tasks)
 
 
 @dataclass
@@ -329,11 +325,7 @@ async def spread_stream(pool: Replicas[M], items: AsyncIterator[T], key: Callabl
                     for ln in lanes.values():
                         ln.queue.put_nowait(None)
     finally:
-        for t in tasks:
-            t.cancel()
-        for t in tasks:
-            with contextlib.suppress(BaseException):
-                await t
+        await _cancel_all(tasks)
 
 
 # ---- the balanced clients -------------------------------------------------------------------
@@ -503,6 +495,15 @@ async def _batch(pool: Replicas, n: int, call: Callable[[Any, list[int]], Awaita
     async for _ in spread(pool, n, run, accept, lambda i: got[i]):
         pass
     return out
+
+
+async def _cancel_all(tasks) -> None:
+    """Cancel `tasks` and wait until each has ended, whatever it ended with."""
+    for t in tasks:
+        t.cancel()
+    for t in tasks:
+        with contextlib.suppress(BaseException):
+            await t
 
 
 def _attempts(addresses: Sequence[str]) -> int:
