@@ -45,7 +45,8 @@ FEEDBACK = "hotloop.feedback"
 FEEDBACK_DEAD = "hotloop.feedback.dead"
 TRAFFIC = "hotloop.traffic"  # + ".<response_id>.<choice>": one subject per served choice
 DEAD = FEEDBACK_DEAD  # malformed feedback and traffic alike land here, with the reason
-STREAMS = {"FEEDBACK": [FEEDBACK], "TRAFFIC": [f"{TRAFFIC}.>"], "DEADLETTER": [FEEDBACK_DEAD]}
+FEEDBACK_TENANTS = f"{FEEDBACK}.tenant"  # + ".<tenant>": a named tenant's feedback
+STREAMS = {"FEEDBACK": [FEEDBACK, f"{FEEDBACK_TENANTS}.*"], "TRAFFIC": [f"{TRAFFIC}.>"], "DEADLETTER": [FEEDBACK_DEAD]}
 # JetStream drops a second message with the same Nats-Msg-Id inside this window: the gateway
 # gives each feedback the id "<response_id>:<choice>:<user>", so a repeat is deduplicated.
 FEEDBACK_DEDUP_WINDOW_S = 24 * 3600.0
@@ -92,6 +93,15 @@ def traffic_subject(response_id: str, choice: int = 0) -> str:
     if not response_id or any(c in response_id for c in ". *>\t\r\n"):
         raise BusError(f"response id {response_id!r} cannot be a subject token")
     return f"{TRAFFIC}.{response_id}.{choice}"
+
+
+def feedback_subject(tenant: str = "") -> str:
+    """The FEEDBACK subject of a tenant's feedback, which its trainer reads: `hotloop.feedback`
+    for the default tenant (""), `hotloop.feedback.tenant.<name>` for another (`hotloop.tenants`
+    says what a name may be; the dead-letter subject, `hotloop.feedback.dead`, is neither)."""
+    from hotloop.tenants import DEFAULT, check_tenant
+
+    return FEEDBACK if check_tenant(tenant) == DEFAULT else f"{FEEDBACK_TENANTS}.{tenant}"
 
 
 @dataclass

@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
 
 ENV_PREFIX = "HOTLOOP__"
 
@@ -153,6 +153,23 @@ class Endpoints(Section):
         return targets
 
 
+class TenantConfig(Section):
+    """One tenant: a set of users, served and trained on an adapter lineage of its own."""
+
+    keys: list[Annotated[str, Field(min_length=1)]] = []
+    """Ids of the tenant's API keys (the `id` of `[security] user_tokens` / `user_tokens_file`
+    entries `id:key`). A request with one of them is served by this tenant's newest adapter
+    version (the base model while it has none), and its traffic and feedback carry the
+    tenant's name. A key id in no tenant belongs to the default tenant ("")."""
+
+
+def _tenants(tenants: dict[str, TenantConfig]) -> dict[str, TenantConfig]:
+    from hotloop.tenants import Directory
+
+    Directory(tenants)  # names and keys checked: a key id in two tenants is refused
+    return tenants
+
+
 class MeshConfig(Section):
     """The sections every process reads."""
 
@@ -161,6 +178,9 @@ class MeshConfig(Section):
     telemetry: TelemetryConfig = TelemetryConfig()
     security: SecurityConfig = SecurityConfig()
     endpoints: Endpoints = Endpoints()
+    tenants: Annotated[dict[str, TenantConfig], AfterValidator(_tenants)] = {}
+    """`[tenants.<name>]`: the tenants and their users' key ids. None: every user is in the
+    default tenant, as before tenants existed."""
     run_dir: str = ".hotloop/run"
     """Logs, traces, port files and the NATS store of a local run live here."""
 
@@ -355,8 +375,11 @@ def load_sections(
             if name in shared_sections:
                 problems += _problems(tree, name, shared_sections[name], [{**err, "loc": err["loc"][1:]}],
                                       everything)
-            else:  # a top-level value such as run_dir
-                problems.append(f"{tree.source(name)}: {name}: {err['msg']} (got {err.get('input')!r})")
+            else:  # a top-level value such as run_dir, or a table of tables such as [tenants]
+                where = [str(p) for p in err["loc"]]
+                at = f"[{'.'.join(where[:-1])}] {where[-1]}" if len(where) > 1 else name
+                problems.append(f"{tree.source('.'.join(where))}: {at}: {err['msg']} "
+                                f"(got {err.get('input')!r})")
     loaded: dict[str, BaseModel] = {}
     for name, model in sections.items():
         values, moved = _inherit(tree, name, model, mesh)

@@ -17,6 +17,7 @@ log = logging.getLogger("gateway")
 
 async def build(mesh: MeshConfig, cfg: GatewayConfig) -> service.Running:
     from hotloop.bus import Bus
+    from hotloop.tenants import Directory
 
     from .core import GatewayCore
     from .discovery import Discovery
@@ -47,8 +48,12 @@ async def build(mesh: MeshConfig, cfg: GatewayConfig) -> service.Running:
     router = Router(await discovery.refresh(), cfg.routing,
                     cfg.health_interval_s, cfg.health_timeout_s, cfg.health_failures,
                     cfg.max_version_lag)
-    core = GatewayCore(cfg, keys, router, BusEvents(bus, cfg.traffic_queue),
-                       cfg.served_model or mesh.model.name, registry=metrics.registry())
+    try:
+        core = GatewayCore(cfg, keys, router, BusEvents(bus, cfg.traffic_queue),
+                           cfg.served_model or mesh.model.name, registry=metrics.registry(),
+                           tenants=Directory(mesh.tenants))
+    except KeyConfigError as e:
+        raise SystemExit(f"gateway: {e}") from None
     await core.start()
     discovery.start(router.update)
     server, port, health = await serve(core, f"{cfg.host}:{cfg.port}")

@@ -15,7 +15,11 @@ Owns:
   when scraped, and the time to a request's first token;
 - feedback: checked against the responses this gateway served (a bounded TTL map), else
   against TRAFFIC on the bus (so a restarted gateway still takes feedback on what it forked),
-  then published to FEEDBACK and acknowledged only once JetStream stored it.
+  then published to FEEDBACK and acknowledged only once JetStream stored it;
+- tenants: each key id's tenant (`hotloop.tenants.Directory`, from `[tenants]`) goes with its
+  requests to the replica (whose lineage serves it) and with their traffic; feedback is
+  published on the subject of the tenant that served the response (`bus.feedback_subject`),
+  which only that tenant's trainer reads.
 
 Feedback rules (the edges map `FeedbackResult.outcome`):
 - exactly one of `score` (finite, in [-1, 1]) and `label` ("up" = +1, "down" = -1), a choice in
@@ -50,6 +54,7 @@ from prometheus_client import CollectorRegistry, Histogram
 
 from hotloop import telemetry
 from hotloop.metrics import LATENCY_BUCKETS, StateCollector, counter, gauge
+from hotloop.tenants import Directory
 from hotloop.errors import (
     DeadlineExceeded,
     HotloopError,
@@ -61,7 +66,7 @@ from hotloop.errors import (
 
 from .config import GatewayConfig
 from .events import BusEvents
-from .keys import KeyRing
+from .keys import KeyConfigError, KeyRing
 from .routing import ReplicaState, Router
 from .types import (
     Completion,
@@ -114,6 +119,7 @@ class Metrics:
 class _Served:
     user: str
     choices: int
+    tenant: str = ""
     finished: set[int] = field(default_factory=set)
     expires_at: float = 0.0
     # per finished choice: resolves once its TRAFFIC record is stored (None: it was dropped)
@@ -130,8 +136,8 @@ class ResponseIndex:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def add(self, response_id: str, user: str, choices: int) -> _Served:
-        entry = _Served(user, choices, expires_at=self._clock() + self._ttl_s)
+    def add(self, response_id: str, user: str, choices: int, tenant: str = "") -> _Served:
+        entry = _Served(user, choices, tenant, expires_at=self._clock() + self._ttl_s)
         self._entries[response_id] = entry
         while len(self._entries) > self._max:
             self._entries.popitem(last=False)  # insertion order is age order
@@ -166,11 +172,17 @@ class Readiness:
 
 class GatewayCore:
     def __init__(self, cfg: GatewayConfig, keys: KeyRing, router: Router, events: BusEvents,
-                 served_model: str, registry: CollectorRegistry | None = None):
+                 served_model: str, registry: CollectorRegistry | None = None,
+                 tenants: Directory | None = None):
         """`registry`: where the metrics go (the process's, `hotloop.metrics.registry()`, in
-        a service; a private one by default)."""
+        a service; a private one by default). `tenants`: which tenant each key id is in (none:
+        every user is in the default tenant)."""
         self.cfg = cfg
         self.keys = keys
+        self.tenants = tenants if tenants is not None else Directory({})
+        unknown = sorted(self.tenants.key_ids() - keys.ids())
+        if unknown:
+            raise KeyConfigError(f"[tenants] name key ids that no API key has: {', '.join(unknown)}")
         self.router = router
         self.events = events
         self.served_model = served_model
@@ -271,11 +283,13 @@ class GatewayCore:
             self.metrics.invalid += 1
             raise
         chat = req.messages is not None
+        tenant = self.tenants.tenant_of(user)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.cfg.request_timeout_s
         span = self._tracer.start_span("gateway.generate", attributes={
-            "hotloop.response_id": rid, "hotloop.user": user, "hotloop.n": req.n})
+            "hotloop.response_id": rid, "hotloop.user": user, "hotloop.tenant": tenant,
+            "hotloop.n": req.n})
         tried: set[int] = set()
         while True:
             try:
@@ -284,8 +298,8 @@ class GatewayCore:
                 self._fail(span, e)
                 raise
             tried.add(id(state))
-            stream = state.replica.generate(
-                replace(up, request_id=rid, timeout_s=max(0.001, deadline - loop.time())))
+            stream = state.replica.generate(replace(
+                up, request_id=rid, timeout_s=max(0.001, deadline - loop.time()), tenant=tenant))
             self.router.acquire(state)
             try:
                 # the upstream call starts at the first anext: under this span, so the
@@ -308,7 +322,8 @@ class GatewayCore:
                 self._first_token_s.observe(time.perf_counter() - t0)
                 span.set_attribute("hotloop.replica", state.replica.address)
                 span.set_attribute("hotloop.policy_version", first.policy_version)
-                return Generation(self, req, up, rid, user, state, stream, first, deadline, span)
+                return Generation(self, req, up, rid, user, tenant, state, stream, first, deadline,
+                                  span)
             await stream.aclose()
             self.router.release(state, ok=False)
             if isinstance(err, Unavailable):
@@ -368,6 +383,7 @@ class GatewayCore:
         if entry is not None:
             if entry.user != user:
                 return unknown()
+            tenant = entry.tenant
             if fb.choice >= entry.choices:
                 return invalid(f"choice {fb.choice} is out of range: the response has "
                                f"{entry.choices} choice{'s' * (entry.choices > 1)}")
@@ -397,8 +413,10 @@ class GatewayCore:
                 return unknown()
             if served.user != user:
                 return unknown()
+            tenant = served.tenant
+        # the tenant whose lineage served the response, the one whose trainer learns from it
         duplicate = await self.events.publish_feedback(
-            fb.response_id, fb.choice, user, score, fb.label, fb.text, time.time())
+            fb.response_id, fb.choice, user, score, fb.label, fb.text, time.time(), tenant)
         if duplicate:
             return FeedbackResult(True, "duplicate", "duplicate")
         return FeedbackResult(True, "accepted", "")
@@ -537,13 +555,14 @@ class Generation:
     """
 
     def __init__(self, core: GatewayCore, req: GenerateIn, up: UpstreamRequest, response_id: str,
-                 user: str, state: ReplicaState, stream: AsyncIterator[Completion],
+                 user: str, tenant: str, state: ReplicaState, stream: AsyncIterator[Completion],
                  first: Completion, deadline: float, span):
         self.response_id = response_id
         self.created = int(time.time())
         self.model = core.served_model
         self.policy_version = first.policy_version  # the version the request was admitted on
         self.user = user
+        self.tenant = tenant
         self._n_prompts = len(up.chats if up.chats is not None else up.texts)
         self.choices = self._n_prompts * up.n
         self._core, self._req, self._n = core, req, up.n
@@ -554,7 +573,7 @@ class Generation:
         self._prompt_tokens: dict[int, int] = {}
         self._closed = False
         self._ok = False
-        self._entry = core.responses.add(response_id, user, self.choices)
+        self._entry = core.responses.add(response_id, user, self.choices, tenant)
         core._in_flight += 1
 
     @property
@@ -645,6 +664,7 @@ class Generation:
             prompt_ids=self._prompt_ids.get(c.prompt_index, []),
             completion_ids=c.token_ids, logprobs=c.logprobs, version_spans=c.spans,
             temperature=self._req.temperature, finish_reason=c.finish_reason, served_at=time.time(),
+            tenant=self.tenant,
         )
         stored = self._entry.traffic[index] = self._core.events.fork(served)
         if stored is None and self._span is not None:

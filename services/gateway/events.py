@@ -13,7 +13,7 @@ import asyncio
 import logging
 from dataclasses import dataclass
 
-from hotloop.bus import FEEDBACK, Bus, traffic_subject
+from hotloop.bus import Bus, feedback_subject, traffic_subject
 from hotloop.errors import Unavailable
 from hotloop.proto.v1 import bus_pb2, common_pb2
 
@@ -38,6 +38,7 @@ def traffic_event(s: ServedChoice) -> bus_pb2.TrafficEvent:
         served_at=s.served_at,
         version_spans=[common_pb2.VersionSpan(version=v, first_token=f) for v, f in s.version_spans],
         user=s.user, choice=s.choice, temperature=s.temperature, finish_reason=s.finish_reason,
+        tenant=s.tenant,
     )
 
 
@@ -47,6 +48,7 @@ def served_from_event(e: bus_pb2.TrafficEvent) -> ServedChoice:
         completion_ids=list(e.completion_ids), logprobs=list(e.logprobs),
         version_spans=[(s.version, s.first_token) for s in e.version_spans],
         temperature=e.temperature, finish_reason=e.finish_reason, served_at=e.served_at,
+        tenant=e.tenant,
     )
 
 
@@ -111,15 +113,17 @@ class BusEvents:
                 self._queue.task_done()
 
     async def publish_feedback(self, response_id: str, choice: int, user: str, score: float,
-                               label: str, text: str, received_at: float) -> bool:
-        """Publish and wait for JetStream's ack; True when it was a duplicate (same response,
-        choice and user inside the duplicate window). Unavailable when the bus did not ack."""
+                               label: str, text: str, received_at: float, tenant: str = "") -> bool:
+        """Publish on the tenant's feedback subject and wait for JetStream's ack; True when it
+        was a duplicate (same response, choice and user inside the duplicate window).
+        Unavailable when the bus did not ack."""
         event = bus_pb2.FeedbackEvent(response_id=response_id, score=score, label=label, text=text,
-                                      user=user, received_at=received_at, choice=choice)
+                                      user=user, received_at=received_at, choice=choice,
+                                      tenant=tenant)
         try:
             # a user is waiting: one try, then 503 (a retry is deduplicated by the msg id)
             published = await self._bus.js_publish_once(
-                FEEDBACK, event, msg_id=f"{response_id}:{choice}:{user}", patience_s=0)
+                feedback_subject(tenant), event, msg_id=f"{response_id}:{choice}:{user}", patience_s=0)
         except Exception as e:
             raise Unavailable(f"feedback was not stored (the bus did not acknowledge it): {e}") from e
         return published.duplicate

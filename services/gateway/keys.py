@@ -84,6 +84,10 @@ class KeyRing:
     def __len__(self) -> int:
         return len(self._by_digest)
 
+    def ids(self) -> set[str]:
+        """The ids of the keys held."""
+        return set(self._by_digest.values())
+
     def authenticate(self, authorization: str | None) -> str:
         """`Bearer <key>` -> the key's id; else Unauthenticated (the reason names no key)."""
         if not authorization:

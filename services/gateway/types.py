@@ -48,6 +48,7 @@ class UpstreamRequest:
     top_logprobs: int
     request_id: str
     timeout_s: float
+    tenant: str = ""  # whose adapter lineage serves it ("": the default)
 
 
 @dataclass
@@ -143,3 +144,4 @@ class ServedChoice:
     temperature: float = 1.0
     finish_reason: str = ""
     served_at: float = 0.0
+    tenant: str = ""  # the user's tenant

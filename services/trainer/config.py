@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from hotloop.config import from_mesh
 
@@ -269,8 +269,14 @@ class OnlineConfig(_Strict):
     baseline_ema: float = Field(0.9, ge=0.0, lt=1.0)
     """Decay of the running reward baseline: b <- ema * b + (1 - ema) * mean(batch scores),
     updated after the batch's advantages are taken (a score never baselines itself)."""
+    tenant: str = ""
+    """The tenant whose lineage this loop trains (`[tenants.<name>]`; "": the default tenant).
+    It reads only that tenant's feedback subject, and dead-letters (reason `other_tenant`) a
+    feedback or traffic record that names another tenant."""
     durable: str = Field("hotloop-online-trainer", min_length=1, pattern=r"^[A-Za-z0-9_-]+$")
-    """Name of the durable JetStream consumer on FEEDBACK: its position survives restarts."""
+    """Name of the durable JetStream consumer on FEEDBACK: its position survives restarts.
+    A tenant's loop uses `<durable>-<tenant>` (`consumer_name`), so that each tenant's
+    trainer keeps its own position."""
     ack_wait_s: float = Field(300.0, ge=1.0)
     """JetStream redelivers a fetched, un-acked feedback after this long. Feedback is acked
     only after its version is published and checkpointed, so keep this well above
@@ -297,3 +303,15 @@ class OnlineConfig(_Strict):
     first token (at most `max_pause_s` per busy spell), as `[ppo] users_first` does."""
     max_pause_s: float = Field(2.0, gt=0.0, le=60.0)
     """`pause`: the longest one busy spell of users stops training, so training progresses."""
+
+    @field_validator("tenant")
+    @classmethod
+    def _tenant(cls, name: str) -> str:
+        from hotloop.tenants import check_tenant
+
+        return check_tenant(name)
+
+    @property
+    def consumer_name(self) -> str:
+        """The durable consumer: `durable`, with the tenant's name for a named tenant."""
+        return f"{self.durable}-{self.tenant}" if self.tenant else self.durable

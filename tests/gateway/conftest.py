@@ -45,7 +45,8 @@ class Gateway:
 
 
 async def start_gateway(replicas: list[str], nats_url: str, served_model: str = "tiny",
-                        keys: list[str] = KEYS, **cfg) -> Gateway:
+                        keys: list[str] = KEYS, tenants: dict[str, list[str]] | None = None,
+                        **cfg) -> Gateway:
     from services.gateway.config import GatewayConfig
     from services.gateway.core import GatewayCore
     from services.gateway.events import BusEvents
@@ -55,13 +56,17 @@ async def start_gateway(replicas: list[str], nats_url: str, served_model: str = 
     from services.gateway.server import serve
     from services.gateway.upstream import GrpcReplica
 
+    from hotloop.config import TenantConfig
+    from hotloop.tenants import Directory
+
     config = GatewayConfig(**{"health_interval_s": 0.2, "health_timeout_s": 0.5, **cfg})
     bus = await Bus.connect(nats_url, "gateway-test")
     router = Router([GrpcReplica(a) for a in replicas], config.routing,
                     config.health_interval_s, config.health_timeout_s, config.health_failures,
                     config.max_version_lag)
+    directory = Directory({name: TenantConfig(keys=ids) for name, ids in (tenants or {}).items()})
     core = GatewayCore(config, KeyRing(load_keys(keys)), router, BusEvents(bus, config.traffic_queue),
-                       served_model)
+                       served_model, tenants=directory)
     await core.start()
     server, port, _ = await serve(core, "127.0.0.1:0")
     http = await serve_http(core, "127.0.0.1", 0)

@@ -26,7 +26,7 @@ class AdapterLoaded(_message.Message):
     def __init__(self, replica: _Optional[str] = ..., info: _Optional[_Union[_common_pb2.VersionInfo, _Mapping]] = ..., load_ms: _Optional[float] = ...) -> None: ...
 
 class FeedbackEvent(_message.Message):
-    __slots__ = ("response_id", "score", "label", "text", "user", "received_at", "choice")
+    __slots__ = ("response_id", "score", "label", "text", "user", "received_at", "choice", "tenant")
     RESPONSE_ID_FIELD_NUMBER: _ClassVar[int]
     SCORE_FIELD_NUMBER: _ClassVar[int]
     LABEL_FIELD_NUMBER: _ClassVar[int]
@@ -34,6 +34,7 @@ class FeedbackEvent(_message.Message):
     USER_FIELD_NUMBER: _ClassVar[int]
     RECEIVED_AT_FIELD_NUMBER: _ClassVar[int]
     CHOICE_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
     response_id: str
     score: float
     label: str
@@ -41,10 +42,11 @@ class FeedbackEvent(_message.Message):
     user: str
     received_at: float
     choice: int
-    def __init__(self, response_id: _Optional[str] = ..., score: _Optional[float] = ..., label: _Optional[str] = ..., text: _Optional[str] = ..., user: _Optional[str] = ..., received_at: _Optional[float] = ..., choice: _Optional[int] = ...) -> None: ...
+    tenant: str
+    def __init__(self, response_id: _Optional[str] = ..., score: _Optional[float] = ..., label: _Optional[str] = ..., text: _Optional[str] = ..., user: _Optional[str] = ..., received_at: _Optional[float] = ..., choice: _Optional[int] = ..., tenant: _Optional[str] = ...) -> None: ...
 
 class TrafficEvent(_message.Message):
-    __slots__ = ("response_id", "prompt_ids", "completion_ids", "logprobs", "policy_version", "served_at", "version_spans", "user", "choice", "temperature", "finish_reason")
+    __slots__ = ("response_id", "prompt_ids", "completion_ids", "logprobs", "policy_version", "served_at", "version_spans", "user", "choice", "temperature", "finish_reason", "tenant")
     RESPONSE_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -56,6 +58,7 @@ class TrafficEvent(_message.Message):
     CHOICE_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
     response_id: str
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     completion_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -67,7 +70,8 @@ class TrafficEvent(_message.Message):
     choice: int
     temperature: float
     finish_reason: str
-    def __init__(self, response_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., completion_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., policy_version: _Optional[int] = ..., served_at: _Optional[float] = ..., version_spans: _Optional[_Iterable[_Union[_common_pb2.VersionSpan, _Mapping]]] = ..., user: _Optional[str] = ..., choice: _Optional[int] = ..., temperature: _Optional[float] = ..., finish_reason: _Optional[str] = ...) -> None: ...
+    tenant: str
+    def __init__(self, response_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., completion_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., policy_version: _Optional[int] = ..., served_at: _Optional[float] = ..., version_spans: _Optional[_Iterable[_Union[_common_pb2.VersionSpan, _Mapping]]] = ..., user: _Optional[str] = ..., choice: _Optional[int] = ..., temperature: _Optional[float] = ..., finish_reason: _Optional[str] = ..., tenant: _Optional[str] = ...) -> None: ...
 
 class DeadLetter(_message.Message):
     __slots__ = ("subject", "payload", "reason")

@@ -86,7 +86,7 @@ from prometheus_client import Histogram
 
 from hotloop import telemetry
 from hotloop.aio import raise_if_cancelled
-from hotloop.bus import FEEDBACK, Bus, BusError, PullConsumer, Received
+from hotloop.bus import Bus, BusError, PullConsumer, Received, feedback_subject
 from hotloop.clients import ReferenceClient, RolloutClient
 from hotloop.errors import Unavailable
 from hotloop.metrics import STEP_BUCKETS, StateCollector, counter, gauge
@@ -135,7 +135,7 @@ class Counters:
 
 
 DROP_REASONS = ("stale_version", "stale_age", "shed")  # acked unused
-DEAD_REASONS = ("malformed", "missing_traffic", "bad_traffic", "not_finite")  # dead-lettered
+DEAD_REASONS = ("malformed", "missing_traffic", "bad_traffic", "other_tenant", "not_finite")  # dead-lettered
 
 
 class OnlineMetrics:
@@ -479,7 +479,8 @@ class Online(Recipe):
         await mesh.bus.ensure_streams()
         in_flight = job.batch_size * job.checkpoint_interval  # trained, waiting for a checkpoint
         self.consumer = await mesh.bus.pull(
-            "FEEDBACK", FEEDBACK, job.durable, bus_pb2.FeedbackEvent, batch=job.batch_size,
+            "FEEDBACK", feedback_subject(job.tenant), job.consumer_name, bus_pb2.FeedbackEvent,
+            batch=job.batch_size,
             ack_wait_s=job.ack_wait_s, max_ack_pending=job.max_queue + in_flight)
         self.queue = FeedbackQueue(job.max_queue)
         self.metrics.version, self.metrics.queue, self.metrics.held = self.version, self.queue, self.held
@@ -654,6 +655,11 @@ class Online(Recipe):
                               f"{fb.response_id}:{fb.choice} (never served or aged out)", dead=True)
         elif (why := bad_traffic(tr)) is not None:
             await self.settle(p, "bad_traffic", why, dead=True)
+        elif not fb.tenant == tr.tenant == self.job.tenant:
+            # the subject carried it here, but the records name another tenant: one tenant's
+            # feedback never trains another's adapter, whatever put it on this subject
+            await self.settle(p, "other_tenant", f"feedback of tenant {fb.tenant!r} on traffic of "
+                              f"tenant {tr.tenant!r}; this trainer's is {self.job.tenant!r}", dead=True)
         elif (kind := stale(tr, self.version, now, self.job)) is not None:
             await self.settle(p, kind, f"served by v{served_version(tr)} "
                               f"{now - tr.served_at:.0f}s ago; trainer at v{self.version}", dead=False)

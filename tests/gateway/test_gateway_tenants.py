@@ -1,0 +1,82 @@
+"""Tenants at the gateway, through a real gateway and a real NATS: a key's tenant goes with its
+traffic, its feedback lands on that tenant's subject only, and no key of one tenant can rate
+another's answers."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+import pytest_asyncio
+
+from hotloop import bus as hbus
+from hotloop.proto.v1 import bus_pb2
+
+from .conftest import ANON_KEY, KEY, KEYS, OTHER_KEY, start_gateway
+from .fake_rollout import start_fake
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+HI = [{"role": "user", "content": "hi"}]
+TENANTS = {"acme": ["alice"], "globex": ["bob"]}  # the anonymous key is in the default tenant
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def rig(nats_module):
+    fake, server, addr = await start_fake(version=3)
+    gw = await start_gateway([addr], nats_module.url, tenants=TENANTS)
+    yield fake, gw, addr
+    await gw.stop()
+    await server.stop(0)
+
+
+async def feedback(gw, key: str, **body) -> httpx.Response:
+    async with httpx.AsyncClient() as http:
+        return await http.post(f"{gw.base_url}/feedback", json=body,
+                               headers={"Authorization": f"Bearer {key}"})
+
+
+async def on(gw, subject: str, durable: str) -> list[bus_pb2.FeedbackEvent]:
+    consumer = await gw.bus.pull("FEEDBACK", subject, durable, bus_pb2.FeedbackEvent)
+    return [m.payload for m in await consumer.fetch(100, 1)]
+
+
+async def test_each_tenants_traffic_and_feedback_stay_its_own(rig):
+    _, gw, _ = rig
+    answers = {}
+    for name, key in (("acme", KEY), ("globex", OTHER_KEY), ("", ANON_KEY)):
+        r = await gw.openai(key).chat.completions.create(model="tiny", messages=HI, max_tokens=3)
+        answers[name] = r.id
+        tr = await gw.bus.traffic(r.id, 0, patience_s=5)
+        assert tr is not None and tr.tenant == name
+        # another tenant's key cannot rate it: the response is unknown to it
+        for other in {KEY, OTHER_KEY, ANON_KEY} - {key}:
+            assert (await feedback(gw, other, response_id=r.id, score=1)).status_code == 404
+        assert (await feedback(gw, key, response_id=r.id, score=0.5)).status_code == 200
+
+    # each tenant's trainer reads its own subject, and finds only its own tenant's feedback
+    for name in answers:
+        got = await on(gw, hbus.feedback_subject(name), f"test-tenant-{name or 'default'}")
+        assert [(f.response_id, f.tenant) for f in got] == [(answers[name], name)], name
+    assert hbus.feedback_subject("acme") == "hotloop.feedback.tenant.acme"
+
+
+async def test_a_restarted_gateway_publishes_on_the_tenant_that_served(rig, nats_module):
+    """Feedback checked against TRAFFIC (no memory of the response) still goes to the tenant
+    the traffic record names."""
+    _, gw, addr = rig
+    r = await gw.openai(KEY).chat.completions.create(model="tiny", messages=HI, max_tokens=3)
+    assert await gw.bus.traffic(r.id, 0, patience_s=5) is not None
+    fresh = await start_gateway([addr], nats_module.url, tenants=TENANTS)
+    try:
+        assert (await feedback(fresh, OTHER_KEY, response_id=r.id, label="up")).status_code == 404
+        assert (await feedback(fresh, KEY, response_id=r.id, label="up")).status_code == 200
+    finally:
+        await fresh.stop()
+    got = await on(gw, hbus.feedback_subject("acme"), "test-tenant-restarted")
+    assert [(f.response_id, f.tenant, f.user) for f in got][-1] == (r.id, "acme", "alice")
+
+
+async def test_a_tenant_naming_a_key_id_no_key_has_is_refused(nats_module):
+    from services.gateway.keys import KeyConfigError
+
+    with pytest.raises(KeyConfigError, match="alicia"):
+        await start_gateway(["127.0.0.1:1"], nats_module.url, keys=KEYS, tenants={"acme": ["alicia"]})
