@@ -16,7 +16,7 @@ import pytest
 import pytest_asyncio
 
 from hotloop import grpcutil
-from hotloop.bus import DEAD, FEEDBACK, Bus, traffic_subject
+from hotloop.bus import DEAD, FEEDBACK, Bus, feedback_subject, traffic_subject
 from hotloop.clients import ReferenceClient, RolloutClient
 from hotloop.proto.v1 import bus_pb2, common_pb2, trainer_pb2, trainer_pb2_grpc
 from services.trainer.recipes import online
@@ -260,6 +260,12 @@ async def test_malformed_and_unjoinable_feedback_is_dead_lettered_with_reasons(
     await gateway.bus.js_publish_once(FEEDBACK, bus_pb2.FeedbackEvent(response_id="a.b", score=1.0), "a.b:0:u1")
     await gateway.feedback("never-served", 1.0)
     await gateway.feedback("short", 1.0)
+    # another tenant's: traffic naming it, on this (the default) tenant's subject, is refused;
+    # feedback on its own subject never reaches this loop's consumer
+    await gateway.serve("acme-served", tenant="acme")
+    await gateway.feedback("acme-served", 1.0)
+    acme_fb = bus_pb2.FeedbackEvent(response_id="acme-served", user="u1", score=1.0, tenant="acme")
+    await gateway.bus.js_publish_once(feedback_subject("acme"), acme_fb, "acme-served:0:u1")
     good = await gateway.feedback("ok", 1.0)
     mesh = await make_mesh(nats_server.url, rollout, tmp_path)
     try:
@@ -267,13 +273,15 @@ async def test_malformed_and_unjoinable_feedback_is_dead_lettered_with_reasons(
             job(tmp_path, batch_size=16, batch_window_s=3), make_cfg(), tiny_model, mesh, tmp_path / "run"), 120)
     finally:
         await close_mesh(mesh)
-    assert summary["counters"]["dead_lettered"] == {"malformed": 5, "missing_traffic": 1, "bad_traffic": 1}
+    assert summary["counters"]["dead_lettered"] == {"malformed": 5, "missing_traffic": 1, "bad_traffic": 1,
+                                                    "other_tenant": 1}
     assert records(tmp_path)[0]["seqs"] == [good]
     dead = await gateway.bus.pull("DEADLETTER", DEAD, "inspect", bus_pb2.DeadLetter)
     reasons = [m.payload.reason for m in await dead.fetch(20, 2)]
-    assert len(reasons) == 7
+    assert len(reasons) == 8
     for needle in ("outside [-1, 1]", "score not set", "empty response_id", "cannot be a subject",
-                   "no traffic record for never-served:0", "completion ids but"):
+                   "no traffic record for never-served:0", "completion ids but",
+                   "feedback of tenant '' on traffic of tenant 'acme'"):
         assert any(needle in r for r in reasons), (needle, reasons)
     info = await gateway.consumer()
     assert info.num_ack_pending == 0 and info.num_pending == 0
