@@ -98,6 +98,23 @@ class Edge:
                 log.warning("closing the bus connection failed: %r", e)
 
 
+_WILDCARDS = ("", "0.0.0.0", "::", "[::]")
+
+
+def advertised(host: str, port: int, configured: str = "") -> str:
+    """The address a replica fetches this trainer's versions from: `[endpoints] trainer` when
+    set (what the others reach it at: a compose service name, a Kubernetes Service), else the
+    bind address, with a wildcard bind (0.0.0.0, ::) replaced by this host's name, since no
+    replica can connect to a wildcard."""
+    if configured:
+        return configured
+    if host in _WILDCARDS:
+        import socket
+
+        host = socket.getfqdn()
+    return f"{host}:{port}"
+
+
 async def open_edge(mesh_cfg: MeshConfig, trainer_cfg: TrainerConfig, run_dir: Path,
                     algorithm: str, address: str = "127.0.0.1:0") -> Edge:
     """Connect the bus (if configured) and the reference, check dtypes, start the trainer's
@@ -126,8 +143,10 @@ async def open_edge(mesh_cfg: MeshConfig, trainer_cfg: TrainerConfig, run_dir: P
     state = TrainerState(algorithm=algorithm, dtype=dtype)
     server, port, health = await serve(state, publisher, address)
     host = address.rsplit(":", 1)[0]
-    publisher.fetch_from = f"{host}:{port}"  # announced, so a replica that missed a push can fetch
-    log.info("trainer serving Status/FetchAdapter on %s:%d", host, port)
+    # announced, so a replica that missed a push can fetch from here
+    publisher.fetch_from = advertised(host, port, ep.trainer)
+    log.info("trainer serving Status/FetchAdapter on %s:%d (announced as %s)", host, port,
+             publisher.fetch_from)
     return Edge(bus, reference, publisher, state, server, port, health, dtype)
 
 

@@ -417,3 +417,15 @@ async def test_reannounce_says_the_latest_announced_version_again_with_this_trai
         await pub.close()
         await bus.close()
         await listener.close()
+
+
+def test_the_announced_fetch_address_is_one_a_replica_can_reach():
+    import socket
+
+    from services.trainer.recipes.job import advertised
+
+    assert advertised("127.0.0.1", 50055) == "127.0.0.1:50055"
+    assert advertised("0.0.0.0", 50055, "online-trainer:50055") == "online-trainer:50055"
+    assert advertised("10.0.0.5", 7, "trainer:50055") == "trainer:50055"  # what the others reach
+    for wildcard in ("0.0.0.0", "::", "[::]", ""):
+        assert advertised(wildcard, 50055) == f"{socket.getfqdn()}:50055"
