@@ -66,7 +66,7 @@ class StepMetrics:
     grad_norm: float  # before clipping
     tokens: int  # completion tokens
     sequences: int
-    micro_batches: int
+    micro_batches: int  # summed over the data-parallel ranks
     seconds: float
     lr: float
     skipped: bool = False

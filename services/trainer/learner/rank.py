@@ -11,8 +11,9 @@ import sys
 
 def main() -> int:
     init = json.loads(sys.stdin.buffer.readline())
-    logging.basicConfig(level=logging.INFO,
-                        format=f"%(asctime)s rank {init['rank']} %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO,
+        format=f"%(asctime)s rank {init['rank']} %(levelname)s %(name)s: %(message)s")
     from services.trainer.learner.distributed import serve
 
     serve(init)
