@@ -231,7 +231,7 @@ def compare_ranks(policy: Any, batch: Sequence[Any], ranks: int, steps: int,
         try:
             many = timed(dp, f"{ranks} ranks x {threads} threads")
             pairs = list(zip(policy.trainable_tensors(), dp.trainable_tensors(), strict=True))
-            diff = max(float((a - b).abs().max()) for a, b in pairs)
+            diff = max(float((a - b).detach().abs().max()) for a, b in pairs)
             grad = max(float((a.grad - b.grad).abs().max()) for a, b in pairs)
             top = max(float(a.grad.abs().max()) for a, _ in pairs)
         finally:
