@@ -238,6 +238,9 @@ def build_parser() -> argparse.ArgumentParser:
     bts.add_argument("--top-layers", type=int, default=None,
                      help="LoRA on the top N decoder layers only ([trainer.lora] top_layers; "
                           "default: every layer)")
+    bts.add_argument("--ranks", type=int, default=1,
+                     help="also run the step on N data-parallel ranks ([trainer] data_parallel) "
+                          "from the same state: both step times and max_param_diff")
     bg = _bench_parser(bsub, "grpo", "GRPO samples/s, seconds per stage and idle share of the cores, "
                        "synchronous vs asynchronous on the demo configuration; --peer trl adds TRL", config=True)
     bg.add_argument("--steps", type=int, default=4, help="steps of each mode (the first is start-up)")

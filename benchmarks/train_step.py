@@ -52,6 +52,7 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 from benchmarks.common import report
@@ -189,6 +190,59 @@ def profile_step(policy: Any, samples: Sequence[Any], lora_r: int) -> dict[str, 
     }
 
 
+# ---- data parallel ---------------------------------------------------------------------------
+
+
+def compare_ranks(policy: Any, batch: Sequence[Any], ranks: int, steps: int,
+                  say: Callable[[str], None] = print) -> dict[str, Any]:
+    """The same step on one rank (`policy`) and on `ranks` ranks (`distributed.make_policy`),
+    each from the same checkpoint of `policy`, `steps` times after a warm-up: the step times
+    (median) and how far the two updates are apart. The ranks share the one rank's threads
+    (each gets threads / ranks), so the times compare the same cores.
+
+    `max_param_diff` is after one AdamW step with the shipped eps (1e-8), whose first step is
+    lr * sign(g): a gradient that is ~0 moves by +-lr whichever way rounding tips it, so it
+    can reach lr even where the gradients agree to rounding; `max_grad_diff` (against
+    `max_grad`, the largest gradient) is what data parallelism itself changes."""
+    import tempfile
+
+    import torch
+
+    from services.trainer.learner.distributed import make_policy
+
+    threads = max(1, torch.get_num_threads() // ranks)
+    with tempfile.TemporaryDirectory() as tmp:
+        ckpt = policy.save_checkpoint(Path(tmp))
+
+        def timed(p: Any, label: str) -> list[float]:
+            secs = []
+            for k in range(steps + 1):
+                p.restore(ckpt)
+                m = p.train_step(batch)
+                say(f"[train-step] {label}, {'warm-up' if k == 0 else f'step {k}/{steps}'}: "
+                    f"{m.seconds:.2f} s")
+                secs.append(m.seconds)
+            return secs[1:]
+
+        one = timed(policy, "1 rank")
+        dp = make_policy(policy.cfg.model_copy(update={"data_parallel": ranks,
+                                                       "torch_threads": threads}),
+                         policy.base_model_path)
+        try:
+            many = timed(dp, f"{ranks} ranks x {threads} threads")
+            pairs = list(zip(policy.trainable_tensors(), dp.trainable_tensors(), strict=True))
+            diff = max(float((a - b).detach().abs().max()) for a, b in pairs)
+            grad = max(float((a.grad - b.grad).abs().max()) for a, b in pairs)
+            top = max(float(a.grad.abs().max()) for a, _ in pairs)
+        finally:
+            dp.close()
+    return {"ranks": ranks, "threads_per_rank": threads, "max_param_diff": diff,
+            "max_grad_diff": grad, "max_grad": top, "step_s_1": statistics.median(one),
+            f"step_s_{ranks}": statistics.median(many), "step_s_1_all": one,
+            f"step_s_{ranks}_all": many,
+            "speedup": statistics.median(one) / statistics.median(many)}
+
+
 # ---- the machine ----------------------------------------------------------------------------
 
 
@@ -231,14 +285,16 @@ def synthetic_samples(policy: Any, n: int, prompt_tokens: int, completion_tokens
 def run(model: str, dtype: str = "auto", samples: int = 16, prompt_tokens: int = 64,
         completion_tokens: int = 128, steps: int = 3, threads: int = 0, profile: bool = True,
         group_size: int = 1, micro_batch_tokens: int = 2048, top_layers: int | None = None,
-        say: Callable[[str], None] = print) -> dict[str, Any]:
+        ranks: int = 1, say: Callable[[str], None] = print) -> dict[str, Any]:
     """Build the policy, time `steps` train steps after one warm-up (median), benchmark the
     roofline, profile one more step; returns the JSON's fields. CPU only: the roofline is a
     CPU matmul benchmark, so the policy is pinned to the CPU even where CUDA is present.
 
     `group_size` > 1 repeats each prompt as GRPO does and times the same batch again with
     `share_prompts` off (A/B in one run). The FLOP model counts every row's whole prompt, so
-    the roofline ratio is then taken from the unshared steps, and tokens/s from the shared."""
+    the roofline ratio is then taken from the unshared steps, and tokens/s from the shared.
+
+    `ranks` > 1 also runs the step on that many data-parallel ranks (`compare_ranks`)."""
     import torch
 
     from hotloop.hardware import cpu_capability
@@ -316,6 +372,10 @@ def run(model: str, dtype: str = "auto", samples: int = 16, prompt_tokens: int =
         part = batch[:PROFILE_MAX_SAMPLES]
         say(f"[train-step] profiled step ({len(part)} of {len(batch)} samples)...")
         prof = profile_step(policy, part, cfg.lora.r)
+    data_parallel = None
+    if ranks > 1:
+        say(f"[train-step] the same step on 1 and on {ranks} data-parallel ranks...")
+        data_parallel = compare_ranks(policy, batch, ranks, steps, say)
     step_gflops = flops["total"] / step_s / 1e9
     others = max(other_cores(mark0, mark1), other_cores(mark1, mark2))
     busy = others > 0.25
@@ -358,6 +418,7 @@ def run(model: str, dtype: str = "auto", samples: int = 16, prompt_tokens: int =
         "lora_r": cfg.lora.r,
         "top_layers": top_layers,
         "profile": prof,
+        "data_parallel": data_parallel,
         "other_cores": others,
         "busy": busy,
         "loadavg_1m": [load0, os.getloadavg()[0]],
@@ -384,6 +445,12 @@ def table(r: dict[str, Any]) -> str:
     if r.get("profile"):
         rows.append(("profile (self time)", ", ".join(
             f"{k} {v:.0%}" for k, v in r["profile"]["shares"].items() if v >= 0.005)))
+    if dp := r.get("data_parallel"):
+        n = dp["ranks"]
+        rows.append((f"{n} data-parallel ranks", f"step {dp[f'step_s_{n}']:.2f} s vs "
+                     f"{dp['step_s_1']:.2f} s on 1 rank ({dp['threads_per_rank']} threads "
+                     f"each); max param diff {dp['max_param_diff']:.2g}, max grad diff "
+                     f"{dp['max_grad_diff']:.2g} (of {dp['max_grad']:.2g})"))
     if r["busy"]:
         rows.append(("WARNING", f"other processes used {r['other_cores']:.2f} cores"))
     w = max(len(k) for k, _ in rows)
@@ -396,7 +463,8 @@ def main(args: Any) -> int:
     result = run(str(models.resolve(args.model)), dtype=args.dtype, samples=args.samples,
                  prompt_tokens=args.prompt_tokens, completion_tokens=args.completion_tokens,
                  steps=args.steps, threads=args.threads, group_size=args.group_size,
-                 micro_batch_tokens=args.micro_batch_tokens, top_layers=args.top_layers)
+                 micro_batch_tokens=args.micro_batch_tokens, top_layers=args.top_layers,
+                 ranks=args.ranks)
     result["model"] = args.model
     report(result, args.json, table=table(result))
     return 0

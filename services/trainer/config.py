@@ -197,6 +197,17 @@ class TrainerConfig(_Strict):
     fp32 steps took 2.8-3.3 s instead of 0.12 s until LoRA B grew out of the denormal range."""
     seed: int = 0
     """Seed for torch / python / numpy RNGs at start (a resume restores saved RNG states)."""
+    data_parallel: int = Field(1, ge=1, le=64)
+    """Ranks that share each train step (`learner/distributed.py`): the trainer process is rank
+    0 and starts the others as child processes, each with its own copy of the base model;
+    every rank trains a share of the batch and their gradients are summed, so the update is
+    the one rank's. gloo on the CPU (set `torch_threads` to the cores / ranks), NCCL on CUDA
+    with one GPU per rank (`cuda:<rank>`; more ranks than GPUs is refused at start).
+    Checkpoints do not depend on it: a run resumes at another value."""
+    data_parallel_timeout_s: float = Field(600.0, gt=0.0)
+    """With `data_parallel` > 1: the longest any rank waits for the others inside a step (at
+    a collective). A rank that died or hangs fails the step with an error after at most this
+    long, instead of blocking the trainer. Must exceed the longest micro-batch."""
     log_entropy: bool = False
     """Report the mean policy entropy per step (costs an extra pass over the [chunk, vocab]
     block)."""

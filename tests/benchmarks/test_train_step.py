@@ -119,3 +119,15 @@ def test_the_profiled_step_runs_a_bounded_slice_of_the_batch(
     r = json.loads(out.read_text())
     assert r["samples"] == 8 and r["profile"]["samples"] == 4
     assert r["tokens_per_s"] == pytest.approx(8 * 10 / r["step_s"])
+
+
+def test_ranks_time_the_step_on_one_and_on_two_ranks(tiny_model: Path, tmp_path: Path) -> None:
+    """`--ranks 2`: the same step on one rank and on two, from the same state: both times and
+    how far the updates are apart (the gradients to rounding; see `compare_ranks`)."""
+    out = tmp_path / "train-step.json"
+    args = bench_args(out, tiny_model, samples=5, ranks=2)
+    assert main(args) == 0
+    dp = json.loads(out.read_text())["data_parallel"]
+    assert dp["ranks"] == 2 and dp["step_s_1"] > 0 and dp["step_s_2"] > 0
+    assert dp["max_grad_diff"] < 1e-6 < dp["max_grad"]
+    assert dp["max_param_diff"] <= 2.1e-4  # each moved at most lr = 1e-4 by its step

@@ -84,18 +84,26 @@ def _pad(rows: Sequence[Sequence[float]], width: int) -> Tensor:
     return out
 
 
-def make_micro_batches(
-    samples: Sequence[Sample], token_budget: int, pad_id: int = 0, share_prompts: bool = True,
-) -> tuple[list[MicroBatch], PromptSet | None]:
-    """Split samples into padded micro-batches of at most `token_budget` padded tokens
-    (a single sample over the budget gets one of its own), and the prompts they share, which
-    the caller runs once (`hotloop.logprobs.plan_batches`; None: each row runs its prompt)."""
+def check_samples(samples: Sequence[Sample]) -> None:
+    """What a batch must hold as a whole (each `Sample` checks itself): reference logprobs on
+    every sample or none, PPO's value targets on every sample or none."""
     with_ref = [s.ref_logprobs is not None for s in samples]
     if any(with_ref) and not all(with_ref):
         raise ValueError("either every sample carries ref_logprobs or none does")
     with_values = [s.returns is not None for s in samples]
     if any(with_values) and not all(with_values):
         raise ValueError("either every sample carries returns and old_values or none does")
+
+
+def make_micro_batches(
+    samples: Sequence[Sample], token_budget: int, pad_id: int = 0, share_prompts: bool = True,
+) -> tuple[list[MicroBatch], PromptSet | None]:
+    """Split samples into padded micro-batches of at most `token_budget` padded tokens
+    (a single sample over the budget gets one of its own), and the prompts they share, which
+    the caller runs once (`hotloop.logprobs.plan_batches`; None: each row runs its prompt)."""
+    check_samples(samples)
+    with_ref = [s.ref_logprobs is not None for s in samples]
+    with_values = [s.returns is not None for s in samples]
     out = []
     plan = plan_batches([(s.prompt_ids, s.completion_ids) for s in samples], token_budget,
                         pad_id, share_prompts)

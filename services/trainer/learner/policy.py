@@ -38,8 +38,14 @@ from hotloop.logprobs import (
 )
 from hotloop.models import resolve
 from services.trainer.learner.algorithms import loss_normalizer, make_algorithm
-from services.trainer.learner.batching import Sample, make_micro_batches
+from services.trainer.learner.batching import (
+    MicroBatch,
+    Sample,
+    check_samples,
+    make_micro_batches,
+)
 from services.trainer.learner.checkpoint import TrainerState, load_checkpoint, save_checkpoint
+from services.trainer.learner.distributed import SOLO, DataParallel
 from services.trainer.config import TrainerConfig
 
 if TYPE_CHECKING:
@@ -60,7 +66,7 @@ class StepMetrics:
     grad_norm: float  # before clipping
     tokens: int  # completion tokens
     sequences: int
-    micro_batches: int
+    micro_batches: int  # summed over the data-parallel ranks
     seconds: float
     lr: float
     skipped: bool = False
@@ -104,9 +110,14 @@ class Interrupted(Exception):
 
 
 class LoraPolicy:
-    """Base model + LoRA adapter + AdamW. Not thread-safe: one caller drives it."""
+    """Base model + LoRA adapter + AdamW. Not thread-safe: one caller drives it.
 
-    def __init__(self, cfg: TrainerConfig, model_dir: Path | None = None) -> None:
+    `dp`: the data-parallel group this replica's `train_step` reduces over (distributed.py;
+    build through `distributed.make_policy`, which starts the other ranks); one rank alone by
+    default."""
+
+    def __init__(self, cfg: TrainerConfig, model_dir: Path | None = None,
+                 dp: DataParallel = SOLO) -> None:
         from hotloop.hardware import describe, resolve_device, resolve_dtype
 
         # `auto` becomes a concrete device and dtype once, here; everything below reads
@@ -145,6 +156,7 @@ class LoraPolicy:
         )
         self.algorithm = make_algorithm(cfg)
         self.step = 0
+        self.dp = dp
         mc = base.config
         pad = mc.pad_token_id if mc.pad_token_id is not None else mc.eos_token_id
         self.pad_id = int(pad if isinstance(pad, int) else 0)
@@ -188,19 +200,33 @@ class LoraPolicy:
         reads the hidden states this forward computed, or its own trunk's; `Critic.backward`
         runs the backward), and both optimizers step together. A value loss above
         `critic.cfg.max_value_loss` (divergence) skips the whole update, like a NaN does.
+
+        With data-parallel ranks (`self.dp`, distributed.py) every rank runs this on the whole
+        batch and trains its shard; the normalizer stays the whole batch's, gradients are
+        summed before clipping, metrics are the whole batch's, and skips and stops are agreed,
+        so the update and the returned metrics are the one-rank ones.
         """
         if not samples:
             raise ValueError("train_step needs at least one sample")
-        t0 = time.perf_counter()
-        cfg = self.cfg
-        if cfg.loss.kl_beta > 0 and any(s.ref_logprobs is None for s in samples):
+        if self.cfg.loss.kl_beta > 0 and any(s.ref_logprobs is None for s in samples):
             raise ValueError("kl_beta > 0: every sample needs ref_logprobs")
-        micro, shared = make_micro_batches(samples, cfg.micro_batch_tokens, self.pad_id,
-                                           cfg.share_prompts)
+        check_samples(samples)  # here, before the other ranks are handed the step
+        return self.dp.step(self, self._update, samples, should_stop, critic)
+
+    def _update(self, samples: Sequence[Sample], should_stop: Callable[[], bool] | None,
+                critic: Critic | None) -> StepMetrics:
+        """`train_step` on this rank, after the checks (every rank runs it: `self.dp`)."""
+        t0 = time.perf_counter()
+        cfg, dp = self.cfg, self.dp
+        # The whole batch's, on every rank: the ranks' gradients then sum to the batch's.
         normalizer = loss_normalizer(
             [len(s.completion_ids) for s in samples], cfg.loss.aggregation
         )
         tokens = sum(len(s.completion_ids) for s in samples)
+        mine = dp.shard(samples)
+        micro, shared = (make_micro_batches(mine, cfg.micro_batch_tokens, self.pad_id,
+                                            cfg.share_prompts) if mine else ([], None))
+        counts = dp.counts(len(micro))
 
         def result(
             loss: float, grad_norm: float, extra: dict[str, float], reason: str | None
@@ -211,7 +237,7 @@ class LoraPolicy:
                 grad_norm=grad_norm,
                 tokens=tokens,
                 sequences=len(samples),
-                micro_batches=len(micro),
+                micro_batches=sum(counts),
                 seconds=time.perf_counter() - t0,
                 lr=self.optimizer.param_groups[0]["lr"],
                 skipped=reason is not None,
@@ -222,67 +248,43 @@ class LoraPolicy:
         self.model.train()
         self._zero_grad(critic)
         total = 0.0
-        sums: dict[str, float] = {}
-        value_sums: dict[str, float] = {}
+        sums: dict[str, float] = {}  # token sums of the metrics
         prompts = leaves = None
+        self._check_stop(should_stop, critic)
         if shared is not None:
             # Each distinct prompt runs once; every micro-batch's backward stops at the leaves,
             # and one backward after the last carries their gradients through the prompts.
-            self._check_stop(should_stop, critic)
             with self.autocast():
                 prompts = prompt_states(self.model, shared)
             leaves = prompts.leaves()
-        for mb in micro:
-            self._check_stop(should_stop, critic)
-            with self.autocast():
-                hidden = completion_hidden(self.model, mb.batch, leaves)
-                out = completion_logprobs(
-                    self.model,
-                    mb.batch,
-                    chunk_tokens=cfg.logprob_chunk_tokens,
-                    temperature=cfg.temperature,
-                    with_entropy=cfg.log_entropy,
-                    hidden=hidden,
-                )
-            dev = out.logprobs.device  # the batch is assembled on the CPU
-            loss, m = self.algorithm.loss(
-                out.logprobs,
-                mb.old_logprobs.to(dev),
-                None if mb.ref_logprobs is None else mb.ref_logprobs.to(dev),
-                mb.advantages.to(dev),
-                out.mask,
-                normalizer=normalizer,
-                entropy=out.entropy,
-            )
-            if critic is None:
-                if not torch.isfinite(loss):
-                    self._zero_grad(critic)
-                    return result(float(loss.detach()), math.nan, {}, "non-finite loss")
-                loss.backward()
-                total += float(loss.detach())
-            else:
-                # The critic runs the backward(s): its value loss joins this graph (shared
-                # trunk) or follows it on its own trunk. Outside autocast: float32 head.
-                loss_value, vm = critic.backward(mb, hidden, loss, float(max(tokens, 1)))
-                for k, v in vm.items():
-                    value_sums[k] = value_sums.get(k, 0.0) + v
-                if not math.isfinite(loss_value):
-                    self._zero_grad(critic)
-                    return result(loss_value, math.nan, {}, "non-finite loss")
-                total += loss_value
-            n = m.pop("tokens")
+        # As many rounds on every rank, so that all of them poll and agree as often; a rank
+        # with fewer micro-batches idles through the last rounds.
+        for i in range(max(counts)):
+            if i:
+                self._check_stop(should_stop, critic)
+            loss_value, m = (self._micro_step(micro[i], leaves, normalizer, tokens, critic)
+                             if i < len(micro) else (0.0, {}))
+            if dp.agree(not math.isfinite(loss_value)):
+                self._zero_grad(critic)
+                return result(loss_value if not math.isfinite(loss_value) else math.nan,
+                              math.nan, {}, "non-finite loss")
+            total += loss_value
             for k, v in m.items():
-                sums[k] = sums.get(k, 0.0) + v * n
+                sums[k] = sums.get(k, 0.0) + v
         if prompts is not None:
             prompts.backward_into(leaves)
             prompts = leaves = None  # the prompts' graph is freed before the optimizer runs
-        extra = {k: v / max(tokens, 1) for k, v in {**sums, **value_sums}.items()}
+        total, sums = dp.sum_metrics(total, sums)
+        extra = {k: v / max(tokens, 1) for k, v in sums.items()}
         if critic is not None and not extra["value_loss"] <= critic.cfg.max_value_loss:
             self._zero_grad(critic)
             return result(total, math.nan, extra,
                           f"value loss diverged ({extra['value_loss']:.3g} > "
                           f"{critic.cfg.max_value_loss:g})")
 
+        # The whole batch's gradient on every rank: clipping and the optimizers then run
+        # identically everywhere, and the replicas stay equal.
+        dp.sum_gradients([*self._params, *(critic.params if critic is not None else [])])
         grad_norm = float(
             torch.nn.utils.clip_grad_norm_(self._params, cfg.optimizer.max_grad_norm)
         )
@@ -301,6 +303,43 @@ class LoraPolicy:
         self.step += 1
         return result(total, grad_norm, extra, None)
 
+    def _micro_step(self, mb: MicroBatch, leaves: Any, normalizer: float, tokens: int,
+                    critic: Critic | None) -> tuple[float, dict[str, float]]:
+        """Forward and backward of one micro-batch (none when its loss is not finite): its
+        loss (its share of the batch's) and its metrics as token sums."""
+        cfg = self.cfg
+        with self.autocast():
+            hidden = completion_hidden(self.model, mb.batch, leaves)
+            out = completion_logprobs(
+                self.model,
+                mb.batch,
+                chunk_tokens=cfg.logprob_chunk_tokens,
+                temperature=cfg.temperature,
+                with_entropy=cfg.log_entropy,
+                hidden=hidden,
+            )
+        dev = out.logprobs.device  # the batch is assembled on the CPU
+        loss, m = self.algorithm.loss(
+            out.logprobs,
+            mb.old_logprobs.to(dev),
+            None if mb.ref_logprobs is None else mb.ref_logprobs.to(dev),
+            mb.advantages.to(dev),
+            out.mask,
+            normalizer=normalizer,
+            entropy=out.entropy,
+        )
+        n = m.pop("tokens")
+        sums = {k: v * n for k, v in m.items()}
+        if critic is None:
+            loss_value = float(loss.detach())
+            if math.isfinite(loss_value):
+                loss.backward()
+            return loss_value, sums
+        # The critic runs the backward(s): its value loss joins this graph (shared trunk) or
+        # follows it on its own trunk. Outside autocast: float32 head.
+        loss_value, value_sums = critic.backward(mb, hidden, loss, float(max(tokens, 1)))
+        return loss_value, {**sums, **value_sums}
+
     def _zero_grad(self, critic: Critic | None) -> None:
         self.optimizer.zero_grad(set_to_none=True)
         if critic is not None:
@@ -308,7 +347,8 @@ class LoraPolicy:
 
     def _check_stop(self, should_stop: Callable[[], bool] | None,
                     critic: Critic | None = None) -> None:
-        if should_stop is not None and should_stop():
+        # Polled on rank 0 (the others have no `should_stop`) and agreed by every rank.
+        if self.dp.agree(should_stop is not None and should_stop()):
             self._zero_grad(critic)
             raise Interrupted("stop requested; the update was not applied")
 
@@ -369,7 +409,12 @@ class LoraPolicy:
         """Resume from a checkpoint directory; returns its step and data position."""
         state = load_checkpoint(path, model=self.model, optimizer=self.optimizer)
         self.step = state.step
+        self.dp.state_changed()  # the other ranks take this state before the next step
         return state
+
+    def close(self) -> None:
+        """Stop the other data-parallel ranks, if any (nothing to do for one rank)."""
+        self.dp.close()
 
     def trainable_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(name, tensor) of the adapter parameters, in optimizer order."""

@@ -334,14 +334,14 @@ class Grpo(Recipe):
         self.evals: list[EvalRecord] = []
 
     async def setup(self, run: Run) -> Schedule:
-        from ..learner.policy import LoraPolicy
+        from ..learner.distributed import make_policy
 
         job, cfg = self.job, self.cfg
         self.run = run
         self.heldout = load_tasks(job.eval_tasks, job.eval_split)
         if job.eval_limit:
             self.heldout = self.heldout[: job.eval_limit]
-        self.policy = LoraPolicy(cfg, self.model_dir)
+        self.policy = make_policy(cfg, self.model_dir)
         if self.algorithm is not None:
             self.policy.algorithm = self.algorithm(cfg)
         self.stream, self.version, _ = await start_on_tasks(run, self.policy, job, self.mesh)
@@ -459,7 +459,9 @@ class Grpo(Recipe):
                 + " ".join(f"{k[:3]} {v:.1f}s" for k, v in rec.stage_seconds.items()))
 
     async def close(self) -> None:
-        """Nothing runs beside the steps."""
+        """Stop the policy's other data-parallel ranks; nothing else runs beside the steps."""
+        if hasattr(self, "policy"):
+            self.policy.close()
 
     def summary(self, records: list[StepRecord]) -> dict:
         return summarize(records, self.evals, self.job, self.cfg, self.heldout)

@@ -290,6 +290,7 @@ class AsyncGrpo(Recipe):
             self.producer.cancel()  # a batch produced ahead of the last step is not trained
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self.producer
+        await self.grpo.close()
 
     def summary(self, records: list[StepRecord]) -> dict:
         """grpo.summarize's, with `samples_per_s` from the steps' wall time (stages overlap)

@@ -438,6 +438,7 @@ class Online(Recipe):
                              f"[trainer] temperature must be 1.0, got {trainer_cfg.temperature}")
         self.job, self.cfg, self.model_dir, self.mesh = job, trainer_cfg, model_dir, mesh
         self.policy = policy
+        self.owned = None  # the policy when `setup` built it (closed by `close`)
         self.metrics = metrics if metrics is not None else OnlineMetrics()
         self.counters = self.metrics.counters
         self.users = UsersFirst(job.users_first, mesh.rollout[0].address if mesh.rollout else None,
@@ -452,12 +453,12 @@ class Online(Recipe):
 
     async def setup(self, run: Run) -> Schedule:
         from ..learner.algorithms import EmaBaseline, make_online_algorithm
-        from ..learner.policy import LoraPolicy
+        from ..learner.distributed import make_policy
 
         job, mesh = self.job, self.mesh
         self.run = run
         if self.policy is None:
-            self.policy = LoraPolicy(self.cfg, self.model_dir)
+            self.policy = self.owned = make_policy(self.cfg, self.model_dir)
         self.policy.algorithm = make_online_algorithm(self.policy.cfg, is_cap=job.is_cap)
         self.baseline = EmaBaseline(job.baseline_ema)
         if (pos := run.restore(self.policy)) is not None:
@@ -725,6 +726,8 @@ class Online(Recipe):
                 await self.intake
             except (asyncio.CancelledError, Exception):  # its error, if any, was raised in _wait
                 pass
+        if self.owned is not None:  # a policy it built: stop its other data-parallel ranks
+            self.owned.close()
 
     def summary(self, records: list[OnlineStepRecord]) -> dict:
         return {"steps": self.policy.step, "updates": self.updates, "version": self.version,

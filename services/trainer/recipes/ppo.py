@@ -177,13 +177,13 @@ class Ppo(Recipe):
 
         from ..learner.algorithms import AdaptiveKl
         from ..learner.critic import make_critic
-        from ..learner.policy import LoraPolicy
+        from ..learner.distributed import make_policy
 
         job, cfg, pc = self.job, self.cfg, self.cfg.ppo
         self.run, self.rng = run, random.Random(job.seed)
         self.heldout = load_tasks(job.eval_tasks, job.eval_split)[: job.eval_limit] if job.eval_limit else []
         self.users.start()  # before the policy loads: torch's threads inherit a lower priority
-        self.policy = LoraPolicy(cfg, self.model_dir)
+        self.policy = make_policy(cfg, self.model_dir)
         self.critic = make_critic(self.policy, cfg.critic)
         self.users.attach(self.policy.model)  # `pause`: every forward and backward in this process holds
         self.kl = AdaptiveKl(pc.kl_coef, pc.kl_target, pc.kl_horizon)
@@ -308,6 +308,8 @@ class Ppo(Recipe):
 
     async def close(self) -> None:
         await self.users.close()
+        if hasattr(self, "policy"):
+            self.policy.close()  # its other data-parallel ranks
 
     def summary(self, records: list[PpoStep]) -> dict:
         return summarize(records, self.evals, self.heldout, self.job, self.cfg)

@@ -305,3 +305,32 @@ def test_the_grpo_section_reads_the_async_fields(tmp_path):
     assert (j.max_staleness, j.is_cap) == (1, 1.5)
     with pytest.raises(ConfigError, match=r"\[grpo\] max_staleness"):
         load_job(str(cfg), ["grpo.max_staleness=-1"], "grpo")
+
+
+@pytest.mark.parametrize("max_staleness", [0, 1])
+async def test_data_parallel_ranks_run_the_recipe_as_one_rank_does(tcfg, tiny_model, tmp_path,
+                                                                   max_staleness):
+    """`[trainer] data_parallel = 2` under the synchronous and the asynchronous recipe: the
+    same losses and gradient norms as one rank (the first step's to rounding; the second
+    starts from parameters AdamW's sign-like first step may have moved by rounding), and the
+    other rank is gone when the run ends."""
+    import os
+    from pathlib import Path
+
+    def records(run_id: str) -> list[dict]:
+        lines = (tmp_path / run_id / "metrics.jsonl").read_text().splitlines()
+        return [x["step"]["train"] for x in map(json.loads, lines) if "step" in x]
+
+    cfg = tcfg.model_copy(update={"num_steps": 2, "torch_threads": 1})
+    for n in (1, 2):
+        j = job(tmp_path, max_staleness=max_staleness, run_id=f"dp{n}")
+        await recipe(j)(j, cfg.model_copy(update={"data_parallel": n}), tiny_model, make_mesh(),
+                        tmp_path / f"dp{n}", progress=False)
+    one, two = records("dp1"), records("dp2")
+    assert len(one) == len(two) == 2 and not any(r["skipped"] for r in one + two)
+    for k, rel in (("loss", 1e-5), ("grad_norm", 1e-5)):
+        assert two[0][k] == pytest.approx(one[0][k], rel=rel), k
+        assert two[1][k] == pytest.approx(one[1][k], rel=1e-2), k
+    children = Path(f"/proc/{os.getpid()}/task/{os.getpid()}/children").read_text().split()
+    assert not [c for c in children
+                if b"learner.rank" in Path(f"/proc/{c}/cmdline").read_bytes()]
