@@ -41,6 +41,9 @@ Protocol (one pending version at a time):
   hotloop_swap(v, adapter, mode=)        build and commit in one call (engine paused meanwhile)
   hotloop_reset()                        back to the base weights (version 0)
   hotloop_discard() / hotloop_status() / hotloop_live_version()
+  hotloop_slots_init(n)                  tenants: n adapter slots served beside the live version,
+                                         in the same batch (updates/slots.py)
+  hotloop_slot_load(k, label, adapter) / hotloop_slot_free(k) / hotloop_slots_status()
 
 Invariants:
   * The worker keeps its own copy of the base weights (engine dtype, fused layout); merges are
@@ -89,6 +92,7 @@ import torch
 
 from .updates import device, factored
 from .updates import merged as merged_path
+from .updates.slots import LABEL_KEY, SlotTable, build_slot
 # Re-exported: the shared pieces are part of this module's tested surface.
 from .updates.common import (  # noqa: F401
     LinearSpec,
@@ -138,6 +142,8 @@ class _State:
     job: threading.Thread | None = None
     job_version: int | None = None
     job_error: BaseException | None = None
+    # Tenants' adapters resident beside the live version (hotloop_slots_init); None: off.
+    slots: SlotTable | None = None
 
 
 # --------------------------------------------------------------------------------------------
@@ -383,6 +389,77 @@ class HotloopWorkerExtension:
     def hotloop_live_version(self) -> int:
         return self._hotloop_state().live_version
 
+    # ---- tenants: several adapters in one batch (CPU) ----------------------------------------
+
+    def hotloop_slots_init(self, n: int) -> dict[str, Any]:
+        """Give the worker ``n`` adapter slots served in the same batch as the live version
+        (services/rollout/updates/slots.py). Each forward's rows are mapped to slots from the
+        requests themselves: the model runner's ``_prepare_inputs`` is wrapped, and there the
+        batch order (``input_batch.req_ids``, ``num_scheduled_tokens`` per request) is final;
+        each request's ``SamplingParams.extra_args["hotloop_adapter"]`` names its adapter. The
+        plan is cleared after every ``execute_model``, so a forward that did not go through
+        ``_prepare_inputs`` (a dummy run) runs on the live weights only. CPU only. Idempotent."""
+        st = self._hotloop_state()
+        if st.slots is not None:
+            return st.slots.status()
+        if not st.is_cpu:
+            raise ValueError("adapter slots are CPU-only; on GPUs use vLLM's LoRA slots")
+        runner = self.model_runner  # type: ignore[attr-defined]
+        if not hasattr(runner, "_prepare_inputs") or not hasattr(runner, "input_batch"):
+            raise ValueError(f"{type(runner).__name__} has no _prepare_inputs / input_batch "
+                             "(vLLM's V2 model runner?): adapter slots need the V1 runner")
+        table = SlotTable(int(n))
+        prepare, execute = runner._prepare_inputs, runner.execute_model
+
+        def prepare_inputs(scheduler_output, num_scheduled_tokens, *args, **kwargs):
+            out = prepare(scheduler_output, num_scheduled_tokens, *args, **kwargs)
+            batch = runner.input_batch
+            k = batch.num_reqs
+            labels = []
+            for rid in batch.req_ids[:k]:
+                sp = runner.requests[rid].sampling_params
+                extra = sp.extra_args if sp is not None else None
+                labels.append(extra.get(LABEL_KEY) if extra else None)
+            table.plan(labels, [int(t) for t in num_scheduled_tokens[:k]])
+            return out
+
+        def execute_model(*args, **kwargs):
+            try:
+                return execute(*args, **kwargs)
+            finally:
+                table.plan([], [])
+
+        runner._prepare_inputs, runner.execute_model = prepare_inputs, execute_model
+        st.slots = table
+        _swap_in(st, {**st.v0, **st.live_packed})  # the live layers now go through the table
+        return table.status()
+
+    def hotloop_slot_load(self, slot: int, label: str, adapter: str) -> dict[str, Any]:
+        """Read ``adapter`` (a peft directory or archive) into ``slot`` under ``label``,
+        replacing what the slot held. Runs between two engine steps; the caller guarantees no
+        running request names the label the slot held (the core's slot manager counts them)."""
+        st = self._hotloop_state()
+        if st.slots is None:
+            raise ValueError("hotloop_slots_init has not been called")
+        t0 = time.perf_counter()
+        factors = read_peft_adapter(adapter, st.max_rank)
+        plan = plan_merge(factors, st.specs, st.hf_index)
+        with torch.no_grad():
+            built = build_slot(plan, st.specs, st.dtype)
+        st.slots.load(int(slot), str(label), built)
+        return {"slot": int(slot), "label": label, "load_s": time.perf_counter() - t0}
+
+    def hotloop_slot_free(self, slot: int) -> dict[str, Any]:
+        st = self._hotloop_state()
+        if st.slots is None:
+            raise ValueError("hotloop_slots_init has not been called")
+        st.slots.free(int(slot))
+        return st.slots.status()
+
+    def hotloop_slots_status(self) -> dict[str, Any]:
+        st = self._hotloop_state()
+        return {"slots": 0, "labels": []} if st.slots is None else st.slots.status()
+
     def hotloop_status(self) -> dict[str, Any]:
         st = self._hotloop_state()
         job = st.job
@@ -490,7 +567,8 @@ def _swap_in(st: _State, new_set: dict[str, _Packed]) -> None:
             if st.is_cpu:
                 # Plain attribute writes: vLLM's CPU linear calls layer.cpu_linear(x, layer.weight,
                 # bias) on every forward, so the next forward uses the new handle.
-                layer.cpu_linear = p.cpu_linear
+                layer.cpu_linear = (p.cpu_linear if st.slots is None
+                                    else st.slots.wrap(vname, p, st.v0[vname]))
                 layer._parameters["weight"] = p.weight
             else:
                 device.write_layer(layer, st.base[vname], st.specs[vname], p)
