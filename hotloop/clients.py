@@ -99,7 +99,7 @@ def _completion(c: rollout_pb2.Completion) -> Completion:
     return Completion(
         c.prompt_index, c.sample_index, c.text, list(c.token_ids), list(c.logprobs),
         c.finish_reason, c.policy_version, list(c.prompt_token_ids),
-        version_spans=[(s.version, s.first_token) for s in c.version_spans],
+        version_spans=[(s.version, s.first_token) for s in c.version_spans], tenant=c.tenant,
         # A replica without stream support sends whole completions; their finish_reason marks
         # them as the last message of their sample even where `final` is not set.
         final=c.final or bool(c.finish_reason), num_prompt_tokens=c.num_prompt_tokens,
@@ -123,14 +123,15 @@ def _request(chats: Sequence[Sequence[dict[str, str]]] | None, n: int = 1, max_t
              temperature: float = 1.0, top_p: float = 1.0, seed: int | None = None,
              pin_version: int = 0, return_prompt_ids: bool = True, priority: int = 0,
              stop: Sequence[str] = (), top_logprobs: int = 0, texts: Sequence[str] | None = None,
-             **extra) -> rollout_pb2.GenerateRequest:
+             tenant: str = "", **extra) -> rollout_pb2.GenerateRequest:
     """One Generate request. `generate` and `generate_each` take these sampling arguments and
     defaults; `stream` adds `request_id` and `stream` (`extra`).
 
     `priority`: lower is admitted first where the engine schedules by priority (users come at
     0; training that must yield to them asks for `TRAINING_PRIORITY`). `stop`: strings that
     end a completion (left out of its text; its token ids and logprobs keep every sampled
-    token). `texts`: raw prompts instead of `chats`."""
+    token). `texts`: raw prompts instead of `chats`. `tenant`: that tenant's lineage instead
+    of the default one."""
     return rollout_pb2.GenerateRequest(
         prompts=_prompts(chats, texts),
         sampling=common_pb2.SamplingParams(
@@ -140,6 +141,7 @@ def _request(chats: Sequence[Sequence[dict[str, str]]] | None, n: int = 1, max_t
         pin_version=pin_version,
         return_prompt_ids=return_prompt_ids,
         priority=priority,
+        tenant=tenant,
         **extra,
     )
 
@@ -182,7 +184,7 @@ class RolloutClient:
     async def generate(self, chats: Sequence[Sequence[dict[str, str]]], **sampling) -> list[Completion]:
         """Sample completions of each chat, returned sorted by (prompt, sample). `sampling`:
         `n`, `max_tokens`, `temperature`, `top_p`, `seed`, `pin_version`,
-        `return_prompt_ids`, `priority`, `stop`, with `_request`'s defaults (one sample of
+        `return_prompt_ids`, `priority`, `stop`, `tenant`, with `_request`'s defaults (one sample of
         128 tokens at temperature 1, prompt ids returned)."""
         req = _request(chats, **sampling)
 
@@ -208,6 +210,7 @@ class RolloutClient:
         stop: Sequence[str] = (),
         texts: Sequence[str] | None = None,
         timeout_s: float | None = None,
+        tenant: str = "",
     ) -> AsyncIterator[Completion]:
         """Token deltas as the engine produces them, interleaved across (prompt, sample).
         `texts`: raw prompts instead of `chats`; `timeout_s` bounds the whole call.
@@ -217,7 +220,7 @@ class RolloutClient:
         cancelling the consuming task) cancels the call, which aborts its engine requests.
         """
         req = _request(chats, n, max_tokens, temperature, top_p, seed, pin_version,
-                       return_prompt_ids, priority, stop, top_logprobs, texts,
+                       return_prompt_ids, priority, stop, top_logprobs, texts, tenant,
                        request_id=request_id, stream=True)
         call = self.stub.Generate(req, timeout=timeout_s)
         try:
@@ -243,17 +246,19 @@ class RolloutClient:
 
     async def push_adapter(self, info: Version, data: bytes, admin_token: str, *,
                            make_latest: bool = True, timeout_s: float | None = None,
-                           on_sent: Callable[[], None] | None = None) -> Pushed:
+                           on_sent: Callable[[], None] | None = None, tenant: str = "") -> Pushed:
         """Push a packed adapter (`hotloop.adapters.pack`) as version `info`: its header, then
         `grpcutil.CHUNK_BYTES` chunks, with the admin bearer token. `timeout_s` bounds the
         push, the replica's verify and load included; `on_sent` is called once the last chunk
-        is handed to gRPC (a benchmark times from there).
+        is handed to gRPC (a benchmark times from there). `tenant`: into that tenant's
+        lineage instead of the default one.
 
         Never retried here, whatever `retry` says: gRPC buffers a streamed request for a
         replay only up to a small limit, and whether to push again depends on why the replica
         refused (the publisher retries whole pushes on UNAVAILABLE). Failures surface as
         grpc.aio.AioRpcError."""
-        header = rollout_pb2.AdapterHeader(info=version_to_proto(info), make_latest=make_latest)
+        header = rollout_pb2.AdapterHeader(info=version_to_proto(info), make_latest=make_latest,
+                                           tenant=tenant)
 
         def messages() -> Iterator[rollout_pb2.AdapterChunk]:
             yield rollout_pb2.AdapterChunk(header=header)

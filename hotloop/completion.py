@@ -34,3 +34,4 @@ class Completion:
     # When top_logprobs > 0: per token, [(token id, logprob, text)] most likely first.
     top_logprobs: list[list[tuple[int, float, str]]] = field(default_factory=list)
     token_texts: list[str] = field(default_factory=list)
+    tenant: str = ""  # the lineage whose version served it ("": the default one)

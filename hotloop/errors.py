@@ -31,6 +31,13 @@ class FailedPrecondition(RecoverableError):
     code = "FAILED_PRECONDITION"
 
 
+class ResourceExhausted(RecoverableError):
+    """A bounded resource stayed full for as long as the request could wait (e.g. every
+    adapter slot of a rollout replica pinned by running requests); the caller may retry."""
+
+    code = "RESOURCE_EXHAUSTED"
+
+
 class Unavailable(RecoverableError):
     """A dependency is down or the service is shutting down; the caller may retry."""
 

@@ -23,8 +23,17 @@ class RolloutConfig(ServiceSection):
     """Largest adapter rank a push may carry."""
     max_loras: int = Field(2, ge=1, le=64)
     """LoRA slots in one engine step (lora mode)."""
+    tenant_slots: int = Field(4, ge=0, le=64)
+    """CPU, merged mode: tenants' adapter versions resident in the worker at once, served in
+    the same batch as the default lineage (a low-rank term per slot over its requests' rows).
+    More tenants than slots: loaded on demand, the least recently used one nobody runs on
+    evicted. 0: tenants refused. (lora mode: vLLM's `max_loras` slots do this.)"""
+    tenant_slot_wait_s: float = Field(30.0, gt=0)
+    """Longest a tenant's request waits for a slot while every slot is held by running
+    requests of other versions; then it fails with RESOURCE_EXHAUSTED."""
     keep_versions: int = Field(3, ge=1, le=100)
-    """Versions kept on this replica (newest first); older unused ones are retired."""
+    """Versions kept on this replica (newest first), per lineage (the default one and each
+    tenant's); older unused ones are retired."""
     max_prompt_tokens: int = Field(1536, ge=1)
     """Longest prompt accepted, in tokens."""
     max_n: int = Field(64, ge=1, le=1024)

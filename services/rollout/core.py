@@ -64,6 +64,7 @@ from hotloop.errors import FailedPrecondition, FatalError, InvalidArgument, NotF
 from hotloop.metrics import LATENCY_BUCKETS, StateCollector, gauge, info
 
 from .config import RolloutConfig
+from .tenants import Lease, LoraSlots, NoSlots, TenantSlots, WorkerSlots, check_tenant
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +102,7 @@ class GenerateInput:
     request_id: str = ""
     stream: bool = False  # token deltas as produced, instead of whole completions
     priority: int = 0  # lower runs first (scheduling_policy "priority" only)
+    tenant: str = ""  # "": the default lineage; else that tenant's lineage (base until a push)
 
 
 @dataclass
@@ -130,6 +132,7 @@ class CompletionOut:
     top_logprobs: list[TopLogprobs] = field(default_factory=list)
     token_texts: list[str] = field(default_factory=list)
     num_prompt_tokens: int = 0
+    tenant: str = ""  # the lineage whose version served it ("": the default one)
 
 
 @dataclass
@@ -169,6 +172,8 @@ class Updater(ABC):
 
     needs_drain: bool = False
     pinnable_history: bool = True
+    # Tenants' versions beside the default lineage (services/rollout/tenants.py).
+    slots: TenantSlots = NoSlots("this replica serves no tenants")
 
 
 class MergedUpdater(Updater):
@@ -179,8 +184,11 @@ class MergedUpdater(Updater):
     # utility call between engine steps (well under a millisecond of engine time).
     POLL_S = 0.005
 
-    def __init__(self, engine, model_dir: Path, max_rank: int, swap: str):
+    def __init__(self, engine, model_dir: Path, max_rank: int, swap: str, tenant_slots: int = 0,
+                 slot_wait_s: float = 30.0):
         self.engine = engine
+        self.tenant_slots = tenant_slots
+        self.slot_wait_s = slot_wait_s
         self.model_dir = model_dir
         self.max_rank = max_rank
         self.swap = swap
@@ -199,6 +207,14 @@ class MergedUpdater(Updater):
             "hotloop_init", args=(str(self.model_dir), self.max_rank)
         )
         self.factored_first = self.swap == "inflight" and summary["platform"] == "cpu"
+        if summary["platform"] != "cpu":
+            self.slots = NoSlots("tenants need update_mode = \"lora\" on this platform "
+                                 "(adapter slots in merged mode are CPU-only)")
+        elif self.tenant_slots == 0:
+            self.slots = NoSlots("tenants are off on this replica ([rollout] tenant_slots = 0)")
+        else:
+            self.slots = WorkerSlots(self.engine, self.tenant_slots, self.slot_wait_s)
+            await self.slots.init()
 
     async def prepare(self, version: int, archive: Path) -> None:
         self._archives[version] = archive
@@ -305,6 +321,7 @@ class LoraUpdater(Updater):
     def __init__(self, engine):
         self.engine = engine
         self._requests: dict[int, object] = {}
+        self.slots = LoraSlots(engine)
 
     async def prepare(self, version: int, archive: Path) -> None:
         from vllm.lora.request import LoRARequest
@@ -349,10 +366,12 @@ def resolve_swap(cfg: RolloutConfig, mode: str) -> str:
     return DEFAULT_SWAP if cfg.swap == "auto" else cfg.swap
 
 
-def make_updater(mode: str, engine, model_dir: Path, max_rank: int, swap: str = "") -> Updater:
-    """The one place that branches on the update mode."""
+def make_updater(mode: str, engine, model_dir: Path, max_rank: int, swap: str = "",
+                 tenant_slots: int = 0, slot_wait_s: float = 30.0) -> Updater:
+    """The one place that branches on the update mode (tenants too: `Updater.slots`)."""
     if mode == "merged":
-        return MergedUpdater(engine, model_dir, max_rank, swap or "drain")
+        return MergedUpdater(engine, model_dir, max_rank, swap or "drain", tenant_slots,
+                             slot_wait_s)
     if mode == "lora":
         return LoraUpdater(engine)
     raise ValueError(f"unknown update mode {mode!r}")
@@ -469,6 +488,25 @@ class _Held:
     in_flight: int = 0
 
 
+@dataclass
+class _Lineage:
+    """One tenant's versions (1, 2, ...); it is served the base model while it has none."""
+
+    held: dict[int, _Held] = field(default_factory=dict)
+    latest: int = 0
+
+
+@dataclass(frozen=True)
+class _Admission:
+    """What a request was admitted on and what its engine requests carry."""
+
+    version: int
+    lora: object | None
+    extra_args: dict | None
+    cache_salt: str
+    tenant: str = ""
+
+
 class RolloutCore:
     def __init__(
         self,
@@ -505,6 +543,7 @@ class RolloutCore:
         self.last_swap: dict = {}
         self.engine_name = ""
         self._held: dict[int, _Held] = {0: _Held(Version(0, base_model=base_model), None)}
+        self._tenants: dict[str, _Lineage] = {}
         self._latest = 0
         self._live = 0  # merged mode: the version in the engine's weights
         self._cond = asyncio.Condition()
@@ -557,7 +596,8 @@ class RolloutCore:
             log.warning("per-request seeds are ignored on the CPU backend (vLLM-CPU bug)")
         self.engine_name = f"vllm {vllm.__version__}"
         self.updater = make_updater(
-            self.mode, self.engine, self.model_dir, self.cfg.max_lora_rank, self.swap
+            self.mode, self.engine, self.model_dir, self.cfg.max_lora_rank, self.swap,
+            self.cfg.tenant_slots, self.cfg.tenant_slot_wait_s,
         )
         if isinstance(self.updater, MergedUpdater):
             await self.updater.init()
@@ -611,6 +651,14 @@ class RolloutCore:
     def running(self) -> int:
         return sum(h.in_flight for h in self._held.values())
 
+    def tenants(self) -> dict[str, tuple[int, list[Version]]]:
+        """Per tenant: its latest version and the versions held."""
+        return {t: (lin.latest, [h.version for _, h in sorted(lin.held.items())])
+                for t, lin in sorted(self._tenants.items())}
+
+    def tenant_slots(self) -> dict:
+        return self.updater.slots.status() if self.updater is not None else {}
+
     def _metric_families(self):
         """Read when scraped, in the endpoint's thread: a copy of the table, never the dict."""
         held = list(self._held.values())
@@ -647,11 +695,35 @@ class RolloutCore:
                 )
             held.in_flight += 1
         try:
-            yield version
+            yield _Admission(version, self.updater.lora_request(version), None, f"v{version}")
         finally:
             async with self._cond:
                 held.in_flight -= 1
                 self._cond.notify_all()
+
+    @asynccontextmanager
+    async def _admitted_tenant(self, tenant: str, pin: int):
+        """A tenant's request: its lineage's latest version (or `pin`), held resident in the
+        engine until the request ends; the base model while the tenant has no version."""
+        lin = self._tenants.get(tenant, _Lineage())
+        version = pin or lin.latest
+        held = lin.held.get(version)
+        if version and held is None:
+            raise NotFound(f"tenant {tenant!r} holds no version {version} "
+                           f"(held: {sorted(lin.held)})")
+        if held is not None:
+            held.in_flight += 1  # before any await: retiring skips it from here on
+        try:
+            lease: Lease = await self.updater.slots.acquire(
+                tenant, version, None if held is None else held.path / "adapter.tar")
+            try:
+                yield _Admission(version, lease.lora_request, lease.extra_args,
+                                 f"t:{lease.label}" if version else f"t:{tenant}@base", tenant)
+            finally:
+                await self.updater.slots.release(lease)
+        finally:
+            if held is not None:
+                held.in_flight -= 1
 
     # ---- generation -------------------------------------------------------------------
     def _validate(self, req: GenerateInput) -> tuple[list[list[int]], Sampling]:
@@ -720,6 +792,7 @@ class RolloutCore:
         generator (a cancelled client) aborts its engine requests."""
         from vllm.sampling_params import RequestOutputKind
 
+        check_tenant(req.tenant)
         ids, s = self._validate(req)
         # Engine request ids are ours, unique per call; the caller's id is only for logs.
         rid = uuid.uuid4().hex[:12]
@@ -754,8 +827,10 @@ class RolloutCore:
                         priority: int, kind) -> AsyncIterator[CompletionOut]:
         from vllm import SamplingParams, TokensPrompt
 
-        async with self._admitted(req.pin_version) as version:
-            lora = self.updater.lora_request(version)
+        admitted = (self._admitted_tenant(req.tenant, req.pin_version) if req.tenant
+                    else self._admitted(req.pin_version))
+        async with admitted as adm:
+            version = adm.version
             queue: asyncio.Queue = asyncio.Queue()
 
             async def one(i: int, prompt_ids: list[int]) -> None:
@@ -767,12 +842,14 @@ class RolloutCore:
                         stop=s.stop or None, ignore_eos=s.ignore_eos,
                         # k: the sampled token's logprob plus the top k (0: the sampled one)
                         logprobs=s.top_logprobs, output_kind=kind,
+                        extra_args=adm.extra_args,  # a tenant's adapter label (worker slots)
                     )
                     # The cache salt keeps prefix-cache blocks computed under one version
-                    # from being reused by another (merged mode swaps weights under one cache).
-                    prompt = TokensPrompt(prompt_token_ids=prompt_ids, cache_salt=f"v{version}")
+                    # (or tenant version) from being reused by another (merged mode swaps
+                    # weights under one cache; tenants share it).
+                    prompt = TokensPrompt(prompt_token_ids=prompt_ids, cache_salt=adm.cache_salt)
                     async for out in self.engine.generate(
-                        prompt, params, f"{rid}-{i}", lora_request=lora, priority=priority
+                        prompt, params, f"{rid}-{i}", lora_request=adm.lora, priority=priority
                     ):
                         await queue.put((i, out))
                 except BaseException as e:  # handed to the consumer, which re-raises it
@@ -797,7 +874,8 @@ class RolloutCore:
                         key = (i, c.index)
                         first = key not in sent
                         sent[key] = sent.get(key, 0) + len(c.token_ids)
-                        spans = self._spans(version, out.request_id, c, sent[key])
+                        spans = (self._spans(version, out.request_id, c, sent[key])
+                                 if not adm.tenant else [(version, 0)])
                         top, texts = _top_logprobs(c, s.top_logprobs)
                         self.metrics.tokens.inc(len(c.token_ids))  # deltas, or the whole once
                         yield CompletionOut(
@@ -815,6 +893,7 @@ class RolloutCore:
                             top_logprobs=top,
                             token_texts=texts,
                             num_prompt_tokens=len(ids[i]),
+                            tenant=adm.tenant,
                         )
             finally:
                 for t in tasks:
@@ -847,13 +926,17 @@ class RolloutCore:
 
     # ---- versions ---------------------------------------------------------------------
     async def push(
-        self, info: Version, chunks: AsyncIterator[bytes], make_latest: bool = True
+        self, info: Version, chunks: AsyncIterator[bytes], make_latest: bool = True,
+        tenant: str = "",
     ) -> PushResult:
         """Receive, verify and load a version; make it latest. On any failure the replica
-        keeps serving what it served and holds nothing of the failed push."""
+        keeps serving what it served and holds nothing of the failed push. `tenant`: into
+        that tenant's lineage (stored, loaded into a slot on demand) instead of the default
+        one."""
         t0 = time.perf_counter()
         try:
-            result = await self._push(info, chunks, make_latest)
+            check_tenant(tenant)
+            result = await self._push(info, chunks, make_latest, tenant)
         except BaseException as e:
             self.metrics.pushes.labels(_push_result(e)).inc()
             raise
@@ -864,7 +947,8 @@ class RolloutCore:
             self.metrics.push_seconds.observe(time.perf_counter() - t0)
         return result
 
-    async def _push(self, info: Version, chunks: AsyncIterator[bytes], make_latest: bool) -> PushResult:
+    async def _push(self, info: Version, chunks: AsyncIterator[bytes], make_latest: bool,
+                    tenant: str = "") -> PushResult:
         t0 = time.perf_counter()
         if info.version <= 0:
             raise InvalidArgument("version must be a positive integer")
@@ -886,6 +970,8 @@ class RolloutCore:
             # for a core beside a busy engine.
             adapters.validate(files, self.model_dir, self.cfg.max_lora_rank)
             t1 = time.perf_counter()
+            if tenant:
+                return await self._store_tenant(tenant, info, incoming, make_latest, t1 - t0)
             async with self._push_lock:
                 held = self._held.get(info.version)
                 if held is not None:
@@ -910,6 +996,42 @@ class RolloutCore:
         if self.on_loaded is not None:
             await self.on_loaded(info, result.load_ms)
         return result
+
+    async def _store_tenant(self, tenant: str, info: Version, incoming: adapters.Incoming,
+                            make_latest: bool, verify_s: float) -> PushResult:
+        """Keep a verified version in `tenant`'s lineage; the engine loads it into a slot when
+        a request first runs on it. Retires the lineage's old unused versions."""
+        t0 = time.perf_counter()
+        async with self._push_lock:
+            lin = self._tenants.get(tenant, _Lineage())
+            held = lin.held.get(info.version)
+            if held is not None:
+                if held.version.sha256 != info.sha256:
+                    raise FailedPrecondition(f"tenant {tenant!r}: version {info.version} is "
+                                             "already held with different content")
+                return PushResult(held.version, 0.0, 0.0, already_present=True)
+            if make_latest and info.version < lin.latest:
+                raise FailedPrecondition(f"tenant {tenant!r}: version {info.version} is older "
+                                         f"than its latest ({lin.latest})")
+            path = self.storage / "tenants" / tenant / f"v{info.version}"
+            try:
+                path.mkdir(parents=True, exist_ok=True)
+                os.replace(incoming.path, path / "adapter.tar")
+                await self.updater.slots.prepare(tenant, info.version, path / "adapter.tar")
+            except BaseException:
+                shutil.rmtree(path, ignore_errors=True)
+                raise
+            lin.held[info.version] = _Held(info, path)
+            if make_latest:
+                lin.latest = info.version
+            self._tenants[tenant] = lin
+            keep = sorted(lin.held, reverse=True)[: self.cfg.keep_versions]
+            for v in [v for v, h in lin.held.items()
+                      if v not in keep and v != lin.latest and h.in_flight == 0]:
+                h = lin.held.pop(v)
+                await self.updater.slots.forget(tenant, v)
+                shutil.rmtree(h.path, ignore_errors=True)
+        return PushResult(info, verify_s * 1e3, (time.perf_counter() - t0) * 1e3)
 
     async def _load(self, info: Version, incoming: adapters.Incoming, path: Path,
                     make_latest: bool) -> tuple[float, dict]:

@@ -48,6 +48,7 @@ def generate_input(req: rollout_pb2.GenerateRequest) -> GenerateInput:
         request_id=req.request_id,
         stream=req.stream,
         priority=req.priority,
+        tenant=req.tenant,
     )
 
 
@@ -59,7 +60,7 @@ def completion_to_proto(c: CompletionOut) -> rollout_pb2.Completion:
         version_spans=[common_pb2.VersionSpan(version=v, first_token=t) for v, t in c.version_spans],
         top_logprobs=[rollout_pb2.TopLogprobs(token_ids=t.token_ids, logprobs=t.logprobs,
                                               tokens=t.tokens) for t in c.top_logprobs],
-        token_texts=c.token_texts, num_prompt_tokens=c.num_prompt_tokens,
+        token_texts=c.token_texts, num_prompt_tokens=c.num_prompt_tokens, tenant=c.tenant,
     )
 
 
@@ -95,7 +96,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
                 yield msg.data
 
         res = await self.core.push(
-            version_from_proto(header.info), chunks(), make_latest=header.make_latest
+            version_from_proto(header.info), chunks(), make_latest=header.make_latest,
+            tenant=header.tenant,
         )
         return rollout_pb2.PushAdapterResponse(
             loaded=version_to_proto(res.version), verify_ms=res.verify_ms, load_ms=res.load_ms,
@@ -117,6 +119,10 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
             swap=self.core.swap,
             known_latest_version=c.known_latest if c is not None else self.core.latest,
             catch_up=c.error if c is not None and c.behind else "",
+            tenants=[rollout_pb2.TenantVersions(tenant=t, latest_version=latest,
+                                                versions=[version_to_proto(v) for v in vs])
+                     for t, (latest, vs) in self.core.tenants().items()],
+            resident_adapters=[x or "" for x in self.core.tenant_slots().get("resident", [])],
         )
 
     async def WatchLoad(self, request, context):

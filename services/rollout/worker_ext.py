@@ -92,7 +92,8 @@ import torch
 
 from .updates import device, factored
 from .updates import merged as merged_path
-from .updates.slots import LABEL_KEY, SlotTable, build_slot
+from .tenants import LABEL_KEY
+from .updates.slots import SlotTable, build_slot
 # Re-exported: the shared pieces are part of this module's tested surface.
 from .updates.common import (  # noqa: F401
     LinearSpec,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.rollout.updates.slots import BASE, LABEL_KEY
+from services.rollout.tenants import BASE, LABEL_KEY
 
 pytestmark = pytest.mark.slow
 
@@ -69,6 +69,9 @@ def test_mixed_batch_equals_each_alone(llm, adapter_factory):
         want = [alone[0, None], live_c[1], alone[2, "beta@1"], alone[3, None], live_c[0],
                 alone[1, "acme@1"]]
         assert _run(llm, jobs) == want
+        # no row on the live weights: one base GEMM for all rows
+        assert _run(llm, [(PROMPTS[0], BASE), (PROMPTS[2], "beta@1")]) == [alone[0, None],
+                                                                          alone[2, "beta@1"]]
         assert live_c != [alone[i, None] for i in range(4)]
     finally:
         llm.collective_rpc("hotloop_reset")
@@ -83,5 +86,7 @@ def test_a_freed_slot_takes_another_adapter(llm, adapter_factory):
     assert st["labels"][0] is None
     llm.collective_rpc("hotloop_slot_load", args=(0, "beta@2", str(b)))
     assert _run(llm, [(PROMPTS[0], "beta@2")]) != want_a
-    with pytest.raises(Exception, match="already resident"):
-        llm.collective_rpc("hotloop_slot_load", args=(1, "beta@2", str(b)))
+    # a label is resident once: loading it elsewhere moves it
+    llm.collective_rpc("hotloop_slot_load", args=(1, "beta@2", str(b)))
+    (st,) = llm.collective_rpc("hotloop_slots_status")
+    assert st["labels"] == [None, "beta@2"]

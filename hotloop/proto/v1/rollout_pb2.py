@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from hotloop.proto.v1 import common_pb2 as hotloop_dot_proto_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ehotloop/proto/v1/rollout.proto\x12\nhotloop.v1\x1a\x1dhotloop/proto/v1/common.proto\"\xca\x01\n\x0fGenerateRequest\x12#\n\x07prompts\x18\x01 \x03(\x0b\x32\x12.hotloop.v1.Prompt\x12,\n\x08sampling\x18\x02 \x01(\x0b\x32\x1a.hotloop.v1.SamplingParams\x12\x13\n\x0bpin_version\x18\x03 \x01(\x04\x12\x19\n\x11return_prompt_ids\x18\x04 \x01(\x08\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12\x0e\n\x06stream\x18\x06 \x01(\x08\x12\x10\n\x08priority\x18\x07 \x01(\x05\"B\n\x0bTopLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\x0e\n\x06tokens\x18\x03 \x03(\t\"\xd2\x02\n\nCompletion\x12\x14\n\x0cprompt_index\x18\x01 \x01(\r\x12\x14\n\x0csample_index\x18\x02 \x01(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x11\n\ttoken_ids\x18\x04 \x03(\r\x12\x10\n\x08logprobs\x18\x05 \x03(\x02\x12\x15\n\rfinish_reason\x18\x06 \x01(\t\x12\x16\n\x0epolicy_version\x18\x07 \x01(\x04\x12\x18\n\x10prompt_token_ids\x18\x08 \x03(\r\x12\r\n\x05\x66inal\x18\t \x01(\x08\x12.\n\rversion_spans\x18\n \x03(\x0b\x32\x17.hotloop.v1.VersionSpan\x12-\n\x0ctop_logprobs\x18\x0b \x03(\x0b\x32\x17.hotloop.v1.TopLogprobs\x12\x13\n\x0btoken_texts\x18\x0c \x03(\t\x12\x19\n\x11num_prompt_tokens\x18\r \x01(\r\"S\n\x0c\x41\x64\x61pterChunk\x12+\n\x06header\x18\x01 \x01(\x0b\x32\x19.hotloop.v1.AdapterHeaderH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04kind\"K\n\rAdapterHeader\x12%\n\x04info\x18\x01 \x01(\x0b\x32\x17.hotloop.v1.VersionInfo\x12\x13\n\x0bmake_latest\x18\x02 \x01(\x08\"{\n\x13PushAdapterResponse\x12\'\n\x06loaded\x18\x01 \x01(\x0b\x32\x17.hotloop.v1.VersionInfo\x12\x11\n\tverify_ms\x18\x02 \x01(\x01\x12\x0f\n\x07load_ms\x18\x03 \x01(\x01\x12\x17\n\x0f\x61lready_present\x18\x04 \x01(\x08\"\x0f\n\rStatusRequest\"\xbf\x02\n\rRolloutStatus\x12\r\n\x05model\x18\x01 \x01(\t\x12\x16\n\x0elatest_version\x18\x02 \x01(\x04\x12)\n\x08versions\x18\x03 \x03(\x0b\x32\x17.hotloop.v1.VersionInfo\x12\x18\n\x10running_requests\x18\x04 \x01(\r\x12\x13\n\x0bupdate_mode\x18\x05 \x01(\t\x12\x0e\n\x06\x65ngine\x18\x06 \x01(\t\x12(\n\x07runtime\x18\x07 \x01(\x0b\x32\x17.hotloop.v1.RuntimeInfo\x12\x0c\n\x04swap\x18\x08 \x01(\t\x12\x1b\n\x13\x66oreground_requests\x18\t \x01(\r\x12\x18\n\x10waiting_requests\x18\n \x01(\r\x12\x1c\n\x14known_latest_version\x18\x0b \x01(\x04\x12\x10\n\x08\x63\x61tch_up\x18\x0c \x01(\t\"\x12\n\x10WatchLoadRequest\"m\n\x0bRolloutLoad\x12\x1b\n\x13\x66oreground_requests\x18\x01 \x01(\r\x12\x18\n\x10waiting_requests\x18\x02 \x01(\r\x12\x12\n\nboard_path\x18\x03 \x01(\t\x12\x13\n\x0b\x62oard_nonce\x18\x04 \x01(\x04\x32\x9e\x02\n\x07Rollout\x12\x41\n\x08Generate\x12\x1b.hotloop.v1.GenerateRequest\x1a\x16.hotloop.v1.Completion0\x01\x12J\n\x0bPushAdapter\x12\x18.hotloop.v1.AdapterChunk\x1a\x1f.hotloop.v1.PushAdapterResponse(\x01\x12>\n\x06Status\x12\x19.hotloop.v1.StatusRequest\x1a\x19.hotloop.v1.RolloutStatus\x12\x44\n\tWatchLoad\x12\x1c.hotloop.v1.WatchLoadRequest\x1a\x17.hotloop.v1.RolloutLoad0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ehotloop/proto/v1/rollout.proto\x12\nhotloop.v1\x1a\x1dhotloop/proto/v1/common.proto\"\xda\x01\n\x0fGenerateRequest\x12#\n\x07prompts\x18\x01 \x03(\x0b\x32\x12.hotloop.v1.Prompt\x12,\n\x08sampling\x18\x02 \x01(\x0b\x32\x1a.hotloop.v1.SamplingParams\x12\x13\n\x0bpin_version\x18\x03 \x01(\x04\x12\x19\n\x11return_prompt_ids\x18\x04 \x01(\x08\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12\x0e\n\x06stream\x18\x06 \x01(\x08\x12\x10\n\x08priority\x18\x07 \x01(\x05\x12\x0e\n\x06tenant\x18\x08 \x01(\t\"B\n\x0bTopLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\x0e\n\x06tokens\x18\x03 \x03(\t\"\xe2\x02\n\nCompletion\x12\x14\n\x0cprompt_index\x18\x01 \x01(\r\x12\x14\n\x0csample_index\x18\x02 \x01(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x11\n\ttoken_ids\x18\x04 \x03(\r\x12\x10\n\x08logprobs\x18\x05 \x03(\x02\x12\x15\n\rfinish_reason\x18\x06 \x01(\t\x12\x16\n\x0epolicy_version\x18\x07 \x01(\x04\x12\x18\n\x10prompt_token_ids\x18\x08 \x03(\r\x12\r\n\x05\x66inal\x18\t \x01(\x08\x12.\n\rversion_spans\x18\n \x03(\x0b\x32\x17.hotloop.v1.VersionSpan\x12-\n\x0ctop_logprobs\x18\x0b \x03(\x0b\x32\x17.hotloop.v1.TopLogprobs\x12\x13\n\x0btoken_texts\x18\x0c \x03(\t\x12\x19\n\x11num_prompt_tokens\x18\r \x01(\r\x12\x0e\n\x06tenant\x18\x0e \x01(\t\"S\n\x0c\x41\x64\x61pterChunk\x12+\n\x06header\x18\x01 \x01(\x0b\x32\x19.hotloop.v1.AdapterHeaderH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04kind\"[\n\rAdapterHeader\x12%\n\x04info\x18\x01 \x01(\x0b\x32\x17.hotloop.v1.VersionInfo\x12\x13\n\x0bmake_latest\x18\x02 \x01(\x08\x12\x0e\n\x06tenant\x18\x03 \x01(\t\"{\n\x13PushAdapterResponse\x12\'\n\x06loaded\x18\x01 \x01(\x0b\x32\x17.hotloop.v1.VersionInfo\x12\x11\n\tverify_ms\x18\x02 \x01(\x01\x12\x0f\n\x07load_ms\x18\x03 \x01(\x01\x12\x17\n\x0f\x61lready_present\x18\x04 \x01(\x08\"\x0f\n\rStatusRequest\"\x87\x03\n\rRolloutStatus\x12\r\n\x05model\x18\x01 \x01(\t\x12\x16\n\x0elatest_version\x18\x02 \x01(\x04\x12)\n\x08versions\x18\x03 \x03(\x0b\x32\x17.hotloop.v1.VersionInfo\x12\x18\n\x10running_requests\x18\x04 \x01(\r\x12\x13\n\x0bupdate_mode\x18\x05 \x01(\t\x12\x0e\n\x06\x65ngine\x18\x06 \x01(\t\x12(\n\x07runtime\x18\x07 \x01(\x0b\x32\x17.hotloop.v1.RuntimeInfo\x12\x0c\n\x04swap\x18\x08 \x01(\t\x12\x1b\n\x13\x66oreground_requests\x18\t \x01(\r\x12\x18\n\x10waiting_requests\x18\n \x01(\r\x12\x1c\n\x14known_latest_version\x18\x0b \x01(\x04\x12\x10\n\x08\x63\x61tch_up\x18\x0c \x01(\t\x12+\n\x07tenants\x18\r \x03(\x0b\x32\x1a.hotloop.v1.TenantVersions\x12\x19\n\x11resident_adapters\x18\x0e \x03(\t\"c\n\x0eTenantVersions\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x16\n\x0elatest_version\x18\x02 \x01(\x04\x12)\n\x08versions\x18\x03 \x03(\x0b\x32\x17.hotloop.v1.VersionInfo\"\x12\n\x10WatchLoadRequest\"m\n\x0bRolloutLoad\x12\x1b\n\x13\x66oreground_requests\x18\x01 \x01(\r\x12\x18\n\x10waiting_requests\x18\x02 \x01(\r\x12\x12\n\nboard_path\x18\x03 \x01(\t\x12\x13\n\x0b\x62oard_nonce\x18\x04 \x01(\x04\x32\x9e\x02\n\x07Rollout\x12\x41\n\x08Generate\x12\x1b.hotloop.v1.GenerateRequest\x1a\x16.hotloop.v1.Completion0\x01\x12J\n\x0bPushAdapter\x12\x18.hotloop.v1.AdapterChunk\x1a\x1f.hotloop.v1.PushAdapterResponse(\x01\x12>\n\x06Status\x12\x19.hotloop.v1.StatusRequest\x1a\x19.hotloop.v1.RolloutStatus\x12\x44\n\tWatchLoad\x12\x1c.hotloop.v1.WatchLoadRequest\x1a\x17.hotloop.v1.RolloutLoad0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,25 +33,27 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'hotloop.proto.v1.rollout_pb
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_GENERATEREQUEST']._serialized_start=78
-  _globals['_GENERATEREQUEST']._serialized_end=280
-  _globals['_TOPLOGPROBS']._serialized_start=282
-  _globals['_TOPLOGPROBS']._serialized_end=348
-  _globals['_COMPLETION']._serialized_start=351
-  _globals['_COMPLETION']._serialized_end=689
-  _globals['_ADAPTERCHUNK']._serialized_start=691
-  _globals['_ADAPTERCHUNK']._serialized_end=774
-  _globals['_ADAPTERHEADER']._serialized_start=776
-  _globals['_ADAPTERHEADER']._serialized_end=851
-  _globals['_PUSHADAPTERRESPONSE']._serialized_start=853
-  _globals['_PUSHADAPTERRESPONSE']._serialized_end=976
-  _globals['_STATUSREQUEST']._serialized_start=978
-  _globals['_STATUSREQUEST']._serialized_end=993
-  _globals['_ROLLOUTSTATUS']._serialized_start=996
-  _globals['_ROLLOUTSTATUS']._serialized_end=1315
-  _globals['_WATCHLOADREQUEST']._serialized_start=1317
-  _globals['_WATCHLOADREQUEST']._serialized_end=1335
-  _globals['_ROLLOUTLOAD']._serialized_start=1337
-  _globals['_ROLLOUTLOAD']._serialized_end=1446
-  _globals['_ROLLOUT']._serialized_start=1449
-  _globals['_ROLLOUT']._serialized_end=1735
+  _globals['_GENERATEREQUEST']._serialized_end=296
+  _globals['_TOPLOGPROBS']._serialized_start=298
+  _globals['_TOPLOGPROBS']._serialized_end=364
+  _globals['_COMPLETION']._serialized_start=367
+  _globals['_COMPLETION']._serialized_end=721
+  _globals['_ADAPTERCHUNK']._serialized_start=723
+  _globals['_ADAPTERCHUNK']._serialized_end=806
+  _globals['_ADAPTERHEADER']._serialized_start=808
+  _globals['_ADAPTERHEADER']._serialized_end=899
+  _globals['_PUSHADAPTERRESPONSE']._serialized_start=901
+  _globals['_PUSHADAPTERRESPONSE']._serialized_end=1024
+  _globals['_STATUSREQUEST']._serialized_start=1026
+  _globals['_STATUSREQUEST']._serialized_end=1041
+  _globals['_ROLLOUTSTATUS']._serialized_start=1044
+  _globals['_ROLLOUTSTATUS']._serialized_end=1435
+  _globals['_TENANTVERSIONS']._serialized_start=1437
+  _globals['_TENANTVERSIONS']._serialized_end=1536
+  _globals['_WATCHLOADREQUEST']._serialized_start=1538
+  _globals['_WATCHLOADREQUEST']._serialized_end=1556
+  _globals['_ROLLOUTLOAD']._serialized_start=1558
+  _globals['_ROLLOUTLOAD']._serialized_end=1667
+  _globals['_ROLLOUT']._serialized_start=1670
+  _globals['_ROLLOUT']._serialized_end=1956
 # @@protoc_insertion_point(module_scope)

@@ -26,11 +26,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ..tenants import BASE
 from .common import LinearSpec, LoraFactor, _Packed
 from .factored import factor_layer
-
-BASE = "@base"  # the label of a request served by the load-time base weights
-LABEL_KEY = "hotloop_adapter"  # SamplingParams.extra_args key that names a request's adapter
 
 Rows = slice | torch.Tensor
 
@@ -72,6 +70,7 @@ class SlotTable:
         # (slots and BASE), for layers whose live function is not the base.
         self.segments: list[tuple[int, Rows]] = []
         self.off_live: Rows | None = None
+        self.all_off = False  # no row of this forward is on the live weights
 
     def load(self, slot: int, label: str, factors: dict[str, _Factors]) -> None:
         if not 0 <= slot < self.n:
@@ -79,8 +78,10 @@ class SlotTable:
         if label == BASE or not label:
             raise ValueError(f"{label!r} cannot name an adapter")
         other = self._slot_of.get(label)
-        if other is not None and other != slot:
-            raise ValueError(f"{label!r} is already resident in slot {other}")
+        if other is not None:
+            # The core is the authority on what runs (it loads a label only when no slot of
+            # its own holds it): a copy left behind by a failed load elsewhere goes.
+            self.free(other)
         self.free(slot)
         self.labels[slot], self.factors[slot] = label, factors
         self._slot_of[label] = slot
@@ -111,6 +112,7 @@ class SlotTable:
             row += n
         self.segments = [(s, _rows(idx)) for s, idx in per.items() if idx]
         self.off_live = _rows(off_live) if off_live else None
+        self.all_off = len(off_live) == row
 
     def wrap(self, vname: str, live: _Packed, base: _Packed) -> Callable[..., torch.Tensor]:
         """``vname``'s ``cpu_linear``: ``live`` for the default lineage's rows, ``base`` plus the
@@ -121,13 +123,18 @@ class SlotTable:
         table = self
 
         def fn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-            y = live_fn(x, weight, bias)
             off = table.off_live
             if off is None:
-                return y
+                return live_fn(x, weight, bias)
+            if live_is_base or table.all_off:
+                # every row on the base (rows past the plan are padding): one base GEMM
+                y = base_fn(x, base_weight, bias)
+            else:
+                y = live_fn(x, weight, bias)
             x2 = x.reshape(-1, x.shape[-1])
             y2 = y.view(-1, y.shape[-1])
-            if not live_is_base:
+            if not live_is_base and not table.all_off:
+                # mixed with the default lineage's rows: the slots' rows again on the base
                 xs = x2[off] if isinstance(off, slice) else x2.index_select(0, off)
                 yb = base_fn(xs, base_weight, bias)
                 if isinstance(off, slice):
