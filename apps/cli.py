@@ -203,6 +203,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="also measure vLLM LoRA slots (very slow on the CPU backend)")
     br.add_argument("--no-hf", action="store_true",
                     help="skip the HF generate baselines (the roofline ratio needs none)")
+    br.add_argument("--tenants", type=int, default=0,
+                    help="also run the workload with its prompts spread evenly over this many "
+                         "tenants' adapters in one engine (adapter slots), against one merged "
+                         "adapter in the same run")
     bh = _bench_parser(bsub, "hot-update", "push-to-first-token latency of new versions under load", model=True)
     bh.add_argument("--pushes", type=int, default=20)
     bh.add_argument("--mode", choices=["merged", "lora", "auto"], default="auto")

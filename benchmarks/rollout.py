@@ -73,31 +73,45 @@ def hf_tokens_per_s(model_dir: Path, prompts: list[str], n: int, max_tokens: int
 
 
 async def _vllm_rates(model_dir: Path, model_name: str, prompts: list[str], n: int, max_tokens: int,
-                      repeats: int, mode: str, adapter_dir: Path) -> dict[str, float]:
-    """tokens/s of one engine before and after a fresh adapter version goes live."""
+                      repeats: int, mode: str, adapter_dir: Path,
+                      tenant_adapters: list[Path] = ()) -> dict[str, float]:
+    """tokens/s of one engine before and after a fresh adapter version goes live; with
+    `tenant_adapters`, then also with the prompts spread evenly over that many tenants, each
+    on its own adapter (`tenants`: one Generate call per tenant, all at once)."""
     from hotloop import adapters
     from services.rollout.config import RolloutConfig
     from services.rollout.core import GenerateInput, PromptIn, RolloutCore, Sampling
 
     cfg = RolloutConfig(update_mode=mode, max_lora_rank=64, max_new_tokens=max(max_tokens, 16),
-                        cpu_reserved_cpus=0)
+                        cpu_reserved_cpus=0, tenant_slots=max(4, len(tenant_adapters)))
     core = RolloutCore(cfg, model_dir, base_model=model_name, max_model_len=1024,
                        storage_dir=Path(tempfile.mkdtemp(prefix="hotloop-bench-")))
     t0 = time.perf_counter()
     await core.start()
     print(f"    engine ({mode}, {core.dtype}) up in {time.perf_counter() - t0:.0f} s", flush=True)
 
-    async def rate(k: int = len(prompts), tokens_per_sample: int = max_tokens) -> float:
-        req = GenerateInput([PromptIn(messages=[{"role": "user", "content": p}]) for p in prompts[:k]],
-                            Sampling(n=n, max_tokens=tokens_per_sample, temperature=1.0, ignore_eos=True))
-        t0 = time.perf_counter()
-        tokens = sum([len(c.token_ids) async for c in core.generate(req)])
-        return tokens / (time.perf_counter() - t0)
+    tenants = [f"tenant-{i}" for i in range(len(tenant_adapters))]
 
-    async def rates(label: str) -> float:
+    async def tokens(ps: list[str], tokens_per_sample: int, tenant: str = "") -> int:
+        req = GenerateInput([PromptIn(messages=[{"role": "user", "content": p}]) for p in ps],
+                            Sampling(n=n, max_tokens=tokens_per_sample, temperature=1.0, ignore_eos=True),
+                            tenant=tenant)
+        return sum([len(c.token_ids) async for c in core.generate(req)])
+
+    async def rate(tokens_per_sample: int = max_tokens, spread: bool = False) -> float:
+        t0 = time.perf_counter()
+        if spread:  # prompt i to tenant i % len(tenants), every tenant's call at once
+            k = len(tenants)
+            got = sum(await asyncio.gather(*(tokens(prompts[i::k], tokens_per_sample, t)
+                                             for i, t in enumerate(tenants))))
+        else:
+            got = await tokens(prompts, tokens_per_sample)
+        return got / (time.perf_counter() - t0)
+
+    async def rates(label: str, spread: bool = False) -> float:
         runs = []
         for i in range(repeats):
-            runs.append(await rate())
+            runs.append(await rate(spread=spread))
             print(f"    {label} run {i + 1}/{repeats}: {runs[-1]:.1f} tok/s", flush=True)
         return statistics.median(runs)
 
@@ -115,9 +129,21 @@ async def _vllm_rates(model_dir: Path, model_name: str, prompts: list[str], n: i
         await core.push(info, chunks())
         await rate(tokens_per_sample=8)
         with_adapter = await rates("fresh adapter")
+        out = {"base": base, "adapter": with_adapter}
+        if tenants:
+            for t, d in zip(tenants, tenant_adapters):
+                data = adapters.pack(d)
+                info = adapters.Version(1, adapters.sha256(data), len(data), model_name)
+
+                async def one():
+                    yield data
+
+                await core.push(info, one(), tenant=t)
+            await rate(tokens_per_sample=8, spread=True)  # loads the slots
+            out["tenants"] = await rates(f"{len(tenants)} tenants", spread=True)
     finally:
         await core.stop()
-    return {"base": base, "adapter": with_adapter}
+    return out
 
 
 def make_bench_adapter(model_dir: Path, out: Path, rank: int, seed: int = 0) -> Path:
@@ -236,6 +262,9 @@ def bench_rollout(args) -> dict:
                                            batched=True, dtype=hf_dtype)
         print(f"  hf_batched     {hf['hf_batched']:8.1f} tok/s", flush=True)
     adapter = make_bench_adapter(model_dir, Path(tempfile.mkdtemp(prefix="hotloop-adapter-")), 16)
+    n_tenants = getattr(args, "tenants", 0)
+    tenant_adapters = [make_bench_adapter(model_dir, Path(tempfile.mkdtemp(prefix="hotloop-adapter-")),
+                                          16, seed=1 + i) for i in range(n_tenants)]
 
     default_mode = resolve_mode(RolloutConfig())
     rates = {}
@@ -243,12 +272,17 @@ def bench_rollout(args) -> dict:
     # steps over 60 s at 8x8x128 with 64 sequences; opt-in so the default bench finishes.
     modes = [default_mode, "lora"] if args.lora_slot else [default_mode]
     for mode in dict.fromkeys(modes):
-        rates[mode] = asyncio.run(_vllm_rates(model_dir, args.model, prompts, args.n, args.max_tokens,
-                                              args.repeats, mode, adapter))
+        rates[mode] = asyncio.run(_vllm_rates(
+            model_dir, args.model, prompts, args.n, args.max_tokens, args.repeats, mode, adapter,
+            tenant_adapters if mode == default_mode else []))
         print(f"  vllm ({mode:6s})  base {rates[mode]['base']:8.1f} tok/s, "
               f"fresh adapter {rates[mode]['adapter']:8.1f} tok/s", flush=True)
     vllm = rates[default_mode]["base"]
     vllm_adapter = rates[default_mode]["adapter"]
+    tenants = ({"tenants": n_tenants, "batch_tokens_per_s": rates[default_mode]["tenants"],
+                "merged_tokens_per_s": vllm_adapter,
+                "batch_vs_merged": rates[default_mode]["tenants"] / vllm_adapter}
+               if n_tenants else None)
     # After the engines have stopped, so that the matmuls have the cores the engine had.
     rows = len(prompts) * args.n  # sequences in one engine step of the workload
     print(f"  matmul roofline ({dtype}, {rows} rows)...", flush=True)
@@ -260,6 +294,7 @@ def bench_rollout(args) -> dict:
         "tokens_per_s": {**hf, "vllm": vllm, "vllm_adapter": vllm_adapter,
                          **({"vllm_lora_slot": rates["lora"]["adapter"]} if "lora" in rates else {})},
         **roof,
+        **({"tenants": tenants} if tenants else {}),
         "update_mode": default_mode,
         "dtype": dtype,
         "hf_dtype": hf_dtype,
@@ -285,6 +320,9 @@ def table(r: dict) -> str:
             f"({tps['hf_batched']:.0f} tok/s)")] if "hf_per_prompt" in tps else []),
         *([("LoRA slot", f"{ratios['lora_slot_vs_base']:.2f}x base")]
           if "lora_slot_vs_base" in ratios else []),
+        *([("tenants", f"{r['tenants']['tenants']} adapters in one batch "
+            f"{r['tenants']['batch_tokens_per_s']:.0f} tok/s, "
+            f"{r['tenants']['batch_vs_merged']:.2f}x one merged adapter")] if "tenants" in r else []),
         ("FLOPs per token", f"{r['gflop_per_token']:.3f} GFLOP ("
          + ", ".join(f"{k} {v:.3f}" for k, v in r["gflop_per_token_by_part"].items())
          + "; prefill not counted)"),
