@@ -34,6 +34,14 @@ Two ways to make a version live, chosen once by `make_updater` (the only branch 
 - `LoraUpdater`: each version is a vLLM LoRA slot. Any held version can be pinned per request
   and a swap needs no drain, but on the CPU backend generation is several times slower.
 
+Tenants (services/rollout/tenants.py): besides the default lineage above, any number of
+tenants' lineages (`GenerateInput.tenant`, `push(..., tenant=)`; versions 1, 2, ... each; the
+base model until a tenant's first push) are served by the same engine in the same batches,
+each request on its own tenant's version, held resident from admission to its end. The
+updater's `slots` (chosen in `make_updater` with the mode) keep them resident: adapter slots
+in the CPU worker in merged mode, vLLM LoRA requests in lora mode. A tenant's request never
+changes version (one span) and is unaffected by the default lineage's swaps.
+
 Also owns the rollout's Prometheus metrics (`RolloutMetrics`): requests and generated tokens,
 pushes and swaps by result with their seconds, and the state read when scraped (the served
 version, versions held, requests running, users waiting for a first token).

@@ -90,10 +90,9 @@ from typing import Any
 
 import torch
 
+from .tenants import LABEL_KEY
 from .updates import device, factored
 from .updates import merged as merged_path
-from .tenants import LABEL_KEY
-from .updates.slots import SlotTable, build_slot
 # Re-exported: the shared pieces are part of this module's tested surface.
 from .updates.common import (  # noqa: F401
     LinearSpec,
@@ -108,6 +107,7 @@ from .updates.common import (  # noqa: F401
 )
 from .updates.factored import factor_layer, factored_linear  # noqa: F401
 from .updates.merged import pack_cpu  # noqa: F401
+from .updates.slots import SlotTable, build_slot
 
 
 @dataclass

@@ -19,10 +19,10 @@ import pytest
 import pytest_asyncio
 import torch
 
-from hotloop import adapters, grpcutil
-from hotloop.proto.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
+from hotloop import adapters
+from hotloop.proto.v1 import common_pb2, rollout_pb2
 
-from .test_rollout_service import generate, push, start
+from .test_rollout_service import generate, push, serving
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 LOGPROB_TOL = 0.02  # nats: vLLM fp32 CPU kernels vs HF fp32
@@ -31,14 +31,9 @@ PROMPT = "for i in range(10):"
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def rollout(tiny_model, tmp_path_factory):
-    core, server, port = await start(tiny_model, tmp_path_factory.mktemp("rollout-inflight"),
-                                     "merged", dtype="float32", swap="inflight",
-                                     max_new_tokens=400)
-    ch = grpcutil.channel(f"127.0.0.1:{port}")
-    yield core, rollout_pb2_grpc.RolloutStub(ch)
-    await ch.close()
-    await server.stop(0)
-    await core.stop()
+    async with serving(tiny_model, tmp_path_factory.mktemp("rollout-inflight"), "merged",
+                       dtype="float32", swap="inflight", max_new_tokens=400) as served:
+        yield served
 
 
 def hf_mixed_logprobs(model_dir, adapter_dir, prompt_ids, tokens, boundary) -> list[float]:

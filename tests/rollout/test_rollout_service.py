@@ -7,6 +7,7 @@ mode has its own module so each mode's version rule is tested on its own engine.
 from __future__ import annotations
 
 import asyncio
+from contextlib import asynccontextmanager
 
 import grpc
 import pytest
@@ -35,6 +36,19 @@ async def start(tiny_model, tmp_path, mode, dtype="auto", **overrides):
     await core.start()
     server, port, _ = await serve(core, "127.0.0.1:0", TOKEN)
     return core, server, port
+
+
+@asynccontextmanager
+async def serving(tiny_model, tmp_path, mode, **kw):
+    """`start`'s service with a client stub: (core, stub), stopped on exit."""
+    core, server, port = await start(tiny_model, tmp_path, mode, **kw)
+    ch = grpcutil.channel(f"127.0.0.1:{port}")
+    try:
+        yield core, rollout_pb2_grpc.RolloutStub(ch)
+    finally:
+        await ch.close()
+        await server.stop(0)
+        await core.stop()
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")

@@ -11,9 +11,9 @@ import pytest
 import pytest_asyncio
 
 from hotloop import adapters, grpcutil
-from hotloop.proto.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
+from hotloop.proto.v1 import common_pb2, rollout_pb2
 
-from .test_rollout_service import TOKEN, start, text_prompt
+from .test_rollout_service import TOKEN, serving, text_prompt
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 PROMPT = "def add(a, b):"
@@ -21,14 +21,9 @@ PROMPT = "def add(a, b):"
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def rollout(tiny_model, tmp_path_factory):
-    core, server, port = await start(tiny_model, tmp_path_factory.mktemp("rollout-tenants"),
-                                     "merged", tenant_slots=2, max_new_tokens=400,
-                                     tenant_slot_wait_s=60)
-    ch = grpcutil.channel(f"127.0.0.1:{port}")
-    yield core, rollout_pb2_grpc.RolloutStub(ch)
-    await ch.close()
-    await server.stop(0)
-    await core.stop()
+    async with serving(tiny_model, tmp_path_factory.mktemp("rollout-tenants"), "merged",
+                       tenant_slots=2, max_new_tokens=400, tenant_slot_wait_s=60) as served:
+        yield served
 
 
 async def push(stub, tenant: str, data: bytes, version: int):
@@ -84,7 +79,7 @@ async def test_bad_tenant_names_are_refused(rollout, adapter_factory):
 
 
 async def test_two_tenants_streaming_while_both_lineages_get_versions(rollout, adapter_factory):
-    core, stub = rollout
+    _, stub = rollout
     seeds = {("alpha", 1): 31, ("beta", 1): 32, ("alpha", 2): 33, ("beta", 2): 34}
     data = {k: adapters.pack(adapter_factory(seed=s, scale=5.0)) for k, s in seeds.items()}
     for t in ("alpha", "beta"):

@@ -1,0 +1,131 @@
+"""Tenants without an engine: names, the slot manager's bookkeeping (LRU, references, the
+bounded wait) against a worker stand-in that records its RPCs, and the lora path's mapping
+(one LoRARequest per tenant version), which runs on CUDA only and is checked here for its
+imports and config. The real engine: test_tenant_slots.py, test_rollout_tenants.py."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from hotloop import adapters
+from hotloop.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
+from services.rollout.config import RolloutConfig
+from services.rollout.core import LoraUpdater, MergedUpdater, make_updater
+from services.rollout.tenants import (
+    BASE,
+    LABEL_KEY,
+    LoraSlots,
+    NoSlots,
+    WorkerSlots,
+    check_tenant,
+)
+
+
+class Worker:
+    """What a worker's slot table would hold after the RPCs it was sent."""
+
+    def __init__(self, n: int):
+        self.labels: list[str | None] = [None] * n
+        self.calls: list[tuple] = []
+
+    async def collective_rpc(self, method: str, args=(), kwargs=None):
+        self.calls.append((method, *args))
+        if method == "hotloop_slot_load":
+            slot, label, _ = args
+            self.labels[slot] = label
+        elif method == "hotloop_slot_free":
+            self.labels[args[0]] = None
+        return [{}]
+
+
+@pytest.mark.parametrize("name", ["acme", "a", "team-7_x", "0" * 40])
+def test_good_tenant_names(name):
+    assert check_tenant(name) == name
+
+
+@pytest.mark.parametrize("name", ["Acme", "a b", "-x", "_x", "x/y", "../x", "0" * 41, "é", "a\n"])
+def test_bad_tenant_names(name):
+    with pytest.raises(InvalidArgument, match="tenant"):
+        check_tenant(name)
+
+
+async def test_slots_fill_evict_lru_and_never_a_held_one():
+    w = Worker(2)
+    slots = WorkerSlots(w, 2, wait_s=0.2)
+    archive = Path("/nowhere")
+    a = await slots.acquire("a", 1, archive)
+    assert a.extra_args == {LABEL_KEY: "a@v1"}
+    b = await slots.acquire("b", 1, archive)
+    await slots.release(b)
+    # a is held, b is not: c evicts b
+    c = await slots.acquire("c", 1, archive)
+    assert sorted(w.labels) == ["a@v1", "c@v1"]
+    # everything held: d waits, then fails with the reason; nothing was evicted
+    with pytest.raises(ResourceExhausted, match="adapter slots"):
+        await slots.acquire("d", 1, archive)
+    assert sorted(w.labels) == ["a@v1", "c@v1"]
+    # a release while d waits hands d the slot (the least recently used unheld one)
+    waiting = asyncio.create_task(slots.acquire("d", 1, archive))
+    await asyncio.sleep(0.05)
+    await slots.release(c)
+    d = await waiting
+    assert sorted(w.labels) == ["a@v1", "d@v1"]
+    # a resident version is shared, not loaded again; base needs no slot
+    loads = slots.loads
+    a2 = await slots.acquire("a", 1, archive)
+    assert slots.loads == loads and a2.label == a.label
+    assert (await slots.acquire("a", 0, None)).extra_args == {LABEL_KEY: BASE}
+    for lease in (a, a2, d):
+        await slots.release(lease)
+    # a retired version frees its slot in the worker
+    await slots.forget("a", 1)
+    assert "a@v1" not in w.labels and ("hotloop_slot_free", w.labels.index(None)) in w.calls
+
+
+async def test_a_failed_load_leaves_the_slot_empty():
+    class Failing(Worker):
+        async def collective_rpc(self, method, args=(), kwargs=None):
+            if method == "hotloop_slot_load":
+                raise ValueError("bad adapter")
+            return await super().collective_rpc(method, args, kwargs)
+
+    slots = WorkerSlots(Failing(1), 1, wait_s=0.1)
+    with pytest.raises(ValueError, match="bad adapter"):
+        await slots.acquire("a", 1, Path("/nowhere"))
+    assert slots.status()["resident"] == [None] and slots.status()["held"] == [0]
+
+
+def test_one_factory_gives_each_mode_its_tenant_path():
+    merged = make_updater("merged", None, Path("/m"), 16, "inflight", tenant_slots=3)
+    assert isinstance(merged, MergedUpdater) and merged.tenant_slots == 3
+    assert isinstance(merged.slots, NoSlots)  # until init() sees the platform
+    lora = make_updater("lora", None, Path("/m"), 16)
+    assert isinstance(lora, LoraUpdater) and isinstance(lora.slots, LoraSlots)
+    assert RolloutConfig().tenant_slots == 4
+    with pytest.raises(ValueError):
+        RolloutConfig(tenant_slots=-1)
+    with pytest.raises(ValueError):
+        RolloutConfig(tenant_slot_wait_s=0)
+
+
+async def test_lora_path_one_request_per_tenant_version(adapter_factory, tmp_path):
+    slots = LoraSlots(engine=None)
+    for t, v in (("acme", 1), ("beta", 1), ("acme", 2)):
+        d = tmp_path / f"{t}-{v}"
+        d.mkdir()
+        (d / "adapter.tar").write_bytes(adapters.pack(adapter_factory(seed=7)))
+        await slots.prepare(t, v, d / "adapter.tar")
+    leases = [await slots.acquire(t, v, None) for t, v in (("acme", 1), ("beta", 1), ("acme", 2))]
+    ids = [x.lora_request.lora_int_id for x in leases]
+    assert len(set(ids)) == 3 and min(ids) >= LoraSlots.FIRST_ID
+    assert [x.lora_request.lora_name for x in leases] == ["acme@v1", "beta@v1", "acme@v2"]
+    assert Path(leases[0].lora_request.lora_path, "adapter_config.json").exists()
+    assert (await slots.acquire("acme", 0, None)).lora_request is None
+
+
+async def test_no_slots_refuses_clearly():
+    with pytest.raises(FailedPrecondition, match="tenant_slots = 0"):
+        await NoSlots("tenants are off ([rollout] tenant_slots = 0)").acquire("a", 1, None)
