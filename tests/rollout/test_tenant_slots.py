@@ -56,6 +56,14 @@ def test_mixed_batch_equals_each_alone(llm, adapter_factory):
     mixed = _run(llm, jobs)
     assert mixed == [alone[PROMPTS.index(p), lab] for p, lab in jobs]
 
+    # n > 1: vLLM's child requests carry their parent's label
+    from vllm import SamplingParams, TokensPrompt
+
+    (out,) = llm.generate([TokensPrompt(prompt_token_ids=PROMPTS[1])], [SamplingParams(
+        n=2, temperature=1.0, top_k=1, max_tokens=N_TOKENS, ignore_eos=True,  # greedy, n > 1
+        extra_args={LABEL_KEY: "beta@1"})], use_tqdm=False)
+    assert [list(c.token_ids) for c in out.outputs] == [alone[1, "beta@1"]] * 2
+
     # The slot path computes the adapter: acme alone in a slot == acme live (factored build).
     llm.collective_rpc("hotloop_swap", args=(5, str(a)), kwargs={"mode": "factored"})
     try:
