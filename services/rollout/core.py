@@ -719,6 +719,8 @@ class RolloutCore:
         if version and held is None:
             raise NotFound(f"tenant {tenant!r} holds no version {version} "
                            f"(held: {sorted(lin.held)})")
+        # A slot load is a utility call, which vLLM never answers once its engine core died.
+        self.check_engine()
         if held is not None:
             held.in_flight += 1  # before any await: retiring skips it from here on
         try:
