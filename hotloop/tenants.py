@@ -23,7 +23,8 @@ _NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,31}$")
 def check_tenant(name: str) -> str:
     """`name` when it can name a tenant (1-32 of a-z 0-9 _ -, starting with a letter or a
     digit, or "" for the default); else ValueError saying so."""
-    if name != DEFAULT and not _NAME.match(name):
+    # fullmatch: `$` alone also matches before a trailing newline ("acme\n")
+    if name != DEFAULT and not _NAME.fullmatch(name):
         raise ValueError(f"tenant name {name!r} must be 1-32 of [a-z0-9_-], starting with a "
                          "letter or a digit")
     return name

@@ -70,7 +70,7 @@ class GrpcReplica(Replica):
             max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p, stop=req.stop,
             top_logprobs=req.top_logprobs, priority=USER_PRIORITY,
             return_prompt_ids=True,  # the traffic fork needs them
-            request_id=req.request_id, timeout_s=req.timeout_s)
+            request_id=req.request_id, timeout_s=req.timeout_s, tenant=req.tenant)
         try:
             async for c in stream:
                 yield c

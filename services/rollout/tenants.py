@@ -22,27 +22,24 @@ Plain asyncio; no gRPC.
 from __future__ import annotations
 
 import asyncio
-import re
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
 
-from hotloop import adapters
+from hotloop import adapters, tenants
 from hotloop.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 
 BASE = "@base"  # the label of a request served by the load-time base weights
 LABEL_KEY = "hotloop_adapter"  # SamplingParams.extra_args key that names a request's adapter
-_TENANT = re.compile(r"[a-z0-9][a-z0-9_-]{0,39}")
 
 
 def check_tenant(name: str) -> str:
-    """`name` if it is a tenant slug (lowercase letters, digits, `-`, `_`; 1-40 characters,
-    starting with a letter or digit); InvalidArgument otherwise. "" is the default lineage."""
-    if name and not _TENANT.fullmatch(name):
-        raise InvalidArgument(
-            f"tenant {name[:60]!r} is not a valid name: 1-40 characters of a-z, 0-9, '-', '_', "
-            "starting with a letter or digit")
-    return name
+    """`name` if it can name a tenant (`hotloop.tenants`' rule, the gateway's and the bus's
+    too); InvalidArgument otherwise. "" is the default lineage."""
+    try:
+        return tenants.check_tenant(name)
+    except ValueError as e:
+        raise InvalidArgument(str(e)) from None
 
 
 def label(tenant: str, version: int) -> str:

@@ -40,11 +40,12 @@ async def on(gw, subject: str, durable: str) -> list[bus_pb2.FeedbackEvent]:
 
 
 async def test_each_tenants_traffic_and_feedback_stay_its_own(rig):
-    _, gw, _ = rig
+    fake, gw, _ = rig
     answers = {}
     for name, key in (("acme", KEY), ("globex", OTHER_KEY), ("", ANON_KEY)):
         r = await gw.openai(key).chat.completions.create(model="tiny", messages=HI, max_tokens=3)
         answers[name] = r.id
+        assert fake.requests[-1].tenant == name  # the replica serves it from that lineage
         tr = await gw.bus.traffic(r.id, 0, patience_s=5)
         assert tr is not None and tr.tenant == name
         # another tenant's key cannot rate it: the response is unknown to it

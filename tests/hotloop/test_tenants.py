@@ -15,7 +15,8 @@ def test_names_a_tenant_may_have(name):
     assert check_tenant(name) == name
 
 
-@pytest.mark.parametrize("name", ["Acme", "-acme", "_a", "a.b", "a b", "a*", "a>", "x" * 33, "é"])
+@pytest.mark.parametrize("name", ["Acme", "-acme", "_a", "a.b", "a b", "a*", "a>", "x" * 33, "é",
+                                  "acme\n"])
 def test_names_that_cannot_be_a_subject_token_or_a_directory_are_refused(name):
     with pytest.raises(ValueError, match="tenant name"):
         check_tenant(name)

@@ -41,12 +41,12 @@ class Worker:
         return [{}]
 
 
-@pytest.mark.parametrize("name", ["acme", "a", "team-7_x", "0" * 40])
+@pytest.mark.parametrize("name", ["acme", "a", "team-7_x", "0" * 32])
 def test_good_tenant_names(name):
     assert check_tenant(name) == name
 
 
-@pytest.mark.parametrize("name", ["Acme", "a b", "-x", "_x", "x/y", "../x", "0" * 41, "é", "a\n"])
+@pytest.mark.parametrize("name", ["Acme", "a b", "-x", "_x", "x/y", "../x", "0" * 33, "é", "a\n"])
 def test_bad_tenant_names(name):
     with pytest.raises(InvalidArgument, match="tenant"):
         check_tenant(name)
