@@ -95,6 +95,23 @@ def traffic_subject(response_id: str, choice: int = 0) -> str:
     return f"{TRAFFIC}.{response_id}.{choice}"
 
 
+def weights_subject(tenant: str = "") -> str:
+    """Where a lineage's versions are announced (`WeightsUpdated`): `hotloop.weights.updated`
+    for the default lineage, `hotloop.weights.updated.tenant.<name>` for a tenant's, so that
+    a listener of one lineage never hears another's version numbers."""
+    from hotloop.tenants import DEFAULT, check_tenant
+
+    return WEIGHTS_UPDATED if check_tenant(tenant) == DEFAULT else f"{WEIGHTS_UPDATED}.tenant.{tenant}"
+
+
+def latest_key(tenant: str = "") -> str:
+    """The KV key (in `VERSIONS_BUCKET`) of a lineage's newest announced version: `latest`, or
+    `latest.tenant.<name>` for a tenant's."""
+    from hotloop.tenants import DEFAULT, check_tenant
+
+    return LATEST_KEY if check_tenant(tenant) == DEFAULT else f"{LATEST_KEY}.tenant.{tenant}"
+
+
 def feedback_subject(tenant: str = "") -> str:
     """The FEEDBACK subject of a tenant's feedback, which its trainer reads: `hotloop.feedback`
     for the default tenant (""), `hotloop.feedback.tenant.<name>` for another (`hotloop.tenants`

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from hotloop.proto.v1 import common_pb2 as hotloop_dot_proto_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ahotloop/proto/v1/bus.proto\x12\nhotloop.v1\x1a\x1dhotloop/proto/v1/common.proto\"K\n\x0eWeightsUpdated\x12%\n\x04info\x18\x01 \x01(\x0b\x32\x17.hotloop.v1.VersionInfo\x12\x12\n\nfetch_from\x18\x02 \x01(\t\"X\n\rAdapterLoaded\x12\x0f\n\x07replica\x18\x01 \x01(\t\x12%\n\x04info\x18\x02 \x01(\x0b\x32\x17.hotloop.v1.VersionInfo\x12\x0f\n\x07load_ms\x18\x03 \x01(\x01\"\xa2\x01\n\rFeedbackEvent\x12\x13\n\x0bresponse_id\x18\x01 \x01(\t\x12\x12\n\x05score\x18\x02 \x01(\x01H\x00\x88\x01\x01\x12\r\n\x05label\x18\x03 \x01(\t\x12\x0c\n\x04text\x18\x04 \x01(\t\x12\x0c\n\x04user\x18\x05 \x01(\t\x12\x13\n\x0breceived_at\x18\x06 \x01(\x01\x12\x0e\n\x06\x63hoice\x18\x07 \x01(\r\x12\x0e\n\x06tenant\x18\x08 \x01(\tB\x08\n\x06_score\"\x96\x02\n\x0cTrafficEvent\x12\x13\n\x0bresponse_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\r\x12\x16\n\x0e\x63ompletion_ids\x18\x03 \x03(\r\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12\x16\n\x0epolicy_version\x18\x05 \x01(\x04\x12\x11\n\tserved_at\x18\x06 \x01(\x01\x12.\n\rversion_spans\x18\x07 \x03(\x0b\x32\x17.hotloop.v1.VersionSpan\x12\x0c\n\x04user\x18\x08 \x01(\t\x12\x0e\n\x06\x63hoice\x18\t \x01(\r\x12\x13\n\x0btemperature\x18\n \x01(\x02\x12\x15\n\rfinish_reason\x18\x0b \x01(\t\x12\x0e\n\x06tenant\x18\x0c \x01(\t\">\n\nDeadLetter\x12\x0f\n\x07subject\x18\x01 \x01(\t\x12\x0f\n\x07payload\x18\x02 \x01(\x0c\x12\x0e\n\x06reason\x18\x03 \x01(\tb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ahotloop/proto/v1/bus.proto\x12\nhotloop.v1\x1a\x1dhotloop/proto/v1/common.proto\"[\n\x0eWeightsUpdated\x12%\n\x04info\x18\x01 \x01(\x0b\x32\x17.hotloop.v1.VersionInfo\x12\x12\n\nfetch_from\x18\x02 \x01(\t\x12\x0e\n\x06tenant\x18\x03 \x01(\t\"X\n\rAdapterLoaded\x12\x0f\n\x07replica\x18\x01 \x01(\t\x12%\n\x04info\x18\x02 \x01(\x0b\x32\x17.hotloop.v1.VersionInfo\x12\x0f\n\x07load_ms\x18\x03 \x01(\x01\"\xa2\x01\n\rFeedbackEvent\x12\x13\n\x0bresponse_id\x18\x01 \x01(\t\x12\x12\n\x05score\x18\x02 \x01(\x01H\x00\x88\x01\x01\x12\r\n\x05label\x18\x03 \x01(\t\x12\x0c\n\x04text\x18\x04 \x01(\t\x12\x0c\n\x04user\x18\x05 \x01(\t\x12\x13\n\x0breceived_at\x18\x06 \x01(\x01\x12\x0e\n\x06\x63hoice\x18\x07 \x01(\r\x12\x0e\n\x06tenant\x18\x08 \x01(\tB\x08\n\x06_score\"\x96\x02\n\x0cTrafficEvent\x12\x13\n\x0bresponse_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\r\x12\x16\n\x0e\x63ompletion_ids\x18\x03 \x03(\r\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12\x16\n\x0epolicy_version\x18\x05 \x01(\x04\x12\x11\n\tserved_at\x18\x06 \x01(\x01\x12.\n\rversion_spans\x18\x07 \x03(\x0b\x32\x17.hotloop.v1.VersionSpan\x12\x0c\n\x04user\x18\x08 \x01(\t\x12\x0e\n\x06\x63hoice\x18\t \x01(\r\x12\x13\n\x0btemperature\x18\n \x01(\x02\x12\x15\n\rfinish_reason\x18\x0b \x01(\t\x12\x0e\n\x06tenant\x18\x0c \x01(\t\">\n\nDeadLetter\x12\x0f\n\x07subject\x18\x01 \x01(\t\x12\x0f\n\x07payload\x18\x02 \x01(\x0c\x12\x0e\n\x06reason\x18\x03 \x01(\tb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,13 +33,13 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'hotloop.proto.v1.bus_pb2', 
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_WEIGHTSUPDATED']._serialized_start=73
-  _globals['_WEIGHTSUPDATED']._serialized_end=148
-  _globals['_ADAPTERLOADED']._serialized_start=150
-  _globals['_ADAPTERLOADED']._serialized_end=238
-  _globals['_FEEDBACKEVENT']._serialized_start=241
-  _globals['_FEEDBACKEVENT']._serialized_end=403
-  _globals['_TRAFFICEVENT']._serialized_start=406
-  _globals['_TRAFFICEVENT']._serialized_end=684
-  _globals['_DEADLETTER']._serialized_start=686
-  _globals['_DEADLETTER']._serialized_end=748
+  _globals['_WEIGHTSUPDATED']._serialized_end=164
+  _globals['_ADAPTERLOADED']._serialized_start=166
+  _globals['_ADAPTERLOADED']._serialized_end=254
+  _globals['_FEEDBACKEVENT']._serialized_start=257
+  _globals['_FEEDBACKEVENT']._serialized_end=419
+  _globals['_TRAFFICEVENT']._serialized_start=422
+  _globals['_TRAFFICEVENT']._serialized_end=700
+  _globals['_DEADLETTER']._serialized_start=702
+  _globals['_DEADLETTER']._serialized_end=764
 # @@protoc_insertion_point(module_scope)

@@ -8,12 +8,14 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class WeightsUpdated(_message.Message):
-    __slots__ = ("info", "fetch_from")
+    __slots__ = ("info", "fetch_from", "tenant")
     INFO_FIELD_NUMBER: _ClassVar[int]
     FETCH_FROM_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
     info: _common_pb2.VersionInfo
     fetch_from: str
-    def __init__(self, info: _Optional[_Union[_common_pb2.VersionInfo, _Mapping]] = ..., fetch_from: _Optional[str] = ...) -> None: ...
+    tenant: str
+    def __init__(self, info: _Optional[_Union[_common_pb2.VersionInfo, _Mapping]] = ..., fetch_from: _Optional[str] = ..., tenant: _Optional[str] = ...) -> None: ...
 
 class AdapterLoaded(_message.Message):
     __slots__ = ("replica", "info", "load_ms")

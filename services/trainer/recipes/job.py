@@ -116,7 +116,7 @@ def advertised(host: str, port: int, configured: str = "") -> str:
 
 
 async def open_edge(mesh_cfg: MeshConfig, trainer_cfg: TrainerConfig, run_dir: Path,
-                    algorithm: str, address: str = "127.0.0.1:0") -> Edge:
+                    algorithm: str, address: str = "127.0.0.1:0", tenant: str = "") -> Edge:
     """Connect the bus (if configured) and the reference, check dtypes, start the trainer's
     Status/FetchAdapter server on `address`. Close with `Edge.close()`."""
     from .publisher import Publisher
@@ -139,7 +139,7 @@ async def open_edge(mesh_cfg: MeshConfig, trainer_cfg: TrainerConfig, run_dir: P
             await bus.close()
         raise
     publisher = Publisher(list(ep.rollout), mesh_cfg.security.admin_token, run_dir / "store", bus,
-                          mesh_cfg.model.name)
+                          mesh_cfg.model.name, tenant=tenant)
     state = TrainerState(algorithm=algorithm, dtype=dtype)
     server, port, health = await serve(state, publisher, address)
     host = address.rsplit(":", 1)[0]
@@ -232,7 +232,7 @@ async def open_online(mesh_cfg: MeshConfig, job, trainer_cfg: TrainerConfig,
     # Here, in the processes that run the loop, before the policy loads (torch's threads
     # inherit the priority); not in `online.run`, which tests drive inside pytest.
     UsersFirst(job.users_first).start()
-    edge = await open_edge(mesh_cfg, trainer_cfg, run_dir, "reinforce_tis", address)
+    edge = await open_edge(mesh_cfg, trainer_cfg, run_dir, "reinforce_tis", address, job.tenant)
     mesh = online.OnlineMesh(edge.bus, edge.publisher, edge.reference,
                              [RolloutClient(a) for a in ep.rollout])
     return edge, mesh, run_dir

@@ -404,15 +404,19 @@ async def mesh_latest(mesh: OnlineMesh) -> int:
     """The highest version the mesh has seen: this run's store, the bus's "latest", replicas.
     A replica that does not answer is left out: a restarted replica holds no version (it
     starts from the base and catches up), so it cannot hold one above the others."""
-    from hotloop.bus import LATEST_KEY
+    from hotloop.bus import latest_key
 
+    tenant = mesh.publisher.tenant  # the lineage this loop trains
     held = mesh.publisher.store.latest()
     seen = [held.version if held is not None else 0]
-    kv = await mesh.bus.kv_get(LATEST_KEY, common_pb2.VersionInfo)
+    kv = await mesh.bus.kv_get(latest_key(tenant), common_pb2.VersionInfo)
     seen.append(kv.version if kv is not None else 0)
     for r in mesh.rollout:
         try:
-            seen.append(int((await r.status()).latest_version))
+            status = await r.status()
+            seen.append(int(status.latest_version) if not tenant else
+                        max((int(t.latest_version) for t in status.tenants if t.tenant == tenant),
+                            default=0))
         except Unavailable as e:
             log.warning("left out of the mesh's latest version: %s", e)
     return max(seen)

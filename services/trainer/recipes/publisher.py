@@ -5,7 +5,9 @@ Owns: `VersionStore`, the trainer's durable, immutable copies of published versi
 that missed a push; and `Publisher`, which after a training step packs an adapter directory,
 stores it, pushes it concurrently to every replica (`RolloutClient.push_adapter`, the one
 rollout client: header, chunks, admin bearer token), retrying only UNAVAILABLE a bounded
-number of times, then announces it on the bus (`WeightsUpdated` + KV key "latest").
+number of times, then announces it on the bus (`WeightsUpdated` + KV key "latest"). A
+tenant's publisher does all of it in the tenant's lineage: pushes into it, stores the KV key
+and announces on the subject of that lineage.
 
 Does not own: writing the adapter (`LoraPolicy.save_adapter`), numbering versions or deciding
 what to do when a push fails (the loop: `PublishError` says which replicas failed and why),
@@ -40,7 +42,7 @@ from tenacity import (
 
 from hotloop import adapters
 from hotloop.adapters import Version, version_to_proto
-from hotloop.bus import LATEST_KEY, WEIGHTS_UPDATED, Bus
+from hotloop.bus import Bus, latest_key, weights_subject
 from hotloop.clients import RolloutClient, direct_channel
 from hotloop.errors import FailedPrecondition, InvalidArgument, NotFound
 from hotloop.proto.v1 import bus_pb2, common_pb2
@@ -232,9 +234,12 @@ class Publisher:
         fetch_from: str = "",
         max_attempts: int = 4,
         push_timeout_s: float = 120.0,
+        tenant: str = "",
     ) -> None:
         """`fetch_from`: this trainer's FetchAdapter address, put in the announcement (an
         attribute: set it once the trainer's server has its port).
+        `tenant`: the lineage the versions go into on every replica, and are announced for
+        (`bus.weights_subject`, `bus.latest_key`); "" is the default lineage.
         `max_attempts`: tries per replica while it answers UNAVAILABLE (1 = no retry).
         `push_timeout_s`: deadline of one push attempt, verify and load included."""
         if max_attempts < 1:
@@ -247,6 +252,7 @@ class Publisher:
         self.fetch_from = fetch_from
         self._max_attempts = max_attempts
         self._timeout_s = push_timeout_s
+        self.tenant = tenant
         self._clients: dict[str, RolloutClient] = {}
 
     def _client(self, replica: str) -> RolloutClient:
@@ -324,7 +330,8 @@ class Publisher:
                     with attempt:
                         attempts += 1
                         resp = await client.push_adapter(
-                            info, data, self._token, timeout_s=self._timeout_s
+                            info, data, self._token, timeout_s=self._timeout_s,
+                            tenant=self.tenant,
                         )
             except grpc.aio.AioRpcError as e:
                 kind = (
@@ -356,9 +363,10 @@ class Publisher:
         assert self._bus is not None
         with _tracer.start_as_current_span("announce"):
             # KV first: whoever reacts to the announcement and reads "latest" sees this version
-            await self._bus.kv_put(LATEST_KEY, info)
+            await self._bus.kv_put(latest_key(self.tenant), info)
             await self._bus.publish(
-                WEIGHTS_UPDATED, bus_pb2.WeightsUpdated(info=info, fetch_from=self.fetch_from)
+                weights_subject(self.tenant),
+                bus_pb2.WeightsUpdated(info=info, fetch_from=self.fetch_from, tenant=self.tenant),
             )
 
     async def reannounce(self) -> Version | None:
@@ -368,7 +376,7 @@ class Publisher:
         held = self.store.latest()
         if self._bus is None or held is None:
             return None
-        kv = await self._bus.kv_get(LATEST_KEY, common_pb2.VersionInfo)
+        kv = await self._bus.kv_get(latest_key(self.tenant), common_pb2.VersionInfo)
         if kv is None or (kv.version, kv.sha256) != (held.version, held.sha256):
             return None
         await self._announce(version_to_proto(held))

@@ -16,7 +16,16 @@ import pytest
 import pytest_asyncio
 
 from hotloop import grpcutil
-from hotloop.bus import DEAD, FEEDBACK, Bus, feedback_subject, traffic_subject
+from hotloop.bus import (
+    DEAD,
+    FEEDBACK,
+    LATEST_KEY,
+    Bus,
+    feedback_subject,
+    latest_key,
+    traffic_subject,
+    weights_subject,
+)
 from hotloop.clients import ReferenceClient, RolloutClient
 from hotloop.proto.v1 import bus_pb2, common_pb2, trainer_pb2, trainer_pb2_grpc
 from services.trainer.recipes import online
@@ -63,13 +72,15 @@ class Gateway:
     def __init__(self, bus: Bus, rollout_addr: str) -> None:
         self.bus, self.client = bus, RolloutClient(rollout_addr)
 
-    async def serve(self, rid: str, prompt: str = "hi", seed: int = 0, **override) -> bus_pb2.TrafficEvent:
-        (c,) = await self.client.generate([[{"role": "user", "content": prompt}]], n=1, max_tokens=8, seed=seed)
+    async def serve(self, rid: str, prompt: str = "hi", seed: int = 0, tenant: str = "",
+                    **override) -> bus_pb2.TrafficEvent:
+        (c,) = await self.client.generate([[{"role": "user", "content": prompt}]], n=1, max_tokens=8, seed=seed,
+                                          tenant=tenant)
         ev = bus_pb2.TrafficEvent(
             response_id=rid, prompt_ids=c.prompt_token_ids, completion_ids=c.token_ids,
             logprobs=c.logprobs, policy_version=c.policy_version, served_at=time.time(),
             version_spans=[common_pb2.VersionSpan(version=c.policy_version, first_token=0)],
-            user="u", choice=0, temperature=1.0, finish_reason=c.finish_reason)
+            user="u", choice=0, temperature=1.0, finish_reason=c.finish_reason, tenant=tenant)
         for k, v in override.items():  # what a buggy or older gateway might send
             if not isinstance(v, list):
                 setattr(ev, k, v)
@@ -79,11 +90,13 @@ class Gateway:
         await self.bus.js_publish_once(traffic_subject(rid, ev.choice), ev, msg_id=f"{rid}:{ev.choice}")
         return ev
 
-    async def feedback(self, rid: str, score: float | None = 1.0, user: str = "u1", choice: int = 0) -> int:
-        fb = bus_pb2.FeedbackEvent(response_id=rid, user=user, choice=choice, received_at=time.time())
+    async def feedback(self, rid: str, score: float | None = 1.0, user: str = "u1", choice: int = 0,
+                       tenant: str = "") -> int:
+        fb = bus_pb2.FeedbackEvent(response_id=rid, user=user, choice=choice, received_at=time.time(),
+                                   tenant=tenant)
         if score is not None:
             fb.score = score
-        return (await self.bus.js_publish_once(FEEDBACK, fb, msg_id=f"{rid}:{choice}:{user}")).seq
+        return (await self.bus.js_publish_once(feedback_subject(tenant), fb, msg_id=f"{rid}:{choice}:{user}")).seq
 
     async def consumer(self):
         return await self.bus.js.consumer_info("FEEDBACK", DURABLE)
@@ -102,9 +115,10 @@ async def gateway(nats_server, rollout):
     await bus.close()
 
 
-async def make_mesh(nats_url: str, rollout_addr: str, run_dir, reference_addr: str = "") -> online.OnlineMesh:
+async def make_mesh(nats_url: str, rollout_addr: str, run_dir, reference_addr: str = "",
+                    tenant: str = "") -> online.OnlineMesh:
     bus = await Bus.connect(nats_url, "trainer")
-    publisher = Publisher([rollout_addr], TOKEN, run_dir / "store", bus, "tiny")
+    publisher = Publisher([rollout_addr], TOKEN, run_dir / "store", bus, "tiny", tenant=tenant)
     return online.OnlineMesh(bus, publisher, ReferenceClient(reference_addr) if reference_addr else None,
                              [RolloutClient(rollout_addr)])
 
@@ -189,6 +203,43 @@ async def test_batch_of_one_trains_publishes_then_acks_in_one_linked_trace(
     assert step.parent.span_id == fb_span.get_span_context().span_id
     in_step = {s.name for s in spans if s.context.trace_id == step.context.trace_id}
     assert {"consume", "join", "train", "pack", "publish", "checkpoint", "ack"} <= in_step
+
+
+async def test_a_tenants_loop_trains_its_own_lineage_from_its_own_feedback(
+        gateway, nats_server, rollout, tmp_path, make_cfg, tiny_model):
+    """[online] tenant = "acme": only acme's feedback trains, the version goes into acme's
+    lineage on the replica and is announced for acme only; the default lineage is untouched."""
+    before = await gateway.client.status()
+    default_kv = await gateway.bus.kv_get(LATEST_KEY, common_pb2.VersionInfo)
+    heard: dict[str, list[int]] = {"": [], "acme": []}
+    for name in heard:
+        async def on(msg, headers, name=name):
+            heard[name].append(msg.info.version)
+        await gateway.bus.subscribe(weights_subject(name), bus_pb2.WeightsUpdated, on)
+    await gateway.serve("acme-1", tenant="acme")
+    await gateway.serve("default-1")
+    seq = await gateway.feedback("acme-1", 1.0, tenant="acme")
+    await gateway.feedback("default-1", 1.0)  # the default tenant's: never this loop's
+    mesh = await make_mesh(nats_server.url, rollout, tmp_path, tenant="acme")
+    try:
+        summary = await asyncio.wait_for(online.run(
+            job(tmp_path, tenant="acme"), make_cfg(), tiny_model, mesh, tmp_path / "run"), 120)
+    finally:
+        await close_mesh(mesh)
+    v = summary["version"]
+    (rec,) = records(tmp_path)
+    assert rec["seqs"] == [seq] and summary["counters"]["trained"] == 1
+    after = await gateway.client.status()
+    assert [(t.tenant, t.latest_version) for t in after.tenants if t.tenant == "acme"] == [("acme", v)]
+    assert after.latest_version == before.latest_version  # the default lineage is untouched
+    (c,) = await gateway.client.generate([[{"role": "user", "content": "hi"}]], max_tokens=4, tenant="acme")
+    assert (c.tenant, c.policy_version) == ("acme", v)
+    kv = await gateway.bus.kv_get(latest_key("acme"), common_pb2.VersionInfo)
+    assert kv.version == v and await gateway.bus.kv_get(LATEST_KEY, common_pb2.VersionInfo) == default_kv
+    await asyncio.sleep(0.2)
+    assert heard == {"": [], "acme": [v]}
+    acme = await gateway.bus.js.consumer_info("FEEDBACK", f"{DURABLE}-acme")
+    assert acme.num_ack_pending == 0 and acme.num_pending == 0
 
 
 async def test_positive_feedback_raises_the_rewarded_completion_and_negative_lowers(
