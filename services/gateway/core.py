@@ -108,6 +108,7 @@ class Metrics:
     unavailable: int = 0  # no healthy replica, or the replica failed
     deadline_exceeded: int = 0
     rerouted: int = 0  # a replica failed before the first token; another one served
+    wrong_tenant: int = 0  # a replica answered from another tenant's lineage: refused
     cancelled: int = 0  # the client went away
     completion_tokens: int = 0
     feedback_accepted: int = 0
@@ -626,6 +627,11 @@ class Generation:
             self._prompt_ids[up.prompt_index] = up.prompt_token_ids
         if up.num_prompt_tokens:
             self._prompt_tokens[up.prompt_index] = up.num_prompt_tokens
+        if up.tenant != self.tenant:
+            # never pass on an answer of another tenant's lineage, whatever the replica did
+            self._core.metrics.wrong_tenant += 1
+            raise Unavailable(f"rollout replica {self._state.replica.address} answered from the "
+                              f"lineage of tenant {up.tenant!r}, not {self.tenant!r}")
         index = up.prompt_index * self._n + up.sample_index
         if not 0 <= index < self.choices or index in self._entry.finished:
             raise Unavailable(f"rollout replica {self._state.replica.address} sent an unexpected "

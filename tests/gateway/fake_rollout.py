@@ -30,6 +30,7 @@ class ScriptedRollout(rollout_pb2_grpc.RolloutServicer):
         self.swap_at: int | None = None  # token index where an in-flight update lands
         self.sent = asyncio.Event()  # set after the first token went out
         self.running = 0
+        self.lineage: str | None = None  # answer for this lineage instead of the request's
 
     async def Generate(self, request, context):
         self.requests.append(request)
@@ -55,6 +56,7 @@ class ScriptedRollout(rollout_pb2_grpc.RolloutServicer):
                             logprobs=[-0.5 - i], policy_version=self.version,
                             version_spans=spans, num_prompt_tokens=len(PROMPT_IDS),
                             final=last, finish_reason=("length" if len(words) == limit else "stop") if last else "",
+                            tenant=request.tenant if self.lineage is None else self.lineage,
                         )
                         if i == 0 and request.return_prompt_ids:
                             msg.prompt_token_ids.extend(PROMPT_IDS)

@@ -4,7 +4,10 @@ another's answers."""
 
 from __future__ import annotations
 
+import asyncio
+
 import httpx
+import openai
 import pytest
 import pytest_asyncio
 
@@ -58,6 +61,21 @@ async def test_each_tenants_traffic_and_feedback_stay_its_own(rig):
         got = await on(gw, hbus.feedback_subject(name), f"test-tenant-{name or 'default'}")
         assert [(f.response_id, f.tenant) for f in got] == [(answers[name], name)], name
     assert hbus.feedback_subject("acme") == "hotloop.feedback.tenant.acme"
+
+
+async def test_an_answer_from_another_tenants_lineage_never_reaches_the_user(rig):
+    fake, gw, _ = rig
+    fake.lineage = "globex"  # a replica gone wrong: it serves acme's user from globex's lineage
+    try:
+        with pytest.raises(openai.APIStatusError) as e:
+            await gw.openai(KEY).chat.completions.create(model="tiny", messages=HI, max_tokens=3)
+        assert e.value.status_code == 503 and "lineage of tenant 'globex'" in e.value.message
+    finally:
+        fake.lineage = None
+    assert gw.core.status()["counters"]["wrong_tenant"] >= 1
+    await asyncio.sleep(1)  # marked down at the refusal; healthy again at its next polls
+    r = await gw.openai(KEY).chat.completions.create(model="tiny", messages=HI, max_tokens=3)
+    assert r.choices[0].message.content
 
 
 async def test_a_restarted_gateway_publishes_on_the_tenant_that_served(rig, nats_module):
