@@ -62,23 +62,6 @@ def env() -> dict[str, str]:
     return e
 
 
-def test_killed_rollout_service_leaves_no_engine(tiny_model, tmp_path):
-    port_file = tmp_path / "port.json"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "services.rollout", "--port-file", str(port_file),
-         "--set", f"model.name={tiny_model}", "--set", "model.max_model_len=512",
-         "--set", "rollout.kv_cache_gib=1", "--set", f"run_dir={tmp_path / 'run'}"],
-        cwd=REPO, env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
-    try:
-        # EngineCore and its worker, and the service serving (the engine is fully up)
-        engines = wait_for_engines(proc, 2, 300, ready=port_file.exists)
-        kill_and_check(proc, engines)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-
-
 def test_killed_benchmark_leaves_no_engine(tiny_model, tmp_path):
     proc = subprocess.Popen(
         [sys.executable, "-m", "apps.cli", "bench", "hot-update", "--model", str(tiny_model),
@@ -93,9 +76,11 @@ def test_killed_benchmark_leaves_no_engine(tiny_model, tmp_path):
             proc.kill()
 
 
-def test_an_engine_bound_to_a_core_starts_all_its_processes_there(tiny_model, tmp_path):
+def test_an_engine_bound_to_a_core_starts_all_its_processes_there_and_dies_with_the_service(
+        tiny_model, tmp_path):
     """`cpu_omp_threads_bind` = a core: the worker and the engine core process (which spins
-    waiting for the worker) run there, and the service itself keeps every core it had."""
+    waiting for the worker) run there, and the service itself keeps every core it had. Then
+    `kill -9` of the service, once it serves (the engine fully up), takes the engine down."""
     cpus = sorted(os.sched_getaffinity(0))
     core = cpus[-1]
     port_file = tmp_path / "port.json"
