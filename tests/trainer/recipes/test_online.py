@@ -236,7 +236,10 @@ async def test_a_tenants_loop_trains_its_own_lineage_from_its_own_feedback(
     assert (c.tenant, c.policy_version) == ("acme", v)
     kv = await gateway.bus.kv_get(latest_key("acme"), common_pb2.VersionInfo)
     assert kv.version == v and await gateway.bus.kv_get(LATEST_KEY, common_pb2.VersionInfo) == default_kv
-    await asyncio.sleep(0.2)
+    for _ in range(100):  # the announcement was published before the run ended; wait for its delivery
+        if heard["acme"]:
+            break
+        await asyncio.sleep(0.1)
     assert heard == {"": [], "acme": [v]}
     acme = await gateway.bus.js.consumer_info("FEEDBACK", f"{DURABLE}-acme")
     assert acme.num_ack_pending == 0 and acme.num_pending == 0
