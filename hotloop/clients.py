@@ -22,7 +22,7 @@ import grpc
 from hotloop import grpcutil
 from hotloop.adapters import Version, version_from_proto, version_to_proto
 from hotloop.completion import Completion
-from hotloop.errors import HotloopError, InvalidArgument, NotFound, Unavailable
+from hotloop.errors import HotloopError, InvalidArgument, NotFound, Unauthenticated, Unavailable
 from hotloop.proto.v1 import common_pb2, reference_pb2, reference_pb2_grpc, reward_pb2, reward_pb2_grpc
 from hotloop.proto.v1 import rollout_pb2, rollout_pb2_grpc, trainer_pb2, trainer_pb2_grpc
 
@@ -445,25 +445,30 @@ class TrainerClient:
     retries on its own schedule, and each of its attempts must really try to connect rather
     than fail fast on a channel still waiting out a long backoff after the trainer was down."""
 
-    def __init__(self, address: str):
+    def __init__(self, address: str, admin_token: str = ""):
         self.address = address
+        self.admin_token = admin_token  # FetchAdapter is an admin RPC
         self.channel = direct_channel(address, (100, 1000), min_reconnect_backoff_ms=100)
         self.stub = trainer_pb2_grpc.TrainerStub(self.channel)
 
     def _error(self, e: grpc.aio.AioRpcError) -> HotloopError:
         if e.code() == grpc.StatusCode.NOT_FOUND:
             return NotFound(f"trainer at {self.address}: {e.details()}")
+        if e.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+            return Unauthenticated(f"trainer at {self.address}: {e.details()}")
         return Unavailable(f"trainer at {self.address} is unavailable: {e.code().name}: {e.details()}")
 
-    async def fetch_adapter(self, version: int = 0,
-                            timeout_s: float = 120.0) -> tuple[Version, AsyncIterator[bytes]]:
-        """The stored `Version` (0: the trainer's latest) and its archive's chunks. The header
+    async def fetch_adapter(self, version: int = 0, timeout_s: float = 120.0,
+                            tenant: str = "") -> tuple[Version, AsyncIterator[bytes]]:
+        """The stored `Version` of `tenant`'s lineage (0: the trainer's latest) and its
+        archive's chunks, with this client's admin token. The header
         is read here, so an unknown version (`NotFound`) or an unreachable trainer
         (`Unavailable`) raises before anything is handed over; `timeout_s` bounds the whole
         transfer. Not retried. Leave the chunks unconsumed and the call is cancelled when the
         iterator is closed."""
-        call = self.stub.FetchAdapter(trainer_pb2.FetchAdapterRequest(version=version),
-                                      timeout=timeout_s)
+        call = self.stub.FetchAdapter(
+            trainer_pb2.FetchAdapterRequest(version=version, tenant=tenant), timeout=timeout_s,
+            metadata=grpcutil.bearer(self.admin_token))
         try:
             first = await call.read()
         except grpc.aio.AioRpcError as e:

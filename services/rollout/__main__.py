@@ -58,7 +58,7 @@ async def build(mesh: MeshConfig, cfg: RolloutConfig) -> service.Running:
     await core.start()
 
     catchup = follower = None
-    fetch = TrainerFetch()
+    fetch = TrainerFetch(mesh.security.admin_token)
     if bus is not None:
         catchup = CatchUp(core, bus_latest(bus), fetch, mesh.endpoints.trainer,
                           poll_s=cfg.catchup_poll_s, retry_max_s=cfg.catchup_retry_max_s)

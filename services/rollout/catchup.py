@@ -79,15 +79,16 @@ class TrainerFetch:
     """`Fetch` over the trainers' `FetchAdapter` (`hotloop.clients.TrainerClient`), one
     channel per address."""
 
-    def __init__(self) -> None:
+    def __init__(self, admin_token: str = "") -> None:
         self._clients: dict = {}
+        self._token = admin_token  # FetchAdapter is an admin RPC
 
     async def __call__(self, address: str, version: int,
                        timeout_s: float) -> tuple[Version, AsyncIterator[bytes]]:
         if address not in self._clients:
             from hotloop.clients import TrainerClient
 
-            self._clients[address] = TrainerClient(address)
+            self._clients[address] = TrainerClient(address, self._token)
         return await self._clients[address].fetch_adapter(version, timeout_s)
 
     async def close(self) -> None:

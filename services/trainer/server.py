@@ -1,21 +1,24 @@
 """gRPC edge of the trainer: `Trainer.Status` and `Trainer.FetchAdapter`.
 
 Owns: `TrainerState`, the small plain object the training loop updates and `Status` reads,
-and `FetchAdapter`, which streams a published version out of the publisher's `VersionStore`
-(`VersionInfo` first, then `CHUNK_BYTES` data chunks; version 0 means the latest; an unknown
-version is NOT_FOUND) so that a rollout replica that missed a push can catch up.
+and `FetchAdapter`, which streams a published version of a lineage out of that lineage's
+`VersionStore` (`VersionInfo` first, then `CHUNK_BYTES` data chunks; version 0 means the
+latest; an unknown version or a lineage this trainer does not train is NOT_FOUND) so that a
+rollout replica that missed a push can catch up. FetchAdapter is an admin RPC: a version is a
+tenant's model, readable only with the admin token.
 Does not own: training, publishing or the store's layout (publisher.py), or the process.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 import grpc
 
 from hotloop.adapters import version_to_proto
+from hotloop.errors import NotFound
 from hotloop.grpcutil import CHUNK_BYTES, create_server, map_errors
 from hotloop.hardware import runtime_info
 from hotloop.proto.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
@@ -23,6 +26,24 @@ from hotloop.proto.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
 from .recipes.publisher import Publisher, VersionStore
 
 SERVICE = trainer_pb2.DESCRIPTOR.services_by_name["Trainer"].full_name
+ADMIN_METHODS = [f"/{SERVICE}/FetchAdapter"]
+
+Stores = Callable[[str], VersionStore]
+"""tenant -> the `VersionStore` of the lineage this trainer trains for it; NotFound if none."""
+
+
+def single_store(store: VersionStore | Publisher) -> Stores:
+    """`Stores` of a trainer that trains one lineage: a `Publisher`'s (its tenant's) or a bare
+    store's (the default lineage's)."""
+    tenant = store.tenant if isinstance(store, Publisher) else ""
+    store = store.store if isinstance(store, Publisher) else store
+
+    def of(name: str) -> VersionStore:
+        if name != tenant:
+            raise NotFound(f"this trainer trains the lineage of tenant {tenant!r}, not {name!r}")
+        return store
+
+    return of
 
 
 @dataclass
@@ -39,9 +60,9 @@ class TrainerState:
 
 
 class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
-    def __init__(self, state: TrainerState, store: VersionStore) -> None:
+    def __init__(self, state: TrainerState, stores: Stores) -> None:
         self._state = state
-        self._store = store
+        self._stores = stores
 
     async def Status(
         self, request: trainer_pb2.TrainerStatusRequest, context: grpc.aio.ServicerContext
@@ -57,27 +78,32 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
     async def FetchAdapter(
         self, request: trainer_pb2.FetchAdapterRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[trainer_pb2.FetchAdapterChunk]:
-        info = await asyncio.to_thread(self._store.get, request.version)  # NotFound -> NOT_FOUND
+        store = self._stores(request.tenant)  # NotFound -> NOT_FOUND
+        info = await asyncio.to_thread(store.get, request.version)
         yield trainer_pb2.FetchAdapterChunk(info=version_to_proto(info))
         # Stored versions are immutable, so reading while the loop publishes the next is safe;
         # reads run off the event loop so a large archive does not stall other RPCs.
-        with open(self._store.archive(info.version), "rb") as f:
+        with open(store.archive(info.version), "rb") as f:
             while chunk := await asyncio.to_thread(f.read, CHUNK_BYTES):
                 yield trainer_pb2.FetchAdapterChunk(data=chunk)
 
 
 async def serve(
-    state: TrainerState, store: VersionStore | Publisher, address: str
+    state: TrainerState, stores: VersionStore | Publisher | Stores, address: str,
+    admin_token: str = "",
 ) -> tuple[grpc.aio.Server, int, object]:
     """Start the trainer's server (health and reflection included); returns (server, port, health).
 
-    `store`: the publisher's `VersionStore`, or the `Publisher` itself (its store is used).
+    `stores`: tenant -> its lineage's store, or one `Publisher` / `VersionStore` (one lineage).
+    `admin_token`: what FetchAdapter requires (none configured: FetchAdapter is refused).
     """
-    if isinstance(store, Publisher):
-        store = store.store
-    servicer = TrainerServicer(state, store)
+    if isinstance(stores, (VersionStore, Publisher)):
+        stores = single_store(stores)
+    servicer = TrainerServicer(state, stores)
     return await create_server(
         [lambda s: trainer_pb2_grpc.add_TrainerServicer_to_server(servicer, s)],
         [SERVICE],
         address,
+        admin_methods=ADMIN_METHODS,
+        admin_token=admin_token,
     )

@@ -20,7 +20,7 @@ from hotloop import adapters
 from hotloop.adapters import Version
 from hotloop.bus import LATEST_KEY, Bus
 from hotloop.clients import TrainerClient
-from hotloop.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
+from hotloop.errors import FailedPrecondition, InvalidArgument, NotFound, Unauthenticated, Unavailable
 from hotloop.proto.v1 import common_pb2
 from services.rollout.catchup import CatchUp, TrainerFetch, bus_latest, listen
 from services.trainer.recipes.publisher import Publisher
@@ -57,7 +57,7 @@ class Trainer:
         self.address = ""
 
     async def serve(self, address: str = "127.0.0.1:0") -> str:
-        self.server, port, _ = await serve(TrainerState(), self.publisher, address)
+        self.server, port, _ = await serve(TrainerState(), self.publisher, address, "token")
         self.address = self.publisher.fetch_from = f"127.0.0.1:{port}"
         return self.address
 
@@ -80,7 +80,7 @@ async def rig(tmp_path, nats_server):
     """(trainer, the replica's bus, fetch); everything closed afterwards."""
     trainer_bus = await Bus.connect(nats_server.url, "trainer")
     replica_bus = await Bus.connect(nats_server.url, "rollout")
-    trainer, fetch = Trainer(tmp_path, trainer_bus), TrainerFetch()
+    trainer, fetch = Trainer(tmp_path, trainer_bus), TrainerFetch("token")
     yield trainer, replica_bus, fetch
     await fetch.close()
     await trainer.close()
@@ -213,13 +213,15 @@ async def test_trainer_client_fetches_a_stored_version_and_names_what_is_missing
     trainer, bus, fetch = rig
     await trainer.serve()
     v1 = await trainer.publish(1)
-    client = TrainerClient(trainer.address)
+    client = TrainerClient(trainer.address, "token")
     try:
         info, chunks = await client.fetch_adapter(0)
         data = b"".join([c async for c in chunks])
         assert info == v1 and adapters.sha256(data) == v1.sha256
         with pytest.raises(NotFound, match="version 7 is not in the trainer's store"):
             await client.fetch_adapter(7)
+        with pytest.raises(Unauthenticated, match="admin token"):  # a tenant's model: admin only
+            await TrainerClient(trainer.address, "not-the-token").fetch_adapter(0)
     finally:
         await client.close()
     dead = TrainerClient(f"127.0.0.1:{free_port()}")

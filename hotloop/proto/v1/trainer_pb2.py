@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from hotloop.proto.v1 import common_pb2 as hotloop_dot_proto_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ehotloop/proto/v1/trainer.proto\x12\nhotloop.v1\x1a\x1dhotloop/proto/v1/common.proto\"\x16\n\x14TrainerStatusRequest\"\xe8\x01\n\rTrainerStatus\x12\x11\n\talgorithm\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x16\n\x0elatest_version\x18\x03 \x01(\x04\x12@\n\x0clast_metrics\x18\x04 \x03(\x0b\x32*.hotloop.v1.TrainerStatus.LastMetricsEntry\x12(\n\x07runtime\x18\x05 \x01(\x0b\x32\x17.hotloop.v1.RuntimeInfo\x1a\x32\n\x10LastMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"&\n\x13\x46\x65tchAdapterRequest\x12\x0f\n\x07version\x18\x01 \x01(\x04\"T\n\x11\x46\x65tchAdapterChunk\x12\'\n\x04info\x18\x01 \x01(\x0b\x32\x17.hotloop.v1.VersionInfoH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04kind2\xa2\x01\n\x07Trainer\x12\x45\n\x06Status\x12 .hotloop.v1.TrainerStatusRequest\x1a\x19.hotloop.v1.TrainerStatus\x12P\n\x0c\x46\x65tchAdapter\x12\x1f.hotloop.v1.FetchAdapterRequest\x1a\x1d.hotloop.v1.FetchAdapterChunk0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ehotloop/proto/v1/trainer.proto\x12\nhotloop.v1\x1a\x1dhotloop/proto/v1/common.proto\"\x16\n\x14TrainerStatusRequest\"\xe8\x01\n\rTrainerStatus\x12\x11\n\talgorithm\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x16\n\x0elatest_version\x18\x03 \x01(\x04\x12@\n\x0clast_metrics\x18\x04 \x03(\x0b\x32*.hotloop.v1.TrainerStatus.LastMetricsEntry\x12(\n\x07runtime\x18\x05 \x01(\x0b\x32\x17.hotloop.v1.RuntimeInfo\x1a\x32\n\x10LastMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"6\n\x13\x46\x65tchAdapterRequest\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x0e\n\x06tenant\x18\x02 \x01(\t\"T\n\x11\x46\x65tchAdapterChunk\x12\'\n\x04info\x18\x01 \x01(\x0b\x32\x17.hotloop.v1.VersionInfoH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04kind2\xa2\x01\n\x07Trainer\x12\x45\n\x06Status\x12 .hotloop.v1.TrainerStatusRequest\x1a\x19.hotloop.v1.TrainerStatus\x12P\n\x0c\x46\x65tchAdapter\x12\x1f.hotloop.v1.FetchAdapterRequest\x1a\x1d.hotloop.v1.FetchAdapterChunk0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -41,9 +41,9 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TRAINERSTATUS_LASTMETRICSENTRY']._serialized_start=284
   _globals['_TRAINERSTATUS_LASTMETRICSENTRY']._serialized_end=334
   _globals['_FETCHADAPTERREQUEST']._serialized_start=336
-  _globals['_FETCHADAPTERREQUEST']._serialized_end=374
-  _globals['_FETCHADAPTERCHUNK']._serialized_start=376
-  _globals['_FETCHADAPTERCHUNK']._serialized_end=460
-  _globals['_TRAINER']._serialized_start=463
-  _globals['_TRAINER']._serialized_end=625
+  _globals['_FETCHADAPTERREQUEST']._serialized_end=390
+  _globals['_FETCHADAPTERCHUNK']._serialized_start=392
+  _globals['_FETCHADAPTERCHUNK']._serialized_end=476
+  _globals['_TRAINER']._serialized_start=479
+  _globals['_TRAINER']._serialized_end=641
 # @@protoc_insertion_point(module_scope)

@@ -33,10 +33,12 @@ class TrainerStatus(_message.Message):
     def __init__(self, algorithm: _Optional[str] = ..., step: _Optional[int] = ..., latest_version: _Optional[int] = ..., last_metrics: _Optional[_Mapping[str, float]] = ..., runtime: _Optional[_Union[_common_pb2.RuntimeInfo, _Mapping]] = ...) -> None: ...
 
 class FetchAdapterRequest(_message.Message):
-    __slots__ = ("version",)
+    __slots__ = ("version", "tenant")
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
     version: int
-    def __init__(self, version: _Optional[int] = ...) -> None: ...
+    tenant: str
+    def __init__(self, version: _Optional[int] = ..., tenant: _Optional[str] = ...) -> None: ...
 
 class FetchAdapterChunk(_message.Message):
     __slots__ = ("info", "data")

@@ -56,7 +56,9 @@ class TrainerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def FetchAdapter(self, request, context):
-        """Stream a published version's adapter archive (header first, then chunks).
+        """Stream a published version's adapter archive (header first, then chunks). An admin RPC:
+        a version is a tenant's model, so only holders of the admin token (replicas catching up,
+        the gateway exporting for an authorised caller) may read it.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -141,7 +141,7 @@ async def open_edge(mesh_cfg: MeshConfig, trainer_cfg: TrainerConfig, run_dir: P
     publisher = Publisher(list(ep.rollout), mesh_cfg.security.admin_token, run_dir / "store", bus,
                           mesh_cfg.model.name, tenant=tenant)
     state = TrainerState(algorithm=algorithm, dtype=dtype)
-    server, port, health = await serve(state, publisher, address)
+    server, port, health = await serve(state, publisher, address, mesh_cfg.security.admin_token)
     host = address.rsplit(":", 1)[0]
     # announced, so a replica that missed a push can fetch from here
     publisher.fetch_from = advertised(host, port, ep.trainer)

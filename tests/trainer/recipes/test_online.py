@@ -174,7 +174,7 @@ async def test_batch_of_one_trains_publishes_then_acks_in_one_linked_trace(
 
     mesh.publisher.publish = publish
     state = TrainerState(algorithm="reinforce_tis", dtype="float32")
-    server, port, _ = await serve(state, mesh.publisher, "127.0.0.1:0")
+    server, port, _ = await serve(state, mesh.publisher, "127.0.0.1:0", TOKEN)
     try:
         summary = await asyncio.wait_for(
             online.run(job(tmp_path), make_cfg(), tiny_model, mesh, tmp_path / "run",

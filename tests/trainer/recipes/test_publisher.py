@@ -266,9 +266,11 @@ async def test_announcement_and_kv_latest_on_nats(tmp_path, replicas, nats_serve
         await listener.close()
 
 
-async def fetch(stub, version: int) -> tuple[common_pb2.VersionInfo, bytes, list[int]]:
+async def fetch(stub, version: int, tenant: str = "",
+                token: str = TOKEN) -> tuple[common_pb2.VersionInfo, bytes, list[int]]:
     info, data, sizes = None, bytearray(), []
-    async for chunk in stub.FetchAdapter(trainer_pb2.FetchAdapterRequest(version=version)):
+    request = trainer_pb2.FetchAdapterRequest(version=version, tenant=tenant)
+    async for chunk in stub.FetchAdapter(request, metadata=grpcutil.bearer(token)):
         if chunk.WhichOneof("kind") == "info":
             assert info is None and not data, "VersionInfo must come first, once"
             info = chunk.info
@@ -284,7 +286,7 @@ async def test_fetch_adapter_and_status_through_a_real_trainer_server(tmp_path):
     res1 = await pub.publish(1, make_adapter_dir(tmp_path / "a1", seed=1))
     res2 = await pub.publish(2, make_adapter_dir(tmp_path / "a2", 1000, seed=2))
     state = TrainerState(algorithm="grpo")
-    server, port, _ = await serve(state, pub, "127.0.0.1:0")  # the Publisher itself is accepted
+    server, port, _ = await serve(state, pub, "127.0.0.1:0", TOKEN)  # the Publisher itself is accepted
     try:
         async with grpcutil.channel(f"127.0.0.1:{port}") as ch:
             stub = trainer_pb2_grpc.TrainerStub(ch)
@@ -298,6 +300,13 @@ async def test_fetch_adapter_and_status_through_a_real_trainer_server(tmp_path):
             with pytest.raises(grpc.aio.AioRpcError) as e:
                 await fetch(stub, 9)
             assert e.value.code() == grpc.StatusCode.NOT_FOUND and "version 9" in e.value.details()
+            with pytest.raises(grpc.aio.AioRpcError) as e:  # a lineage this trainer does not train
+                await fetch(stub, 1, tenant="acme")
+            assert e.value.code() == grpc.StatusCode.NOT_FOUND and "'acme'" in e.value.details()
+            for token in ("", "wrong-token"):  # a version is a tenant's model: admin only
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await fetch(stub, 1, token=token)
+                assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
 
             status = await stub.Status(trainer_pb2.TrainerStatusRequest())
             assert (status.algorithm, status.step, status.latest_version) == ("grpo", 0, 0)
@@ -312,7 +321,7 @@ async def test_fetch_adapter_and_status_through_a_real_trainer_server(tmp_path):
 
 
 async def test_fetch_before_any_publish_is_not_found(tmp_path):
-    server, port, _ = await serve(TrainerState(), VersionStore(tmp_path / "store"), "127.0.0.1:0")
+    server, port, _ = await serve(TrainerState(), VersionStore(tmp_path / "store"), "127.0.0.1:0", TOKEN)
     try:
         async with grpcutil.channel(f"127.0.0.1:{port}") as ch:
             with pytest.raises(grpc.aio.AioRpcError) as e:
