@@ -2,11 +2,12 @@
 
 Owns: connecting with bounded retry, subject/stream names, publishing with W3C trace
 context in headers, durable pull consumers with explicit ack and a dead-letter subject for
-messages that cannot be decoded, and the KV bucket holding the current policy version.
+messages that cannot be decoded, the KV bucket holding the current policy version, and the
+tenant registry's KV bucket (whose records `hotloop.tenants.Registry` owns).
 Does not own: what a service does with a message.
 
 Clusters: `connect` takes one URL or several of one cluster, comma-separated; the client
-fails over among them (and the servers the cluster advertises). The streams and the KV bucket
+fails over among them (and the servers the cluster advertises). The streams and the KV buckets
 are created with `replicas` copies (`ensure_streams`), so with 3 on a cluster of three a dead
 server loses nothing: the survivors elect new leaders, and meanwhile JetStream requests are
 retried and pull fetches come back empty, as in any outage (below).
@@ -53,6 +54,8 @@ FEEDBACK_DEDUP_WINDOW_S = 24 * 3600.0
 TRAFFIC_MAX_AGE_S = 24 * 3600.0
 """Served exchanges older than this are dropped from TRAFFIC; feedback on them is refused."""
 VERSIONS_BUCKET = "hotloop-versions"
+TENANTS_BUCKET = "hotloop-tenants"
+"""KV bucket of the tenant registry: key = a tenant's name, value = a `bus_pb2.TenantRecord`."""
 LATEST_KEY = "latest"
 """KV key (in `VERSIONS_BUCKET`) of the newest announced version (a `common_pb2.VersionInfo`)."""
 KV_STREAM_PREFIX = "KV_"  # JetStream keeps a KV bucket in the stream KV_<bucket>
@@ -165,6 +168,7 @@ class Bus:
         self.replicas = replicas
         """Copies of each stream and KV bucket `ensure_streams` (and a first `kv()`) asks for."""
         self._kv = None
+        self._tenants_kv = None
         self._pulls: list = []  # pull subscriptions, unsubscribed (not drained) at close
         self._reconnect_listeners = [] if reconnect_listeners is None else reconnect_listeners
 
@@ -303,6 +307,8 @@ class Bus:
                                       **extra.get(name, {}))
         await self.kv()  # a bucket made by a process with another `replicas` is brought to ours:
         await self._ensure_stream(KV_STREAM_PREFIX + VERSIONS_BUCKET, num_replicas=self.replicas)
+        await self.tenants_kv()
+        await self._ensure_stream(KV_STREAM_PREFIX + TENANTS_BUCKET, num_replicas=self.replicas)
 
     async def _ensure_stream(self, name: str, **want) -> None:
         """Create stream `name` with `want` (StreamConfig fields), or update the existing one
@@ -330,22 +336,33 @@ class Bus:
             raise BusError(f"stream {name} with {self.replicas} replica(s) ([nats] replicas): "
                            f"{e.description or e}") from e
 
-    async def kv(self):
-        """The versions KV bucket, created with `replicas` copies if it does not exist yet."""
+    async def _bucket(self, bucket: str, history: int):
+        """KV bucket `bucket`, created with `replicas` copies if it does not exist yet."""
         from nats.js.errors import APIError, BucketNotFoundError
 
-        if self._kv is None:
+        try:
+            return await self.retrying(lambda: self.js.key_value(bucket), f"KV {bucket} lookup")
+        except BucketNotFoundError:
             try:
-                self._kv = await self.retrying(lambda: self.js.key_value(VERSIONS_BUCKET), "KV lookup")
-            except BucketNotFoundError:
-                try:
-                    self._kv = await self.retrying(lambda: self.js.create_key_value(
-                        bucket=VERSIONS_BUCKET, history=16, replicas=self.replicas), "KV create")
-                except APIError as e:  # created meanwhile by another process (other replicas)
-                    if e.err_code != STREAM_NAME_IN_USE:
-                        raise
-                    self._kv = await self.retrying(lambda: self.js.key_value(VERSIONS_BUCKET), "KV lookup")
+                return await self.retrying(lambda: self.js.create_key_value(
+                    bucket=bucket, history=history, replicas=self.replicas), f"KV {bucket} create")
+            except APIError as e:  # created meanwhile by another process (other replicas)
+                if e.err_code != STREAM_NAME_IN_USE:
+                    raise
+                return await self.retrying(lambda: self.js.key_value(bucket), f"KV {bucket} lookup")
+
+    async def kv(self):
+        """The versions KV bucket, created with `replicas` copies if it does not exist yet."""
+        if self._kv is None:
+            self._kv = await self._bucket(VERSIONS_BUCKET, 16)
         return self._kv
+
+    async def tenants_kv(self):
+        """The tenant registry's KV bucket (`hotloop.tenants.Registry` reads and writes it),
+        created with `replicas` copies if it does not exist yet."""
+        if self._tenants_kv is None:
+            self._tenants_kv = await self._bucket(TENANTS_BUCKET, 8)
+        return self._tenants_kv
 
     async def kv_put(self, key: str, msg: Message) -> None:
         kv, data = await self.kv(), msg.SerializeToString()

@@ -31,6 +31,17 @@ class FailedPrecondition(RecoverableError):
     code = "FAILED_PRECONDITION"
 
 
+class Conflict(FailedPrecondition):
+    """The request contradicts the current state in a way the caller cannot change by asking
+    again (a tenant declared in config cannot be deleted through the API). HTTP 409."""
+
+
+class AlreadyExists(RecoverableError):
+    """What the request would create exists already (a tenant's name). HTTP 409."""
+
+    code = "ALREADY_EXISTS"
+
+
 class ResourceExhausted(RecoverableError):
     """A bounded resource stayed full for as long as the request could wait (e.g. every
     adapter slot of a rollout replica pinned by running requests); the caller may retry."""
@@ -55,6 +66,12 @@ class Unauthenticated(RecoverableError):
     """The caller presented no credential, or one this service does not accept."""
 
     code = "UNAUTHENTICATED"
+
+
+class PermissionDenied(RecoverableError):
+    """The caller is known but may not do this (a user key on the admin API). HTTP 403."""
+
+    code = "PERMISSION_DENIED"
 
 
 class DeadlineExceeded(RecoverableError):

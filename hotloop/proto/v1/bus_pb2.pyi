@@ -84,3 +84,27 @@ class DeadLetter(_message.Message):
     payload: bytes
     reason: str
     def __init__(self, subject: _Optional[str] = ..., payload: _Optional[bytes] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class TenantRecord(_message.Message):
+    __slots__ = ("name", "keys", "generation", "created_at", "config")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    CREATED_AT_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    keys: _containers.RepeatedCompositeFieldContainer[TenantKey]
+    generation: int
+    created_at: float
+    config: bool
+    def __init__(self, name: _Optional[str] = ..., keys: _Optional[_Iterable[_Union[TenantKey, _Mapping]]] = ..., generation: _Optional[int] = ..., created_at: _Optional[float] = ..., config: _Optional[bool] = ...) -> None: ...
+
+class TenantKey(_message.Message):
+    __slots__ = ("id", "sha256", "created_at")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    CREATED_AT_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    sha256: str
+    created_at: float
+    def __init__(self, id: _Optional[str] = ..., sha256: _Optional[str] = ..., created_at: _Optional[float] = ...) -> None: ...
