@@ -19,6 +19,7 @@ async def build(mesh: MeshConfig, cfg: GatewayConfig) -> service.Running:
     from hotloop.bus import Bus
     from hotloop.tenants import Directory
 
+    from .admin import TenantAdmin
     from .core import GatewayCore
     from .discovery import Discovery
     from .events import BusEvents
@@ -55,9 +56,13 @@ async def build(mesh: MeshConfig, cfg: GatewayConfig) -> service.Running:
     except KeyConfigError as e:
         raise SystemExit(f"gateway: {e}") from None
     await core.start()
+    # registry tenants' keys are known before the first request (a restarted gateway
+    # accepts them at once), then followed as other replicas change them
+    admin = TenantAdmin(bus, keys, core.tenants, mesh.security.admin_token, mesh.endpoints.trainer)
+    await admin.start()
     discovery.start(router.update)
     server, port, health = await serve(core, f"{cfg.host}:{cfg.port}")
-    http = await serve_http(core, cfg.host, cfg.http_port)
+    http = await serve_http(core, cfg.host, cfg.http_port, admin)
     log.info("OpenAI-compatible HTTP on http://%s:%d/v1 (%d keys, replicas %s)",
              cfg.host, http.port, len(keys), mesh.endpoints.rollout)
     if cfg.http_port_file:
@@ -67,7 +72,8 @@ async def build(mesh: MeshConfig, cfg: GatewayConfig) -> service.Running:
         tmp.write_text(json.dumps({"port": http.port, "pid": os.getpid()}))
         tmp.rename(path)  # the launcher never reads a half-written file
     # cleanups run last-first: HTTP stops taking requests, then the core drains traffic
-    return service.Running(server, port, health, [bus.close, core.close, discovery.close, http.stop])
+    return service.Running(server, port, health,
+                           [bus.close, core.close, admin.close, discovery.close, http.stop])
 
 
 if __name__ == "__main__":

@@ -6,8 +6,10 @@ Owns: the OpenAI wire format (`/v1/chat/completions`, `/v1/completions`, streami
 `X-Hotloop-Response-Id` / `X-Hotloop-Policy-Version` headers and a `policy_version` field in
 every body and chunk, `POST /v1/feedback`, `/v1/hotloop/status` and `/metrics`; `/health`
 (liveness: the process answers) and `/ready` (readiness: `GatewayCore.readiness`), both without
-a key; and the request-body bounds (`_BoundedBody`).
-Does not own: any decision (core.py); this module only converts.
+a key; the request-body bounds (`_BoundedBody`); and the tenant admin API's routes
+(`/admin/tenants...`, with the admin token) and `GET /v1/adapter` (a user's own tenant's
+latest version, as a tar), whose operations are admin.py's.
+Does not own: any decision (core.py, admin.py); this module only converts.
 
 A failure after the stream started cannot change the status code: it is sent as one
 `data: {"error": …}` event and the stream closes without `[DONE]` (the openai client raises
@@ -32,16 +34,21 @@ from pydantic import BaseModel, ConfigDict
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from hotloop.errors import (
+    AlreadyExists,
+    Conflict,
     DeadlineExceeded,
     FailedPrecondition,
     FatalError,
     HotloopError,
     InvalidArgument,
     NotFound,
+    PermissionDenied,
     Unauthenticated,
     Unavailable,
 )
+from hotloop.tenants import DEFAULT
 
+from .admin import Export, TenantAdmin
 from .core import BadRequest, GatewayCore, Generation
 from .types import Delta, FeedbackIn, GenerateIn, Message
 
@@ -49,6 +56,7 @@ log = logging.getLogger(__name__)
 
 RESPONSE_ID_HEADER = "X-Hotloop-Response-Id"
 POLICY_VERSION_HEADER = "X-Hotloop-Policy-Version"
+ADAPTER_SHA_HEADER = "X-Hotloop-Adapter-Sha256"
 
 
 # ---- the OpenAI wire format (only what the gateway reads; other fields are ignored) --------
@@ -100,6 +108,10 @@ class CompletionRequest(_Body):
     stream_options: StreamOptions | None = None
 
 
+class TenantBody(_Body):
+    name: str
+
+
 class FeedbackBody(_Body):
     response_id: str
     score: float | None = None
@@ -112,7 +124,10 @@ class FeedbackBody(_Body):
 _STATUS: list[tuple[type[HotloopError], int, str, str | None]] = [
     # (error, HTTP status, OpenAI type, OpenAI code); first match wins
     (Unauthenticated, 401, "invalid_request_error", "invalid_api_key"),
+    (PermissionDenied, 403, "invalid_request_error", "permission_denied"),
     (NotFound, 404, "invalid_request_error", "model_not_found"),
+    (AlreadyExists, 409, "invalid_request_error", "already_exists"),
+    (Conflict, 409, "invalid_request_error", "conflict"),
     (InvalidArgument, 400, "invalid_request_error", None),
     (FailedPrecondition, 400, "invalid_request_error", "failed_precondition"),
     (DeadlineExceeded, 504, "server_error", "timeout"),
@@ -125,9 +140,12 @@ def error_body(message: str, type_: str, param: str | None = None, code: str | N
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
-def error_of(e: HotloopError) -> tuple[int, dict]:
+def error_of(e: HotloopError, not_found: str = "model_not_found") -> tuple[int, dict]:
+    """(HTTP status, OpenAI error body) of `e`; `not_found`: the code of a NotFound (the
+    OpenAI endpoints' is a model; the admin API's a tenant or a version)."""
     for cls, status, type_, code in _STATUS:
         if isinstance(e, cls):
+            code = not_found if cls is NotFound else code
             return status, error_body(str(e), type_, getattr(e, "param", None), code)
     return 500, error_body(str(e), "server_error")
 
@@ -421,14 +439,23 @@ async def _respond(g: Generation, api: _Api, stream: bool, include_usage: bool):
 
 
 # ---- the app ---------------------------------------------------------------------------
-def build_app(core: GatewayCore) -> FastAPI:
+def _export_response(x: Export) -> StreamingResponse:
+    return StreamingResponse(x.chunks(), media_type="application/x-tar", headers={
+        "Content-Disposition": f'attachment; filename="{x.tenant}-v{x.version}.tar"',
+        "Content-Length": str(x.bytes), POLICY_VERSION_HEADER: str(x.version),
+        ADAPTER_SHA_HEADER: x.sha256})
+
+
+def build_app(core: GatewayCore, admin: TenantAdmin | None = None) -> FastAPI:
+    """`admin`: the tenant admin API's operations (none: the admin API answers 403)."""
     app = FastAPI(title="hotloop gateway", docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(_BoundedBody, max_bytes=core.cfg.max_request_bytes,
                        timeout_s=core.cfg.request_body_timeout_s)
 
     @app.exception_handler(HotloopError)
     async def _hotloop_error(request: Request, e: HotloopError):
-        return _error_response(*error_of(e))
+        admin_path = request.url.path.startswith(("/admin/", "/v1/adapter"))
+        return _error_response(*error_of(e, "not_found" if admin_path else "model_not_found"))
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, e: RequestValidationError):
@@ -506,6 +533,49 @@ def build_app(core: GatewayCore) -> FastAPI:
         return {"accepted": True, "reason": r.reason, "response_id": body.response_id,
                 "choice": body.choice}
 
+    # ---- the tenant admin API (admin.py) ----------------------------------------------
+    def operator(request: Request) -> TenantAdmin:
+        if admin is None:
+            raise PermissionDenied("admin API disabled: this gateway has no tenant registry")
+        admin.check_admin(request.headers.get("authorization"))
+        return admin
+
+    @app.post("/admin/tenants", status_code=201)
+    async def create_tenant(body: TenantBody, a: TenantAdmin = Depends(operator)):
+        return await a.create(body.name)
+
+    @app.get("/admin/tenants")
+    async def list_tenants(a: TenantAdmin = Depends(operator)):
+        return {"tenants": await a.list()}
+
+    @app.get("/admin/tenants/{name}")
+    async def get_tenant(name: str, a: TenantAdmin = Depends(operator)):
+        return await a.get(name)
+
+    @app.post("/admin/tenants/{name}/keys", status_code=201)
+    async def add_key(name: str, a: TenantAdmin = Depends(operator)):
+        return await a.add_key(name)
+
+    @app.post("/admin/tenants/{name}/reset", status_code=202)
+    async def reset_tenant(name: str, a: TenantAdmin = Depends(operator)):
+        return await a.reset(name)
+
+    @app.delete("/admin/tenants/{name}")
+    async def delete_tenant(name: str, a: TenantAdmin = Depends(operator)):
+        return await a.delete(name)
+
+    @app.get("/admin/tenants/{name}/adapter")
+    async def export_tenant(name: str, a: TenantAdmin = Depends(operator)):
+        return _export_response(await a.export(name))
+
+    @app.get("/v1/adapter")
+    async def export_own(key: str = Depends(user)):
+        tenant = core.tenants.tenant_of(key)
+        if tenant == DEFAULT or admin is None:
+            raise NotFound("no tenant: this key is in the default tenant, which has no adapter "
+                           "of its own to export")
+        return _export_response(await admin.export(tenant))
+
     return app
 
 
@@ -550,7 +620,8 @@ class _Server:
         self._task = None
 
 
-async def serve_http(core: GatewayCore, host: str, port: int) -> _Server:
-    server = _Server(build_app(core), host, port)
+async def serve_http(core: GatewayCore, host: str, port: int,
+                     admin: TenantAdmin | None = None) -> _Server:
+    server = _Server(build_app(core, admin), host, port)
     await server.start()
     return server

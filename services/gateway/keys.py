@@ -1,9 +1,12 @@
 """User API keys: loading, the id each key is known by, and checking a presented key.
 
-Owns: parsing `key` / `id:key` entries (config list and key file), keeping only sha256 digests
-in memory, and mapping a presented bearer token to its key id. The id, never the key, is what
-traffic and feedback carry.
-Does not own: where the token comes from (HTTP header, gRPC metadata) or what a caller may do.
+Owns: parsing `key` / `id:key` entries (config list and key file), minting the keys of registry
+tenants (`mint`: the secret is shown once and only its digest is kept), holding the keys this
+gateway accepts (`KeyRing`: the config keys, fixed, plus each registry tenant's, which the
+admin module puts in and takes out as the registry changes), and mapping a presented bearer
+token to its key id. The id, never the key, is what traffic and feedback carry.
+Does not own: where the token comes from (HTTP header, gRPC metadata), which tenant a key id
+is in (`hotloop.tenants.Directory`) or what a caller may do.
 
 Lookup is a dict access on the presented key's sha256: its timing depends on the digest, which
 a caller cannot steer towards a stored one, so it leaks nothing useful about stored keys.
@@ -13,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+import secrets
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -27,6 +31,17 @@ class KeyConfigError(ValueError):
 
 def _digest(key: str) -> bytes:
     return hashlib.sha256(key.encode()).digest()
+
+
+def digest_hex(key: str) -> str:
+    """The hex sha256 of a key: what the tenant registry stores instead of the key."""
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def mint(tenant: str) -> tuple[str, str]:
+    """A new (key id, key) for a registry tenant: 256 random bits, and an id naming the tenant
+    with 32 random bits of its own (unrelated to the key)."""
+    return f"{tenant}-{secrets.token_hex(4)}", "sk-hl-" + secrets.token_urlsafe(32)
 
 
 def default_id(key: str) -> str:
@@ -73,13 +88,35 @@ def load_keys(tokens: Iterable[str], tokens_file: str = "") -> dict[bytes, str]:
 
 
 class KeyRing:
+    """The keys this gateway accepts: config keys (fixed) and registry tenants' keys (`put`
+    and `drop` by tenant). One event loop reads and writes it."""
+
     def __init__(self, digests: dict[bytes, str]):
         if not digests:
             raise KeyConfigError(
                 "no user API keys configured: set [security] user_tokens or user_tokens_file "
                 "(`hotloop up` generates a key file in the run directory)"
             )
+        self._config = dict(digests)
+        self._tenants: dict[str, dict[bytes, str]] = {}
         self._by_digest = dict(digests)
+
+    def put(self, tenant: str, digests: dict[bytes, str]) -> None:
+        """Make `digests` ({sha256: id}) the keys of registry tenant `tenant`, replacing what it
+        had. ValueError if one is another's key or key id (nothing is changed then)."""
+        others = {d: i for d, i in self._by_digest.items() if d not in self._tenants.get(tenant, {})}
+        clash = sorted(i for d, i in digests.items() if d in others) + sorted(
+            set(digests.values()) & set(others.values()))
+        if clash:
+            raise ValueError(f"key(s) {clash} of tenant {tenant!r} are another's key or key id")
+        self.drop(tenant)
+        self._tenants[tenant] = dict(digests)
+        self._by_digest.update(digests)
+
+    def drop(self, tenant: str) -> None:
+        """Stop accepting registry tenant `tenant`'s keys (nothing if it has none)."""
+        for d in self._tenants.pop(tenant, {}):
+            self._by_digest.pop(d, None)
 
     def __len__(self) -> int:
         return len(self._by_digest)

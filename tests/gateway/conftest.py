@@ -23,6 +23,7 @@ class Gateway:
     http: object
     bus: Bus
     grpc_address: str
+    admin: object = None
 
     @property
     def base_url(self) -> str:
@@ -37,16 +38,24 @@ class Gateway:
         ch = grpcutil.channel(self.grpc_address)
         return ch, gateway_pb2_grpc.GatewayStub(ch)
 
+    @property
+    def admin_url(self) -> str:
+        return f"http://127.0.0.1:{self.http.port}/admin"
+
     async def stop(self) -> None:
         await self.http.stop()
         await self.server.stop(0)
+        await self.admin.close()
         await self.core.close()
         await self.bus.close()
 
 
 async def start_gateway(replicas: list[str], nats_url: str, served_model: str = "tiny",
                         keys: list[str] = KEYS, tenants: dict[str, list[str]] | None = None,
-                        **cfg) -> Gateway:
+                        admin_token: str = "", trainer: str = "", **cfg) -> Gateway:
+    """`admin_token`, `trainer`: `[security] admin_token` and `[endpoints] trainer` (the
+    admin API and the tenant registry, which every test gateway follows)."""
+    from services.gateway.admin import TenantAdmin
     from services.gateway.config import GatewayConfig
     from services.gateway.core import GatewayCore
     from services.gateway.events import BusEvents
@@ -68,9 +77,11 @@ async def start_gateway(replicas: list[str], nats_url: str, served_model: str = 
     core = GatewayCore(config, KeyRing(load_keys(keys)), router, BusEvents(bus, config.traffic_queue),
                        served_model, tenants=directory)
     await core.start()
+    admin = TenantAdmin(bus, core.keys, core.tenants, admin_token, trainer)
+    await admin.start()
     server, port, _ = await serve(core, "127.0.0.1:0")
-    http = await serve_http(core, "127.0.0.1", 0)
-    return Gateway(core, server, http, bus, f"127.0.0.1:{port}")
+    http = await serve_http(core, "127.0.0.1", 0, admin)
+    return Gateway(core, server, http, bus, f"127.0.0.1:{port}", admin)
 
 
 @pytest.fixture(scope="module")
