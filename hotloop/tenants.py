@@ -205,8 +205,8 @@ class Registry:
 
     A removed lane's lineage (its versions-KV key `hotloop.bus.latest_key(name)`, its
     store) is the trainer's to delete once the lane has stopped: until `latest_key(name)` is
-    gone, the gateway refuses to create the name again, so a new tenant is never served
-    the adapter of a deleted one.
+    gone, the gateway refuses to create the name again, so a new tenant does not start on a
+    deleted one's announced version.
 
     The iterator ends only when the caller stops iterating (`aclose()`): it rides out bus
     outages (JetStream's ordered consumer resumes after the last revision it delivered).
