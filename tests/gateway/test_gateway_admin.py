@@ -49,7 +49,8 @@ async def call(method: str, url: str, token: str | None = ADMIN, **kw) -> httpx.
 
 
 async def chat(gw, key: str) -> str:
-    r = await gw.openai(key).chat.completions.create(model="tiny", messages=HI, max_tokens=2)
+    async with gw.openai(key) as client:  # closed here, not at GC on a closed loop
+        r = await client.chat.completions.create(model="tiny", messages=HI, max_tokens=2)
     return r.choices[0].message.content
 
 
