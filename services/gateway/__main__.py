@@ -17,6 +17,7 @@ log = logging.getLogger("gateway")
 
 async def build(mesh: MeshConfig, cfg: GatewayConfig) -> service.Running:
     from hotloop.bus import Bus
+    from hotloop.errors import Unavailable
     from hotloop.tenants import Directory
 
     from .admin import TenantAdmin
@@ -59,7 +60,10 @@ async def build(mesh: MeshConfig, cfg: GatewayConfig) -> service.Running:
     # registry tenants' keys are known before the first request (a restarted gateway
     # accepts them at once), then followed as other replicas change them
     admin = TenantAdmin(bus, keys, core.tenants, mesh.security.admin_token, mesh.endpoints.trainer)
-    await admin.start()
+    try:
+        await admin.start()
+    except Unavailable as e:
+        raise SystemExit(f"gateway: {e}") from None
     discovery.start(router.update)
     server, port, health = await serve(core, f"{cfg.host}:{cfg.port}")
     http = await serve_http(core, cfg.host, cfg.http_port, admin)

@@ -124,8 +124,8 @@ class TenantAdmin:
                                              bus_pb2.WeightsUpdated, self._announced)
         waiter = asyncio.ensure_future(ready.wait())
         try:
-            done, _ = await asyncio.wait({waiter, self._task}, timeout=timeout_s or self.bus.outage_s,
-                                         return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait({waiter, self._task}, timeout=timeout_s or self.bus.outage_s,
+                               return_when=asyncio.FIRST_COMPLETED)
         finally:
             waiter.cancel()
         if not ready.is_set():
