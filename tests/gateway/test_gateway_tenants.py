@@ -5,6 +5,7 @@ another's answers."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import httpx
 import openai
@@ -37,6 +38,15 @@ async def feedback(gw, key: str, **body) -> httpx.Response:
                                headers={"Authorization": f"Bearer {key}"})
 
 
+async def stored_traffic(gw, response_id: str, timeout_s: float = 20.0):
+    """The response's TRAFFIC record, once the gateway's publish (after the answer) is stored."""
+    deadline = time.monotonic() + timeout_s
+    while (tr := await gw.bus.traffic(response_id, 0, patience_s=5)) is None:
+        assert time.monotonic() < deadline, f"no traffic record for {response_id} within {timeout_s}s"
+        await asyncio.sleep(0.05)
+    return tr
+
+
 async def on(gw, subject: str, durable: str) -> list[bus_pb2.FeedbackEvent]:
     consumer = await gw.bus.pull("FEEDBACK", subject, durable, bus_pb2.FeedbackEvent)
     return [m.payload for m in await consumer.fetch(100, 1)]
@@ -49,8 +59,8 @@ async def test_each_tenants_traffic_and_feedback_stay_its_own(rig):
         r = await gw.openai(key).chat.completions.create(model="tiny", messages=HI, max_tokens=3)
         answers[name] = r.id
         assert fake.requests[-1].tenant == name  # the replica serves it from that lineage
-        tr = await gw.bus.traffic(r.id, 0, patience_s=5)
-        assert tr is not None and tr.tenant == name
+        tr = await stored_traffic(gw, r.id)
+        assert tr.tenant == name
         # another tenant's key cannot rate it: the response is unknown to it
         for other in {KEY, OTHER_KEY, ANON_KEY} - {key}:
             assert (await feedback(gw, other, response_id=r.id, score=1)).status_code == 404
@@ -87,7 +97,7 @@ async def test_a_restarted_gateway_publishes_on_the_tenant_that_served(rig, nats
     the traffic record names."""
     _, gw, addr = rig
     r = await gw.openai(KEY).chat.completions.create(model="tiny", messages=HI, max_tokens=3)
-    assert await gw.bus.traffic(r.id, 0, patience_s=5) is not None
+    await stored_traffic(gw, r.id)
     fresh = await start_gateway([addr], nats_module.url, tenants=TENANTS)
     try:
         assert (await feedback(fresh, OTHER_KEY, response_id=r.id, label="up")).status_code == 404
