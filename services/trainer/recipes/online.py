@@ -59,9 +59,14 @@ Metrics: `OnlineMetrics` holds the loop's `Counters` (read into Prometheus when 
 they are written to metrics.jsonl) and observes each update's seconds, per stage and whole, and
 each trained feedback's loop: from its arrival at the gateway to its version serving.
 
+Many tenants: one loop trains one lineage. A multi-tenant trainer runs a loop per tenant on one
+shared policy (lanes.py); every use of the policy here (restore, pack, train, checkpoint) is
+inside the injected `turn`, where that tenant's adapter is swapped in and the fair share
+decides whose update runs. Alone, the turn is a no-op (`solo_turn`).
+
 Does not own: the services it talks to, the policy's update math (policy.py, algorithms.py),
-the loop around its steps and the stop handling (base.py), or the process around it (job.py,
-__main__.py).
+the loop around its steps and the stop handling (base.py), the tenants' turns (lanes.py), or
+the process around it (job.py, __main__.py).
 """
 
 from __future__ import annotations
@@ -161,7 +166,7 @@ class OnlineMetrics:
             buckets=STEP_BUCKETS, registry=reg)
         self.stage_seconds = Histogram(
             "hotloop_trainer_stage_seconds", "Seconds of each stage of an update: consume, "
-            "join, reference, train, publish_wait (for the previous version to land), pack, "
+            "join, reference, train, pack, publish_wait (for the previous version to land), "
             "publish (beside the next update), commit.", ["stage"],
             buckets=STEP_BUCKETS, registry=reg)
         self.loop_seconds = Histogram(
