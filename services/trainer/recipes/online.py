@@ -166,7 +166,8 @@ class OnlineMetrics:
             buckets=STEP_BUCKETS, registry=reg)
         self.stage_seconds = Histogram(
             "hotloop_trainer_stage_seconds", "Seconds of each stage of an update: consume, "
-            "join, reference, train, pack, publish_wait (for the previous version to land), "
+            "join, reference, turn_wait (a tenant's lane waiting for its share of a trainer "
+            "of several tenants), train, pack, publish_wait (for the previous version to land), "
             "publish (beside the next update), commit.", ["stage"],
             buckets=STEP_BUCKETS, registry=reg)
         self.loop_seconds = Histogram(
@@ -600,7 +601,9 @@ class Online(Recipe):
         t = time.perf_counter()
         adapter = None
         async with self.turn(True) as grant:
-            t = time.perf_counter()  # the wait for the turn is no stage of this update's
+            if self.turn is not solo_turn:  # a lane's wait for its fair share (lanes.py)
+                secs["turn_wait"] = time.perf_counter() - t
+            t = time.perf_counter()
             with _tracer.start_as_current_span("train"):
                 try:
                     m = await self.run.train(self.policy, samples)

@@ -163,6 +163,7 @@ async def test_two_tenants_train_their_own_lineages_and_a_burst_does_not_starve_
         assert [r["version"] for r in steps(tmp_path, tenant)][-1] == v
         info_c = await mesh.consumer(tenant)
         assert info_c.num_ack_pending == 0 and info_c.num_pending == 0
+    assert all("turn_wait" in r["stage_seconds"] for t in versions for r in steps(tmp_path, t))
     pushed = {t: [v for tt, v in mesh.replica.pushes if tt == t] for t in versions}
     assert pushed[""] == sorted(pushed[""]) and len(pushed[""]) >= 8 and len(pushed["acme"]) >= 1
     assert info.version == versions["acme"] and len(data) == info.bytes
@@ -238,3 +239,55 @@ async def test_tenants_are_added_reset_and_removed_at_runtime(mesh, tmp_path, ma
         await mesh.rollout.close()
     assert b2 > b1
     assert [t for t, _ in mesh.replica.pushes].count("beta") == 1
+
+
+async def test_turns_one_at_a_time_short_ones_first_and_a_stopped_waiter_leaves_no_trace(make_cfg):
+    from services.trainer.learner.policy import LoraPolicy
+    from services.trainer.recipes.lanes import Turns
+
+    turns = Turns(LoraPolicy(make_cfg()))
+    for t in ("a", "b"):
+        turns.add(t)
+    order: list[str] = []
+    a_in = asyncio.Event()
+    release_a = asyncio.Event()
+
+    async def use(tenant: str, train: bool, hold: asyncio.Event | None = None, tokens: int = 0):
+        async with turns.turn(tenant, train) as grant:
+            order.append(f"{tenant}:{'train' if train else 'short'}")
+            assert turns.adapters.current == tenant and turns.holder == tenant
+            if hold is not None:
+                a_in.set()
+                await hold.wait()
+            grant.tokens = tokens
+
+    first = asyncio.create_task(use("a", True, release_a, tokens=100))
+    await a_in.wait()
+    b_train = asyncio.create_task(use("b", True, tokens=10))
+    gone = asyncio.create_task(use("a", False))  # a short turn, stopped before it is granted
+    b_short = asyncio.create_task(use("b", False))
+    await asyncio.sleep(0.05)
+    assert order == ["a:train"]  # one at a time
+    gone.cancel()
+    release_a.set()
+    await asyncio.gather(first, b_train, b_short)
+    assert order == ["a:train", "b:short", "b:train"]  # the short turn first
+    assert turns.fair.vtime == {"a": 100, "b": 10}
+
+    # a training waiter that stops is withdrawn; the next grant goes on as if it never asked
+    release_a.clear()
+    a_in.clear()
+    holder = asyncio.create_task(use("b", True, release_a, tokens=5))
+    await a_in.wait()
+    waiter = asyncio.create_task(use("a", True))
+    await asyncio.sleep(0.05)
+    waiter.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiter
+    assert turns.fair.waiting() == []
+    release_a.set()
+    await holder
+    assert turns.holder is None and turns.grants == ["a", "b", "b"]
+    turns.remove("a")
+    with pytest.raises(KeyError):
+        turns.adapters.use("a")
