@@ -58,8 +58,10 @@ def train(args) -> int:
         if interrupted:  # nothing to save: un-acked feedback is redelivered to the next run
             print(f"online: stopped; resume with --set online.run_id={online_job.run_id}")
             return 130
-        print(f"online: {summary['updates']} updates, version {summary['version']}, "
-              f"counters {summary['counters']}")
+        for tenant, one in (summary["tenants"].items() if "tenants" in summary
+                            else [(online_job.tenant, summary)]):
+            print(f"online{f' [{tenant}]' if tenant else ''}: {one['updates']} updates, "
+                  f"version {one['version']}, counters {one['counters']}")
         return 0
     from hotloop.service import run_interruptible
     from services.trainer.recipes.job import run_job

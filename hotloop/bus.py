@@ -29,6 +29,7 @@ version instead of misreading it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -395,6 +396,15 @@ class Bus:
 
         return await self.nc.subscribe(subject, cb=_cb)
 
+    async def delete_consumer(self, stream: str, durable: str) -> None:
+        """Delete a durable consumer (none of that name: nothing to do). The stream's messages
+        stay; a pull subscription on it gets nothing more."""
+        from nats.js.errors import NotFoundError
+
+        with contextlib.suppress(NotFoundError):
+            await self.retrying(lambda: self.js.delete_consumer(stream, durable),
+                                f"delete consumer {durable}")
+
     async def pull(
         self, stream: str, subject: str, durable: str, msg_type: type[M],
         batch: int = 16, timeout_s: float = 1.0, ack_wait_s: float = 30.0,
@@ -410,7 +420,7 @@ class Bus:
             lambda: self.js.pull_subscribe(subject, durable=durable, stream=stream, config=config),
             f"consumer {durable}")
         self._pulls.append(sub)
-        return PullConsumer(self, sub, msg_type, batch, timeout_s)
+        return PullConsumer(self, sub, msg_type, batch, timeout_s, stream, durable)
 
 
 def decode(msg_type: type[M], data: bytes, headers: dict[str, str]) -> M:
@@ -428,9 +438,30 @@ class PullConsumer:
     reason and are then acked (they would fail forever); everything else is the caller's to
     ack after its effect commits, or it is redelivered after ack_wait."""
 
-    def __init__(self, bus: Bus, sub, msg_type, batch: int, timeout_s: float):
+    def __init__(self, bus: Bus, sub, msg_type, batch: int, timeout_s: float,
+                 stream: str = "", durable: str = ""):
         self.bus, self.sub, self.msg_type = bus, sub, msg_type
         self.batch, self.timeout_s = batch, timeout_s
+        self.stream, self.durable = stream, durable
+
+    async def close(self) -> None:
+        """Unsubscribe (as `Bus.close` does), keeping the durable consumer: what this one
+        holds un-acked is redelivered to the next subscriber of it, and a pull request still
+        pending here takes nothing more (it would hold a message until ack_wait)."""
+        import nats
+
+        if self.sub in self.bus._pulls:
+            self.bus._pulls.remove(self.sub)
+            try:
+                await self.sub.unsubscribe()
+            except nats.errors.Error:  # already gone, or the connection is reconnecting
+                pass
+
+    async def delete(self) -> None:
+        """Unsubscribe and delete the durable consumer: its position and what it had
+        delivered un-acked go with it; the stream's messages stay."""
+        await self.close()
+        await self.bus.delete_consumer(self.stream, self.durable)
 
     async def fetch(self, batch: int | None = None, timeout_s: float | None = None) -> list[Received]:
         import nats

@@ -2,7 +2,8 @@
 --services ...,trainer`).
 
 Runs the online loop (online.py) in the background of the trainer's gRPC server (Status,
-FetchAdapter), so a demo can start the gateway and the online trainer together. Reads
+FetchAdapter), so a demo can start the gateway and the online trainer together; with
+`[online] tenants`, a lane per tenant on one shared policy (recipes/lanes.py). Reads
 `[trainer]` (optimizer, LoRA, dtype, kl_beta) and `[online]`; listens on `[trainer_server]`'s
 address. If the loop fails, the process stops with its error (the launcher reports it); on
 SIGTERM the loop is cancelled and whatever it had not acked is redelivered to the next run.
@@ -42,14 +43,26 @@ async def build(mesh: MeshConfig, cfg: TrainerServerConfig, *, online: OnlineCon
     from hotloop.threads import pin_configured
 
     from .recipes import online as online_loop
-    from .recipes.job import close_online, online_status, open_online
+    from .recipes.job import close_lanes, close_online, online_status, open_lanes, open_online
 
     job, trainer_cfg = online, trainer
     pin_configured(trainer_cfg.cpus, "trainer")
-    edge, omesh, run_dir = await open_online(mesh, job, trainer_cfg, f"{cfg.host}:{cfg.port}")
-    loop = asyncio.create_task(online_loop.run(job, trainer_cfg, models.resolve(mesh.model.name), omesh,
-                                               run_dir, on_step=online_status(edge.state),
-                                               metrics=online_loop.OnlineMetrics(metrics.registry())))
+    if job.tenants:  # a lane per tenant on one policy (recipes/lanes.py)
+        edge, lanes = await open_lanes(mesh, job, trainer_cfg, f"{cfg.host}:{cfg.port}",
+                                       registry=metrics.registry())
+        loop = asyncio.create_task(lanes.run())
+
+        async def close() -> None:
+            await close_lanes(edge, lanes)
+    else:
+        edge, omesh, run_dir = await open_online(mesh, job, trainer_cfg, f"{cfg.host}:{cfg.port}")
+        loop = asyncio.create_task(online_loop.run(
+            job, trainer_cfg, models.resolve(mesh.model.name), omesh, run_dir,
+            on_step=online_status(edge.state),
+            metrics=online_loop.OnlineMetrics(metrics.registry())))
+
+        async def close() -> None:
+            await close_online(edge, omesh)
 
     def check() -> None:
         if loop.done() and not loop.cancelled() and loop.exception() is not None:
@@ -68,7 +81,7 @@ async def build(mesh: MeshConfig, cfg: TrainerServerConfig, *, online: OnlineCon
             log.error("the online loop did not stop within %.0f s; closing without it",
                       STOP_TIMEOUT_S)
         try:
-            await asyncio.wait_for(close_online(edge, omesh), STOP_TIMEOUT_S)
+            await asyncio.wait_for(close(), STOP_TIMEOUT_S)
         except Exception as e:  # TimeoutError included: exit anyway, nothing acked is lost
             log.error("closing the trainer's connections failed: %r", e)
         log.info("online loop stopped")

@@ -284,6 +284,14 @@ class OnlineConfig(_Strict):
     """The tenant whose lineage this loop trains (`[tenants.<name>]`; "": the default tenant).
     It reads only that tenant's feedback subject, and dead-letters (reason `other_tenant`) a
     feedback or traffic record that names another tenant."""
+    tenants: list[str] = Field(default_factory=list)
+    """The tenants this process trains, each in a lane of its own on one shared base model
+    (services/trainer/recipes/lanes.py): its own adapter, optimizer state, baseline, versions,
+    consumer (`<durable>-<tenant>`), checkpoints and store under `<run_id>/tenants/<tenant>/`
+    (the default tenant "" keeps `<run_id>/` itself), time-shared by a fair rule on trained
+    tokens. Empty (the default): the one lineage of `tenant`, exactly as before. When set,
+    leave `tenant` at its default. Two processes must not list the same tenant (they would
+    share its durable consumer): split the tenants between them by config."""
     durable: str = Field("hotloop-online-trainer", min_length=1, pattern=r"^[A-Za-z0-9_-]+$")
     """Name of the durable JetStream consumer on FEEDBACK: its position survives restarts.
     A tenant's loop uses `<durable>-<tenant>` (`consumer_name`), so that each tenant's
@@ -321,6 +329,28 @@ class OnlineConfig(_Strict):
         from hotloop.tenants import check_tenant
 
         return check_tenant(name)
+
+    @field_validator("tenants")
+    @classmethod
+    def _tenants(cls, names: list[str]) -> list[str]:
+        from hotloop.tenants import check_tenant
+
+        checked = [check_tenant(n) for n in names]
+        if (twice := sorted({n for n in checked if checked.count(n) > 1})):
+            raise ValueError(f"[online] tenants lists {', '.join(map(repr, twice))} more than once")
+        return checked
+
+    @model_validator(mode="after")
+    def _one_way_to_name_tenants(self) -> "OnlineConfig":
+        if self.tenants and self.tenant:
+            raise ValueError(f"[online] tenants and tenant are both set ({self.tenants!r} and "
+                             f"{self.tenant!r}): with tenants, list every tenant there and leave "
+                             "tenant unset")
+        return self
+
+    def for_tenant(self, tenant: str) -> "OnlineConfig":
+        """This section as one lane of `tenants` runs it: its `tenant`, no `tenants`."""
+        return self.model_copy(update={"tenant": tenant, "tenants": []})
 
     @property
     def consumer_name(self) -> str:

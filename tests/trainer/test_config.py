@@ -49,3 +49,19 @@ def test_invalid_trainer_configs_are_rejected(bad: dict) -> None:
 def test_reference_backend_is_a_closed_choice() -> None:
     with pytest.raises(ValidationError):
         ReferenceConfig(backend="vllm")  # not until a real backend exists
+
+
+def test_online_tenants_are_checked_and_exclusive_with_tenant() -> None:
+    from services.trainer.config import OnlineConfig
+
+    job = OnlineConfig(tenants=["", "acme"], durable="d")
+    assert job.tenants == ["", "acme"] and job.tenant == ""
+    lane = job.for_tenant("acme")
+    assert (lane.tenant, lane.tenants, lane.consumer_name) == ("acme", [], "d-acme")
+    assert OnlineConfig().tenants == []  # default: the single `tenant`, as before
+    for bad, needle in ((["acme", "acme"], "more than once"), (["Acme"], "tenant name"),
+                        (["a.b"], "tenant name")):
+        with pytest.raises(ValidationError, match=needle):
+            OnlineConfig(tenants=bad)
+    with pytest.raises(ValidationError, match="leave tenant unset"):
+        OnlineConfig(tenants=["acme"], tenant="beta")

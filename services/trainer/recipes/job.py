@@ -79,17 +79,19 @@ class Edge:
 
     bus: Any  # hotloop.bus.Bus | None
     reference: References | None
-    publisher: Any  # .publisher.Publisher
+    publisher: Any  # .publisher.Publisher; None where the lanes make one per tenant (lanes.py)
     state: Any  # .server.TrainerState
     server: Any  # grpc.aio.Server
     port: int
     health: Any
     dtype: str
+    fetch_from: str = ""  # this trainer's FetchAdapter address, as announced
 
     async def close(self) -> None:
         if self.reference is not None:
             await self.reference.close()
-        await self.publisher.close()
+        if self.publisher is not None:
+            await self.publisher.close()
         await self.server.stop(1)
         if self.bus is not None:
             try:
@@ -116,9 +118,12 @@ def advertised(host: str, port: int, configured: str = "") -> str:
 
 
 async def open_edge(mesh_cfg: MeshConfig, trainer_cfg: TrainerConfig, run_dir: Path,
-                    algorithm: str, address: str = "127.0.0.1:0", tenant: str = "") -> Edge:
+                    algorithm: str, address: str = "127.0.0.1:0", tenant: str = "",
+                    stores=None) -> Edge:
     """Connect the bus (if configured) and the reference, check dtypes, start the trainer's
-    Status/FetchAdapter server on `address`. Close with `Edge.close()`."""
+    Status/FetchAdapter server on `address`. `stores` (server.Stores): the lineages' stores
+    when the caller publishes per tenant (no publisher here then); else one publisher for
+    `tenant`'s lineage under `run_dir`. Close with `Edge.close()`."""
     from .publisher import Publisher
     from ..server import TrainerState, serve
 
@@ -138,16 +143,19 @@ async def open_edge(mesh_cfg: MeshConfig, trainer_cfg: TrainerConfig, run_dir: P
         if bus is not None:
             await bus.close()
         raise
-    publisher = Publisher(list(ep.rollout), mesh_cfg.security.admin_token, run_dir / "store", bus,
-                          mesh_cfg.model.name, tenant=tenant)
+    publisher = None if stores is not None else Publisher(
+        list(ep.rollout), mesh_cfg.security.admin_token, run_dir / "store", bus,
+        mesh_cfg.model.name, tenant=tenant)
     state = TrainerState(algorithm=algorithm, dtype=dtype)
-    server, port, health = await serve(state, publisher, address, mesh_cfg.security.admin_token)
+    server, port, health = await serve(state, stores if stores is not None else publisher,
+                                       address, mesh_cfg.security.admin_token)
     host = address.rsplit(":", 1)[0]
     # announced, so a replica that missed a push can fetch from here
-    publisher.fetch_from = advertised(host, port, ep.trainer)
-    log.info("trainer serving Status/FetchAdapter on %s:%d (announced as %s)", host, port,
-             publisher.fetch_from)
-    return Edge(bus, reference, publisher, state, server, port, health, dtype)
+    fetch_from = advertised(host, port, ep.trainer)
+    if publisher is not None:
+        publisher.fetch_from = fetch_from
+    log.info("trainer serving Status/FetchAdapter on %s:%d (announced as %s)", host, port, fetch_from)
+    return Edge(bus, reference, publisher, state, server, port, health, dtype, fetch_from)
 
 
 async def run_job(mesh_cfg: MeshConfig, job, trainer_cfg: TrainerConfig, config_text: str = "",
@@ -213,12 +221,7 @@ def replica_counts(mesh: grpo.Mesh) -> dict[str, dict[str, dict]]:
 # ---- the online trainer ------------------------------------------------------------------------
 
 
-async def open_online(mesh_cfg: MeshConfig, job, trainer_cfg: TrainerConfig,
-                      address: str = "127.0.0.1:0"):
-    """The edge and the `online.OnlineMesh` of an online job; returns (edge, mesh, run_dir).
-    Close with `close_online`."""
-    from . import online
-
+def _check_online_mesh(mesh_cfg: MeshConfig, trainer_cfg: TrainerConfig) -> None:
     ep = mesh_cfg.endpoints
     if not mesh_cfg.nats.url:
         raise SystemExit("the online trainer reads feedback from the bus: no [nats] url configured")
@@ -226,6 +229,16 @@ async def open_online(mesh_cfg: MeshConfig, job, trainer_cfg: TrainerConfig,
         raise SystemExit("no rollout endpoint: start the mesh with `hotloop up` first")
     if trainer_cfg.loss.kl_beta > 0 and not ep.reference:
         raise SystemExit("kl_beta > 0 needs the reference service: no endpoint configured")
+
+
+async def open_online(mesh_cfg: MeshConfig, job, trainer_cfg: TrainerConfig,
+                      address: str = "127.0.0.1:0"):
+    """The edge and the `online.OnlineMesh` of an online job; returns (edge, mesh, run_dir).
+    Close with `close_online`."""
+    from . import online
+
+    ep = mesh_cfg.endpoints
+    _check_online_mesh(mesh_cfg, trainer_cfg)
     run_dir = Path(job.out_dir) / job.run_id
     from .usersfirst import UsersFirst
 
@@ -256,15 +269,81 @@ async def close_online(edge: Edge, mesh) -> None:
     await edge.close()
 
 
+async def open_lanes(mesh_cfg: MeshConfig, job, trainer_cfg: TrainerConfig,
+                     address: str = "127.0.0.1:0", registry=None):
+    """The edge and the `lanes.Lanes` of an online job with `[online] tenants`: one process,
+    a lane per tenant (lanes.py); the server's FetchAdapter serves each lane's store. Returns
+    (edge, lanes); run with `lanes.run()`, close with `close_lanes`."""
+    from hotloop.tenants import DEFAULT
+
+    from .lanes import Lanes
+    from .publisher import Publisher
+    from .usersfirst import UsersFirst
+
+    ep = mesh_cfg.endpoints
+    _check_online_mesh(mesh_cfg, trainer_cfg)
+    run_dir = Path(job.out_dir) / job.run_id
+    UsersFirst(job.users_first).start()  # before the policy loads (see open_online)
+    lanes: Lanes | None = None
+
+    def stores(tenant: str):
+        if lanes is None:
+            from hotloop.errors import NotFound
+
+            raise NotFound("the trainer is starting")
+        return lanes.store(tenant)
+
+    edge = await open_edge(mesh_cfg, trainer_cfg, run_dir, "reinforce_tis", address, stores=stores)
+
+    def publisher_for(tenant: str, store_dir: Path) -> Publisher:
+        return Publisher(list(ep.rollout), mesh_cfg.security.admin_token, store_dir, edge.bus,
+                         mesh_cfg.model.name, fetch_from=edge.fetch_from, tenant=tenant)
+
+    state = edge.state
+
+    def on_step(tenant: str, rec) -> None:
+        # Status: the steps of every lineage together; the version of the default lineage
+        # (0 when this process does not train it: versions of lineages do not compare)
+        state.step = lanes.steps()
+        if tenant == DEFAULT:
+            state.latest_version = rec.version
+        state.last_metrics = {"score_mean": rec.score_mean, "baseline": rec.baseline,
+                              "feedback": rec.feedback, **rec.train,
+                              **{f"seconds_{k}": v for k, v in rec.stage_seconds.items()}}
+
+    lanes = Lanes(job, trainer_cfg, models.resolve(mesh_cfg.model.name), bus=edge.bus,
+                  publisher_for=publisher_for, run_dir=run_dir, reference=edge.reference,
+                  rollout=[RolloutClient(a) for a in ep.rollout], registry=registry,
+                  on_step=on_step)
+    return edge, lanes
+
+
+async def close_lanes(edge: Edge, lanes) -> None:
+    await lanes.close()
+    for c in lanes.rollout:
+        await c.close()
+    await edge.close()
+
+
 async def run_online_job(mesh_cfg: MeshConfig, job, trainer_cfg: TrainerConfig) -> dict:
-    """`hotloop train online`: the online loop until `max_steps` updates or Ctrl-C."""
+    """`hotloop train online`: the online loop until `max_steps` updates or Ctrl-C. With
+    `[online] tenants`, a lane per tenant; the summary then has each tenant's under
+    `tenants`."""
     from . import online
 
     telemetry.setup("trainer", mesh_cfg.telemetry, mesh_cfg.run_dir)
-    edge, mesh, run_dir = await open_online(mesh_cfg, job, trainer_cfg)
     try:
-        return await online.run(job, trainer_cfg, models.resolve(mesh_cfg.model.name), mesh,
-                                run_dir, on_step=online_status(edge.state))
+        if job.tenants:
+            edge, lanes = await open_lanes(mesh_cfg, job, trainer_cfg)
+            try:
+                return {"tenants": await lanes.run()}
+            finally:
+                await close_lanes(edge, lanes)
+        edge, mesh, run_dir = await open_online(mesh_cfg, job, trainer_cfg)
+        try:
+            return await online.run(job, trainer_cfg, models.resolve(mesh_cfg.model.name), mesh,
+                                    run_dir, on_step=online_status(edge.state))
+        finally:
+            await close_online(edge, mesh)
     finally:
-        await close_online(edge, mesh)
         telemetry.shutdown()

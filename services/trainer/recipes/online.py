@@ -59,9 +59,14 @@ Metrics: `OnlineMetrics` holds the loop's `Counters` (read into Prometheus when 
 they are written to metrics.jsonl) and observes each update's seconds, per stage and whole, and
 each trained feedback's loop: from its arrival at the gateway to its version serving.
 
+Many tenants: one loop trains one lineage. A multi-tenant trainer runs a loop per tenant on one
+shared policy (lanes.py); every use of the policy here (restore, pack, train, checkpoint) is
+inside the injected `turn`, where that tenant's adapter is swapped in and the fair share
+decides whose update runs. Alone, the turn is a no-op (`solo_turn`).
+
 Does not own: the services it talks to, the policy's update math (policy.py, algorithms.py),
-the loop around its steps and the stop handling (base.py), or the process around it (job.py,
-__main__.py).
+the loop around its steps and the stop handling (base.py), the tenants' turns (lanes.py), or
+the process around it (job.py, __main__.py).
 """
 
 from __future__ import annotations
@@ -161,7 +166,8 @@ class OnlineMetrics:
             buckets=STEP_BUCKETS, registry=reg)
         self.stage_seconds = Histogram(
             "hotloop_trainer_stage_seconds", "Seconds of each stage of an update: consume, "
-            "join, reference, train, publish_wait (for the previous version to land), pack, "
+            "join, reference, turn_wait (a tenant's lane waiting for its share of a trainer "
+            "of several tenants), train, pack, publish_wait (for the previous version to land), "
             "publish (beside the next update), commit.", ["stage"],
             buckets=STEP_BUCKETS, registry=reg)
         self.loop_seconds = Histogram(
@@ -425,17 +431,38 @@ async def mesh_latest(mesh: OnlineMesh) -> int:
 # ---- the recipe --------------------------------------------------------------------------------
 
 
+@dataclass
+class Grant:
+    """What a turn on the policy hands its holder: a training turn says here how many tokens
+    its update trained (what the fair share charges; lanes.py)."""
+
+    tokens: int = 0
+
+
+@contextlib.asynccontextmanager
+async def solo_turn(train: bool = False):
+    """The turn of a loop that has its policy to itself: nothing to wait for or swap."""
+    yield Grant()
+
+
 class Online(Recipe):
     """Trains on feedback as it arrives: each step sheds what waited past `max_wait_s`, takes
     the newest queued feedback within its bounds (`take`), joins it with its traffic, trains,
     publishes, and every `checkpoint_interval` updates checkpoints and acks (`save`). `policy`: an already built `LoraPolicy` (tests),
     else built in `setup`; `metrics`: where the loop counts (the service's registry), else a
-    private one."""
+    private one.
+
+    `turn(train)`: an async context manager around every use of the policy (the restore, the
+    initial pack, each update's train and pack, each checkpoint), yielding a `Grant`; a lane
+    of a multi-tenant trainer (lanes.py) waits there for its fair share and has its tenant's
+    adapter swapped in. None: the policy is this loop's alone (`solo_turn`). `users`: the
+    process's `UsersFirst`, shared by the lanes and closed by its owner (None: this loop's)."""
 
     name = "online"
 
     def __init__(self, job: OnlineConfig, trainer_cfg: TrainerConfig, model_dir: Path,
-                 mesh: OnlineMesh, policy=None, metrics: OnlineMetrics | None = None) -> None:
+                 mesh: OnlineMesh, policy=None, metrics: OnlineMetrics | None = None,
+                 turn=None, users: UsersFirst | None = None) -> None:
         if trainer_cfg.temperature != 1.0:
             # traffic logprobs are vLLM's raw (T=1) logprobs whatever the user's temperature
             raise SystemExit("online training compares against raw (temperature-1) behaviour logprobs: "
@@ -445,8 +472,12 @@ class Online(Recipe):
         self.owned = None  # the policy when `setup` built it (closed by `close`)
         self.metrics = metrics if metrics is not None else OnlineMetrics()
         self.counters = self.metrics.counters
-        self.users = UsersFirst(job.users_first, mesh.rollout[0].address if mesh.rollout else None,
-                                job.max_pause_s)
+        self.turn = turn if turn is not None else solo_turn
+        self.owns_users = users is None
+        self.users = users if users is not None else UsersFirst(
+            job.users_first, mesh.rollout[0].address if mesh.rollout else None, job.max_pause_s)
+        self.steps = 0  # optimizer steps of this loop's adapter (the policy's, in its turns)
+        self.started = asyncio.Event()  # set once `setup` is done: consuming, its version out
         self.version = 0
         self.trained: set[int] = set()  # stream sequences trained into the checkpointed policy
         self.held: dict[int, Pending] = {}  # fetched, not yet acked
@@ -465,7 +496,12 @@ class Online(Recipe):
             self.policy = self.owned = make_policy(self.cfg, self.model_dir)
         self.policy.algorithm = make_online_algorithm(self.policy.cfg, is_cap=job.is_cap)
         self.baseline = EmaBaseline(job.baseline_ema)
-        if (pos := run.restore(self.policy)) is not None:
+        # an adapter packed by a run that died before its publish stored it: never published
+        shutil.rmtree(run.dir / "adapters", ignore_errors=True)
+        async with self.turn(False):
+            pos = run.restore(self.policy)
+            self.steps = self.policy.step
+        if pos is not None:
             self.version, self.baseline.value = pos["version"], pos["baseline"]
             self.trained = set(pos["trained"])
             log.info("resumed at version %d, %d feedback awaiting ack", self.version, len(self.trained))
@@ -473,7 +509,10 @@ class Online(Recipe):
             # Serving runs weights this policy does not have (an update lost in a crash, or another
             # run): publish this policy above them, so serving and staleness refer to it.
             self.version = seen + 1
-            await publish(self.policy, mesh, run.dir, self.version)
+            async with self.turn(False):
+                adapter = self.policy.save_adapter(run.dir / "adapters" / f"v{self.version}")
+            await publish_tolerant(mesh, self.version, adapter)
+            shutil.rmtree(adapter)
             self.metrics.published.inc()
             log.info("published the %s policy as version %d", "restored" if pos else "initial", self.version)
         elif self.version:
@@ -493,6 +532,7 @@ class Online(Recipe):
         self.intake = asyncio.create_task(intake.run(), name="intake")
         self.users.attach(self.policy.model)  # `pause`: the update holds while users wait for a first token
         self.users.watch()
+        self.started.set()
         return Schedule(0, job.max_steps or None, checkpoint_every=0)
 
     async def before_step(self) -> Context:
@@ -559,9 +599,26 @@ class Online(Recipe):
             for i, (_, _, tr) in enumerate(rows)
         ]
         t = time.perf_counter()
-        with _tracer.start_as_current_span("train"):
-            m = await self.run.train(self.policy, samples)
-        secs["train"] = time.perf_counter() - t
+        adapter = None
+        async with self.turn(True) as grant:
+            if self.turn is not solo_turn:  # a lane's wait for its fair share (lanes.py)
+                secs["turn_wait"] = time.perf_counter() - t
+            t = time.perf_counter()
+            with _tracer.start_as_current_span("train"):
+                try:
+                    m = await self.run.train(self.policy, samples)
+                except asyncio.CancelledError:
+                    await self.run._halt()  # the thread stops before the turn passes on
+                    raise
+            secs["train"] = time.perf_counter() - t
+            grant.tokens = sum(len(tr.prompt_ids) + len(tr.completion_ids) for _, _, tr in rows)
+            self.steps = self.policy.step
+            if not m.skipped:  # packed in the same turn: the adapter is this update's
+                t = time.perf_counter()
+                with _tracer.start_as_current_span("pack"):
+                    adapter = self.policy.save_adapter(
+                        self.run.dir / "adapters" / f"v{self.version + 1}")
+                secs["pack"] = time.perf_counter() - t
         if m.skipped:
             log.warning("update skipped (%s): its %d feedback are dead-lettered", m.skip_reason, len(rows))
             for p, _, _ in rows:
@@ -573,10 +630,6 @@ class Online(Recipe):
         await self.landed()  # versions go out in order: the previous one first
         secs["publish_wait"] = time.perf_counter() - t
         self.version += 1
-        t = time.perf_counter()
-        with _tracer.start_as_current_span("pack"):
-            adapter = self.policy.save_adapter(self.run.dir / "adapters" / f"v{self.version}")
-        secs["pack"] = time.perf_counter() - t
         for w in waited:
             metrics.wait_seconds.observe(w)
         # The push runs beside the next update's training; its "publish" span stays this step's.
@@ -592,7 +645,7 @@ class Online(Recipe):
             metrics.stage_seconds.labels(stage).observe(seconds)
 
         return OnlineStepRecord(
-            step=self.policy.step, version=self.version, feedback=len(rows),
+            step=self.steps, version=self.version, feedback=len(rows),
             seqs=[p.seq for p, _, _ in rows], score_mean=float(scores.mean()),
             baseline=self.baseline.value, advantage_mean=float(adv.mean()),
             staleness_versions_max=max(joined_at - served_version(tr) for _, _, tr in rows),
@@ -695,8 +748,10 @@ class Online(Recipe):
         with _tracer.start_as_current_span("checkpoint"):
             floor = await self.consumer.ack_floor()
             self.trained.difference_update({s for s in self.trained if s <= floor})  # never redelivered
-            self.policy.save_checkpoint(self.run.checkpoints, data_position={
-                "version": self.version, "baseline": self.baseline.value, "trained": sorted(self.trained)})
+            async with self.turn(False):
+                self.policy.save_checkpoint(self.run.checkpoints, data_position={
+                    "version": self.version, "baseline": self.baseline.value,
+                    "trained": sorted(self.trained)})
             prune_checkpoints(self.run.checkpoints, self.job.keep_checkpoints)
         with _tracer.start_as_current_span("ack"):
             await ack_all(self.uncommitted, self.mesh.bus)
@@ -718,7 +773,8 @@ class Online(Recipe):
             asyncio.current_task().cancel()
 
     async def close(self) -> None:
-        await self.users.close()
+        if self.owns_users:
+            await self.users.close()
         if self.publishing is not None:  # a stop or a failure: what it carried is not acked
             self.publishing.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -730,11 +786,14 @@ class Online(Recipe):
                 await self.intake
             except (asyncio.CancelledError, Exception):  # its error, if any, was raised in _wait
                 pass
+        if getattr(self, "consumer", None) is not None:  # what it held goes to the next run
+            with contextlib.suppress(Exception):  # the bus gone or reconnecting: the same
+                await self.consumer.close()
         if self.owned is not None:  # a policy it built: stop its other data-parallel ranks
             self.owned.close()
 
     def summary(self, records: list[OnlineStepRecord]) -> dict:
-        return {"steps": self.policy.step, "updates": self.updates, "version": self.version,
+        return {"steps": self.steps, "updates": self.updates, "version": self.version,
                 "baseline": self.baseline.value, "counters": asdict(self.counters)}
 
 
@@ -744,12 +803,6 @@ async def run(job: OnlineConfig, trainer_cfg: TrainerConfig, model_dir: Path, me
     (counters, last version). `policy`, `metrics`: as `Online`."""
     return await run_recipe(Online(job, trainer_cfg, model_dir, mesh, policy, metrics), run_dir,
                             progress=False, on_step=on_step)
-
-
-async def publish(policy, mesh: OnlineMesh, run_dir: Path, version: int) -> None:
-    adapter = policy.save_adapter(run_dir / "adapters" / f"v{version}")
-    await publish_tolerant(mesh, version, adapter)
-    shutil.rmtree(adapter)
 
 
 async def publish_tolerant(mesh: OnlineMesh, version: int, adapter: Path) -> None:
