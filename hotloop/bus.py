@@ -379,6 +379,11 @@ class Bus:
             return None
         return msg_type.FromString(entry.value)
 
+    async def kv_delete(self, key: str) -> None:
+        """Delete a key of the versions KV (a deleted tenant's `latest_key`); absent is fine."""
+        kv = await self.kv()
+        await self.retrying(lambda: kv.delete(key), f"KV delete {key}")
+
     # ---- consuming ------------------------------------------------------------------------
     async def subscribe(
         self, subject: str, msg_type: type[M], handler: Callable[[M, dict], Awaitable[None]]

@@ -47,7 +47,7 @@ async def build(mesh: MeshConfig, cfg: TrainerServerConfig, *, online: OnlineCon
 
     job, trainer_cfg = online, trainer
     pin_configured(trainer_cfg.cpus, "trainer")
-    if job.tenants:  # a lane per tenant on one policy (recipes/lanes.py)
+    if job.lanes:  # a lane per tenant on one policy (recipes/lanes.py)
         edge, lanes = await open_lanes(mesh, job, trainer_cfg, f"{cfg.host}:{cfg.port}",
                                        registry=metrics.registry())
         loop = asyncio.create_task(lanes.run())

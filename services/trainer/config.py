@@ -292,6 +292,12 @@ class OnlineConfig(_Strict):
     tokens. Empty (the default): the one lineage of `tenant`, exactly as before. When set,
     leave `tenant` at its default. Two processes must not list the same tenant (they would
     share its durable consumer): split the tenants between them by config."""
+    follow_registry: bool = False
+    """Also train every tenant created through the admin API (the tenant registry,
+    `hotloop.tenants.Registry`): a lane starts when a tenant is created, starts over from the
+    base when it is reset, and stops when it is deleted (recipes/follow.py). A reset of a
+    config tenant resets its lane where this process trains it. One trainer process of a mesh
+    follows the registry; the others list their tenants in `tenants`."""
     durable: str = Field("hotloop-online-trainer", min_length=1, pattern=r"^[A-Za-z0-9_-]+$")
     """Name of the durable JetStream consumer on FEEDBACK: its position survives restarts.
     A tenant's loop uses `<durable>-<tenant>` (`consumer_name`), so that each tenant's
@@ -342,6 +348,9 @@ class OnlineConfig(_Strict):
 
     @model_validator(mode="after")
     def _one_way_to_name_tenants(self) -> "OnlineConfig":
+        if self.follow_registry and self.tenant:
+            raise ValueError(f"[online] follow_registry trains a lane per tenant: leave tenant "
+                             f"unset ({self.tenant!r}) and list config tenants in tenants")
         if self.tenants and self.tenant:
             raise ValueError(f"[online] tenants and tenant are both set ({self.tenants!r} and "
                              f"{self.tenant!r}): with tenants, list every tenant there and leave "
@@ -350,7 +359,12 @@ class OnlineConfig(_Strict):
 
     def for_tenant(self, tenant: str) -> "OnlineConfig":
         """This section as one lane of `tenants` runs it: its `tenant`, no `tenants`."""
-        return self.model_copy(update={"tenant": tenant, "tenants": []})
+        return self.model_copy(update={"tenant": tenant, "tenants": [], "follow_registry": False})
+
+    @property
+    def lanes(self) -> bool:
+        """Whether this job runs a lane per tenant (recipes/lanes.py)."""
+        return bool(self.tenants) or self.follow_registry
 
     @property
     def consumer_name(self) -> str:

@@ -65,3 +65,8 @@ def test_online_tenants_are_checked_and_exclusive_with_tenant() -> None:
             OnlineConfig(tenants=bad)
     with pytest.raises(ValidationError, match="leave tenant unset"):
         OnlineConfig(tenants=["acme"], tenant="beta")
+    # following the registry is a lane per tenant too, with or without config tenants
+    assert OnlineConfig(follow_registry=True).lanes and not OnlineConfig(tenant="acme").lanes
+    assert not OnlineConfig(tenants=[""], follow_registry=True).for_tenant("").follow_registry
+    with pytest.raises(ValidationError, match="follow_registry trains a lane per tenant"):
+        OnlineConfig(follow_registry=True, tenant="acme")

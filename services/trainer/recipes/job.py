@@ -315,6 +315,15 @@ async def open_lanes(mesh_cfg: MeshConfig, job, trainer_cfg: TrainerConfig,
                   publisher_for=publisher_for, run_dir=run_dir, reference=edge.reference,
                   rollout=[RolloutClient(a) for a in ep.rollout], registry=registry,
                   on_step=on_step)
+    if job.follow_registry:
+        from hotloop.tenants import Registry
+
+        from .follow import RegistryFollower
+
+        if edge.bus is None:
+            raise SystemExit("[online] follow_registry needs the bus: set [nats] url")
+        lanes.follow = lambda lanes: RegistryFollower(
+            lanes, Registry(edge.bus), edge.bus, run_dir / "registry.json").run()
     return edge, lanes
 
 
@@ -333,7 +342,7 @@ async def run_online_job(mesh_cfg: MeshConfig, job, trainer_cfg: TrainerConfig) 
 
     telemetry.setup("trainer", mesh_cfg.telemetry, mesh_cfg.run_dir)
     try:
-        if job.tenants:
+        if job.lanes:
             edge, lanes = await open_lanes(mesh_cfg, job, trainer_cfg)
             try:
                 return {"tenants": await lanes.run()}

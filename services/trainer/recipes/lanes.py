@@ -169,7 +169,9 @@ class Lanes:
     `publisher_for(tenant, store_dir)`: a `Publisher` for the tenant's lineage (closed here).
     `policy`: an already built `LoraPolicy` (tests), else built by `run`. `registry`: where
     the lanes' metrics are exported with a `tenant` label (None: not exported).
-    `on_step(tenant, record)`: after each update's record, as `online.run`'s."""
+    `on_step(tenant, record)`: after each update's record, as `online.run`'s. `follow`, when
+    set before `run`: (lanes) -> a coroutine run beside the lanes (the registry follower,
+    follow.py); its failure stops them as a lane's does."""
 
     def __init__(self, job: OnlineConfig, trainer_cfg: TrainerConfig, model_dir: Path, *,
                  bus, publisher_for: Callable[[str, Path], Any], run_dir: Path,
@@ -186,6 +188,7 @@ class Lanes:
         self.summaries: dict[str, dict] = {}  # of lanes that ended, by tenant
         self._changed = asyncio.Event()
         self._ready = asyncio.Event()  # the policy is built: lanes can be added
+        self.follow: Callable[[Lanes], Any] | None = None  # (lanes) -> a coroutine run beside them
         if registry is not None:
             registry.register(_ByTenant(self))
 
@@ -205,24 +208,32 @@ class Lanes:
 
     async def run(self) -> dict[str, dict]:
         """Start, then run every lane until all end; returns each tenant's summary."""
+        follower = None
         try:
             await self.start()
+            if self.follow is not None:  # the registry's tenants too (follow.py)
+                follower = asyncio.create_task(self.follow(self), name="registry-follower")
             while True:
                 self._changed.clear()
                 lanes = list(self.lanes.values())
-                for lane in lanes:
-                    if lane.task.done() and not lane.task.cancelled() and lane.task.exception():
-                        raise lane.task.exception()
-                if lanes and all(lane.task.done() for lane in lanes):
+                for task in [lane.task for lane in lanes] + ([follower] if follower else []):
+                    if task.done() and not task.cancelled() and task.exception():
+                        raise task.exception()
+                if lanes and all(lane.task.done() for lane in lanes) and follower is None:
                     break
                 changed = asyncio.ensure_future(self._changed.wait())
-                await asyncio.wait([*(lane.task for lane in lanes), changed],
+                await asyncio.wait([*(lane.task for lane in lanes), changed,
+                                    *([follower] if follower else [])],
                                    return_when=asyncio.FIRST_COMPLETED)
                 changed.cancel()
             for lane in lanes:
                 self.summaries[lane.tenant] = lane.task.result()
             return dict(self.summaries)
         finally:
+            if follower is not None:
+                follower.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await follower
             await self.close()
 
     async def close(self) -> None:

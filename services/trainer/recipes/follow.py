@@ -1,0 +1,96 @@
+"""Keeps a multi-tenant trainer's lanes in step with the tenant registry
+(`[online] follow_registry`).
+
+The gateway's admin API writes the registry (`hotloop.tenants.Registry`: create, reset, delete);
+this follows its watch and calls the lanes' lifecycle (lanes.py):
+- a record for a name with no lane here: `add_tenant` (a created tenant; or, at start-up, one
+  created earlier, whose lane resumes from its checkpoint). A config tenant's record (it only
+  carries a reset's generation) starts no lane: config tenants are trained where
+  `[online] tenants` lists them.
+- a record whose generation is above the one this process last applied: `reset_tenant`.
+- a deleted name with a lane here: the lane is reset first (so every replica's newest version
+  of that lineage is the base model, and nothing routes a user to the deleted tenant's
+  adapter again), then removed (`remove_tenant`: its consumer deleted, its files moved aside),
+  then its versions-KV key (`latest_key`) is deleted, which lets the admin API create the name
+  again as a new tenant.
+
+The generations applied are kept in `<run_dir>/registry.json` (written atomically after each
+reset), so a reset made while the trainer was down is applied when it comes back, and one
+already applied is not applied twice. A tenant first seen here starts at its record's
+generation: a new lane is already the base model.
+
+Does not own: the registry (hotloop/tenants.py), the lanes and their lifecycle (lanes.py).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+
+class RegistryFollower:
+    """Applies the registry's changes to `lanes` (a `lanes.Lanes`), in commit order."""
+
+    def __init__(self, lanes, registry, bus, state_path: Path) -> None:
+        self.lanes, self.registry, self.bus = lanes, registry, bus
+        self.state_path = Path(state_path)
+        self.applied: dict[str, int] = (json.loads(self.state_path.read_text())
+                                        if self.state_path.exists() else {})
+
+    async def run(self, ready=None) -> None:
+        """Follow the registry until cancelled; `ready` (an asyncio.Event) is set once the
+        registry's state at the start has been applied."""
+        import asyncio
+
+        ready = ready if ready is not None else asyncio.Event()
+        # The watch sets `ready` when it is resumed after its replay's last item, i.e. once
+        # that item was applied here: until then every item is the replay.
+        async for name, record in self.registry.watch(ready):
+            await self.apply(name, record, replay=not ready.is_set())
+
+    async def apply(self, name: str, record, replay: bool = False) -> None:
+        """One registry item. `replay`: part of the state at the start (not a change seen
+        live): a lane with no generation on record takes the record's as applied, so that a
+        first start with `follow_registry` does not reset a config tenant reset long ago."""
+        from hotloop.bus import latest_key
+
+        lanes = self.lanes
+        if record is None:
+            if name not in lanes.lanes:
+                if name not in self.applied:
+                    return  # never trained here
+                await lanes.add_tenant(name)  # deleted while this trainer was down
+            await lanes.reset_tenant(name)  # the lineage's newest version is the base model
+            await lanes.remove_tenant(name)
+            await self.bus.kv_delete(latest_key(name))
+            self.applied.pop(name, None)
+            self._save()
+            log.info("tenant %r deleted: its lane is removed and its lineage reset to the base", name)
+            return
+        added = False
+        if name not in lanes.lanes:
+            if record.config:
+                return  # trained where [online] tenants lists it
+            await lanes.add_tenant(name)
+            added = True
+            log.info("tenant %r: a lane for the registry's tenant", name)
+        known = self.applied.get(name)
+        if known is None:  # nothing applied here yet: a new lane is the base model already
+            known = record.generation if (replay or added) else 0
+        if record.generation > known:
+            version = await lanes.reset_tenant(name)
+            log.info("tenant %r reset (generation %d): the base model is version %d", name,
+                     record.generation, version)
+        if self.applied.get(name) != record.generation:
+            self.applied[name] = record.generation
+            self._save()
+
+    def _save(self) -> None:
+        self.state_path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.state_path.with_name(f".{self.state_path.name}.{os.getpid()}")
+        tmp.write_text(json.dumps(self.applied, sort_keys=True))
+        tmp.replace(self.state_path)

@@ -1,0 +1,114 @@
+"""A multi-tenant trainer following the tenant registry (follow.py): tenants created, reset
+and deleted through the registry (as the gateway's admin API writes it) start, reset and stop
+lanes. Real nats-server, the registry's real KV bucket, a real gRPC replica that keeps a
+lineage per tenant (`LineageReplica`), one shared `LoraPolicy` on the tiny model."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from hotloop.tenants import Registry
+from services.trainer.recipes.follow import RegistryFollower
+from tests.trainer.recipes.test_lanes import Mesh, steps, stop, until
+
+pytestmark = [pytest.mark.slow]
+
+
+@pytest.fixture
+async def mesh(nats_server):
+    m = await Mesh(nats_server.url).start()
+    yield m
+    await m.close()
+
+
+def b_tensors(policy) -> list:
+    """The LoRA B matrices (zero at the fresh init: the adapter is the base model)."""
+    return [p.detach().clone() for n, p in policy.trainable_parameters() if "lora_B" in n]
+
+
+async def test_created_reset_and_deleted_tenants_start_reset_and_stop_lanes(
+        mesh, tmp_path, make_cfg, tiny_model):
+    from services.trainer.learner.policy import LoraPolicy
+
+    registry = Registry(mesh.bus)  # the gateway's side
+    await registry.create("early")  # created before the trainer starts: replayed at start
+    policy = LoraPolicy(make_cfg())
+    lanes = mesh.lanes(tmp_path, [""], policy, make_cfg(), tiny_model, follow_registry=True)
+    state = tmp_path / "run" / "registry.json"
+    ready = asyncio.Event()
+    lanes.follow = lambda lanes: RegistryFollower(lanes, Registry(mesh.trainer_bus),
+                                                  mesh.trainer_bus, state).run(ready)
+    task = asyncio.create_task(lanes.run())
+    try:
+        await until(lambda: ready.is_set() and set(lanes.lanes) == {"", "early"},
+                    "the replayed tenant has a lane", task=task)
+        await registry.create("acme")
+        await until(lambda: "acme" in lanes.lanes and lanes.lanes["acme"].online.started.is_set(),
+                    "a created tenant gets a lane", task=task)
+        await mesh.feedback("acme", 1.0)
+        await until(lambda: len(steps(tmp_path, "acme")) == 1, "acme's feedback trains", task=task)
+        trained = await mesh.kv("acme")
+        async with lanes.turns.turn("acme"):
+            assert any(float(b.abs().max()) > 0 for b in b_tensors(policy))  # trained away from base
+
+        # reset: a new version above the trained one, and the lane's adapter is the base again
+        await registry.reset("acme")
+        await until(lambda: lanes.lanes["acme"].online.version > trained, "the reset publishes",
+                    task=task)
+        assert await mesh.kv("acme") > trained
+        async with lanes.turns.turn("acme"):
+            assert all(float(b.abs().max()) == 0 for b in b_tensors(policy))
+        await until(lambda: '"acme": 1' in state.read_text(), "the generation applied is kept "
+                    "for a restart", task=task)
+
+        # delete: the lane stops, its consumer and its lineage's KV key go, the name is free
+        reset_version = await mesh.kv("acme")
+        await registry.delete("acme")
+        await until(lambda: "acme" not in lanes.lanes, "a deleted tenant's lane stops", task=task)
+        await until(lambda: not (tmp_path / "run" / "tenants" / "acme").exists(), "files moved aside",
+                    task=task)
+        assert await mesh.kv("acme") == 0
+        with pytest.raises(Exception, match="consumer not found"):
+            await mesh.consumer("acme")
+        # what the replica serves for the deleted lineage is the base model (the reset's version)
+        status = await mesh.rollout.status()
+        served = {t.tenant: int(t.latest_version) for t in status.tenants}
+        assert served.get("acme", 0) >= reset_version
+        assert set(lanes.lanes) == {"", "early"}  # the others go on
+        await mesh.feedback("early", 1.0)
+        await until(lambda: len(steps(tmp_path, "early")) == 1, "another tenant still trains",
+                    task=task)
+    finally:
+        await stop(task)
+
+
+async def test_a_reset_made_while_the_trainer_was_down_is_applied_once(
+        mesh, tmp_path, make_cfg, tiny_model):
+    from services.trainer.learner.policy import LoraPolicy
+
+    registry = Registry(mesh.bus)
+    await registry.create("acme")
+    state = tmp_path / "run" / "registry.json"
+    policy = LoraPolicy(make_cfg())
+
+    async def run_until(cond, what: str):
+        lanes = mesh.lanes(tmp_path, [""], policy, make_cfg(), tiny_model, follow_registry=True)
+        ready = asyncio.Event()
+        lanes.follow = lambda lanes: RegistryFollower(lanes, Registry(mesh.trainer_bus),
+                                                      mesh.trainer_bus, state).run(ready)
+        task = asyncio.create_task(lanes.run())
+        try:
+            await until(lambda: ready.is_set() and "acme" in lanes.lanes and cond(lanes), what,
+                        task=task)
+            return lanes.lanes["acme"].online.version
+        finally:
+            await stop(task)
+
+    first = await run_until(lambda lanes: True, "acme's lane starts")
+    await registry.reset("acme")  # while no trainer runs
+    second = await run_until(lambda lanes: lanes.lanes["acme"].online.version > first,
+                             "the missed reset is applied at start")
+    third = await run_until(lambda lanes: True, "a start with nothing missed")
+    assert third == second  # applied once: no second reset on the next start
