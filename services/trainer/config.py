@@ -295,9 +295,10 @@ class OnlineConfig(_Strict):
     follow_registry: bool = False
     """Also train every tenant created through the admin API (the tenant registry,
     `hotloop.tenants.Registry`): a lane starts when a tenant is created, starts over from the
-    base when it is reset, and stops when it is deleted (recipes/follow.py). A reset of a
-    config tenant resets its lane where this process trains it. One trainer process of a mesh
-    follows the registry; the others list their tenants in `tenants`."""
+    base when it is reset, and stops when it is deleted (recipes/follow.py). Beside them it
+    trains the lanes of `tenants`, or the default lineage's when `tenants` is empty. A reset of
+    a config tenant resets its lane where this process trains it. One trainer process of a
+    mesh follows the registry; the others list their tenants in `tenants`."""
     durable: str = Field("hotloop-online-trainer", min_length=1, pattern=r"^[A-Za-z0-9_-]+$")
     """Name of the durable JetStream consumer on FEEDBACK: its position survives restarts.
     A tenant's loop uses `<durable>-<tenant>` (`consumer_name`), so that each tenant's
@@ -360,6 +361,11 @@ class OnlineConfig(_Strict):
     def for_tenant(self, tenant: str) -> "OnlineConfig":
         """This section as one lane of `tenants` runs it: its `tenant`, no `tenants`."""
         return self.model_copy(update={"tenant": tenant, "tenants": [], "follow_registry": False})
+
+    @property
+    def lane_tenants(self) -> list[str]:
+        """The tenants whose lanes start with the process (the registry's come and go)."""
+        return list(self.tenants) or [self.tenant]
 
     @property
     def lanes(self) -> bool:

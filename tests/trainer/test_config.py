@@ -67,6 +67,7 @@ def test_online_tenants_are_checked_and_exclusive_with_tenant() -> None:
         OnlineConfig(tenants=["acme"], tenant="beta")
     # following the registry is a lane per tenant too, with or without config tenants
     assert OnlineConfig(follow_registry=True).lanes and not OnlineConfig(tenant="acme").lanes
+    assert OnlineConfig(follow_registry=True).lane_tenants == [""]  # and the default lineage
     assert not OnlineConfig(tenants=[""], follow_registry=True).for_tenant("").follow_registry
     with pytest.raises(ValidationError, match="follow_registry trains a lane per tenant"):
         OnlineConfig(follow_registry=True, tenant="acme")

@@ -204,7 +204,7 @@ class Lanes:
         self.users = UsersFirst(job.users_first, self.rollout[0].address if self.rollout else None,
                                 job.max_pause_s)
         self._ready.set()
-        await asyncio.gather(*(self.add_tenant(t) for t in job.tenants))
+        await asyncio.gather(*(self.add_tenant(t) for t in job.lane_tenants))
 
     async def run(self) -> dict[str, dict]:
         """Start, then run every lane until all end; returns each tenant's summary."""

@@ -35,7 +35,7 @@ async def test_created_reset_and_deleted_tenants_start_reset_and_stop_lanes(
     registry = Registry(mesh.bus)  # the gateway's side
     await registry.create("early")  # created before the trainer starts: replayed at start
     policy = LoraPolicy(make_cfg())
-    lanes = mesh.lanes(tmp_path, [""], policy, make_cfg(), tiny_model, follow_registry=True)
+    lanes = mesh.lanes(tmp_path, [], policy, make_cfg(), tiny_model, follow_registry=True)
     state = tmp_path / "run" / "registry.json"
     ready = asyncio.Event()
     lanes.follow = lambda lanes: RegistryFollower(lanes, Registry(mesh.trainer_bus),
