@@ -77,6 +77,55 @@ def test_an_answer_is_from_the_wrong_adapter_when_its_lineage_is_not_the_keys():
     assert not wrong_adapter(run, rec(error="HTTP 503: no healthy rollout replica"))
 
 
+def test_the_report_pools_the_base_rates_and_measures_the_other_preferences_rise(tmp_path):
+    from apps.simulate import VersionClock
+    from apps.tenant_demo import TenantsState, preferences, write_tenants_report
+
+    prefs = preferences(max_words=3)
+    long_list, short_q, plain = "- a b c d\n- e f g h", "Dog? Yes.", "one two three four five"
+
+    class Sim:  # what the report reads of a Simulation
+        def __init__(self, idle: list[str], training: list[str]):
+            self.records = [Record(ts=1.0, user=0, phase="idle", prompt=0, answer=a, tenant="x")
+                            for a in idle]
+            self.records += [Record(ts=10.0 + i, user=0, phase="training", prompt=0, answer=a)
+                             for i, a in enumerate(training)]
+            self.clock, self.feedback_sent = VersionClock(), {}
+
+    state = TenantsState("r", tmp_path, prefs, window=4, trainers="per-tenant", training_started=5.0,
+                         training_ended=20.0)
+    for name, idle, training in (
+            ("short", [plain, short_q], [plain] * 4 + [short_q] * 4),  # the last 4: short and questions
+            ("bullets", [long_list, plain], [long_list] * 4),
+            ("question", [plain, plain], [short_q, plain, plain, plain])):
+        run = TenantRun(name, prefs[name], Sim(idle, training), LoopTracker("nats://unused", tmp_path, name))
+        run.base, run.target = 0.1, 0.3
+        state.runs[name] = run
+    report = write_tenants_report(state)
+    short, bullets, question = report["tenants"]
+    # every tenant's idle answers together: 6 answers, 1 short, 1 list, 1 question
+    assert [t["share"]["base"] for t in report["tenants"]] == pytest.approx([1 / 6] * 3)
+    assert short["share"]["final"] == 1.0 and short["share"]["window"] == 4
+    assert short["cross"]["question"]["delta"] == pytest.approx(1 - 1 / 6)  # a leak: shown, not hidden
+    assert short["cross_delta_max"] == pytest.approx(5 / 6)
+    assert bullets["cross_delta_max"] == pytest.approx(-1 / 6)  # the others fell
+    assert question["share"]["final"] == 0.25
+    assert report["acceptance"] == {"targets_reached": False, "cross_delta_max_le_0_1": False,
+                                    "no_wrong_adapter_answers": False}  # training answers said no tenant
+    on_disk = json.loads((tmp_path / "tenants-report.json").read_text())
+    assert on_disk == json.loads(json.dumps(report))
+    assert (tmp_path / "tenants.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_run_stopped_before_any_answer_still_writes_its_report(tmp_path):
+    from apps.tenant_demo import TenantsState, preferences, write_tenants_report
+
+    state = TenantsState("early", tmp_path, preferences(), window=40, interrupted=True)
+    report = write_tenants_report(state)
+    assert report["tenants"] == [] and report["interrupted"]
+    assert "(interrupted)" in (tmp_path / "tenants-report.md").read_text()
+
+
 # ---- a real run --------------------------------------------------------------------------------
 
 
