@@ -13,7 +13,8 @@ Owns:
 - which trainer processes learn the lineages (`trainer_plan`: one `hotloop train online` per
   tenant, or one trainer for all where the trainer can serve several);
 - the phases: warm-up, idle (users only: each preference's base rate on the base model, every
-  tenant's answers pooled), training (each tenant's users rate answers by its preference);
+  tenant's answers pooled), training (each tenant's users rate answers by its preference, until
+  the tenant reaches its target: then they only ask, unless `--no-stop`);
 - the report `runs/<id>/tenants-report.{json,md}` and `tenants.png`: per tenant its share of
   its preference (base, final, target), the other preferences' rise in its answers, the loop
   latency of its lineage (`LoopTracker` on the tenant's subject and metrics), the feedback its
@@ -273,8 +274,14 @@ async def run_tenants(state: TenantsState, stack: Stack, keys: dict[str, str], m
                 if (run.reached_at is None and len(last) == state.window
                         and share(last, run.preference) >= run.target):
                     run.reached_at = time.time()
+                    if until_target:
+                        # its users keep asking (its share stays measured) but stop rating: its
+                        # trainer goes idle and leaves the trainers' core to the tenants still
+                        # learning (a tenant whose answers became short rates many times faster)
+                        run.sim.cfg.feedback = False
                     print(f"[demo-tenants] {run.name}: target reached after "
-                          f"{run.reached_at - state.training_started:.0f} s of training", flush=True)
+                          f"{run.reached_at - state.training_started:.0f} s of training"
+                          f"{'; its users stop rating' if until_target else ''}", flush=True)
             if until_target and all(run.reached_at is not None for run in runs):
                 break
         for run in runs:
