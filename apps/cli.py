@@ -343,7 +343,8 @@ def build_parser() -> argparse.ArgumentParser:
     dt.add_argument("--users", type=int, default=3, help="users per tenant")
     dt.add_argument("--idle-s", type=float, default=60.0, help="users only, no training: base rates")
     dt.add_argument("--train-s", type=float, default=900.0, help="longest training phase")
-    dt.add_argument("--no-stop", action="store_true", help="keep rating and training after a tenant reached its target, and after all did")
+    dt.add_argument("--no-stop", action="store_true",
+                    help="keep rating and training after a tenant reached its target, and after all did")
     dt.add_argument("--max-tokens", type=int, default=128)
     dt.add_argument("--max-words", type=int, default=60, help="tenant `short`: answers of at most N words")
     dt.add_argument("--min-items", type=int, default=2, help="tenant `bullets`: lists of at least N items")
