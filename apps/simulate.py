@@ -84,7 +84,8 @@ PROMPTS: tuple[str, ...] = (
 # present. Base rates on SmolLM2-135M-Instruct (vLLM directly, these prompts x 4-6 at
 # temperature 1, 128 new tokens, 272 answers, 2026-12-02): at most 60 words 0.22, a list of at
 # least 2 items 0.18, ends with a question (<= 10 words after the last "?") 0.13. On `PROMPTS`
-# the last two are 0.06 and 0.01: too rare to learn from binary scores.
+# the last two are 0.06 and 0.01: too rare to learn from binary scores. Through the mesh (the
+# demo's idle phase, two runs of 30-35 answers): 0.26 / 0.20, 0.14 / 0.22, 0.09 / 0.07.
 TENANT_PROMPTS: tuple[str, ...] = (
     "I'm thinking about getting a dog.",
     "I'm thinking about getting a cat.",
