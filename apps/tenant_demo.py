@@ -415,7 +415,7 @@ def write_tenants_report(state: TenantsState) -> dict:
              f"Three tenants on one engine, each with users who rate answers by a preference its "
              f"trainer never sees; trainers: {report['trainers']}; {report['training_s']:.0f} s of training.",
              "",
-             "| tenant | preference | base | final | target | reached after | cross max (rise of others) "
+             "| tenant | preference | base | final | target | first met after | cross max (rise of others) "
              "| loop p50 / p95 ms | versions | feedback sent / trained | wrong adapter |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for t in report["tenants"]:
