@@ -13,12 +13,13 @@ MODEL  ?= smollm2-135m-instruct
 MODEL_STAMP := $(VENV)/.model-$(MODEL)
 PYTEST_ARGS ?=
 
-.PHONY: all install model test test-fast demo demo-online bench protos clean help
+.PHONY: all install model test test-fast demo demo-online demo-tenants bench protos clean help
 all: help
 
 help:
 	@echo "make demo    start the mesh and run the GRPO demo (writes runs/<id>/report.md)"
 	@echo "make demo-online  simulated users, gateway and online trainer (writes runs/<id>/online-report.md)"
+	@echo "make demo-tenants three tenants on one engine, each learning its users' preference (runs/<id>/tenants-report.md)"
 	@echo "make test    the full test suite (tiny model + a few real-model tests)"
 	@echo "make bench   rollout, hot-update and sandbox benchmarks (ratios in one run)"
 
@@ -53,6 +54,9 @@ demo: $(MODEL_STAMP)
 
 demo-online: $(MODEL_STAMP)
 	$(BIN)/hotloop demo-online
+
+demo-tenants: $(MODEL_STAMP)
+	$(BIN)/hotloop demo-tenants
 
 bench: $(MODEL_STAMP)
 	$(BIN)/hotloop bench rollout --json runs/bench-rollout.json

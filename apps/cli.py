@@ -132,6 +132,8 @@ def command_main(command: str, bench: str = ""):
         from apps.simulate import main
     elif name == "demo-online":
         from apps.online_demo import main
+    elif name == "demo-tenants":
+        from apps.tenant_demo import main
     elif name == "bench rollout":
         from benchmarks.rollout import main
     elif name == "bench hot-update":
@@ -334,6 +336,29 @@ def build_parser() -> argparse.ArgumentParser:
     do.add_argument("--run-id", default="", help="default: online-<time>")
     do.add_argument("--quiet", action="store_true", help="no mesh start-up lines")
     do.set_defaults(fn=run_module)
+
+    dt = sub.add_parser("demo-tenants", help="three tenants on one engine, each with users of a different "
+                        "hidden preference and its own lineage learning it; writes runs/<id>/tenants-report.md")
+    _config_args(dt)
+    dt.add_argument("--users", type=int, default=3, help="users per tenant")
+    dt.add_argument("--idle-s", type=float, default=60.0, help="users only, no training: base rates")
+    dt.add_argument("--train-s", type=float, default=900.0, help="longest training phase")
+    dt.add_argument("--no-stop", action="store_true",
+                    help="keep rating and training after a tenant reached its target, and after all did")
+    dt.add_argument("--max-tokens", type=int, default=128)
+    dt.add_argument("--max-words", type=int, default=60, help="tenant `short`: answers of at most N words")
+    dt.add_argument("--min-items", type=int, default=2, help="tenant `bullets`: lists of at least N items")
+    dt.add_argument("--max-tail-words", type=int, default=10,
+                    help="tenant `question`: at most N words after the answer's last question mark")
+    dt.add_argument("--window", type=int, default=40, help="a tenant's last answers in its final share")
+    dt.add_argument("--trainers", choices=["auto", "per-tenant", "shared"], default="auto",
+                    help="a trainer process per tenant, or one for all (where the trainer has "
+                         "[online] tenants); auto: shared where possible")
+    dt.add_argument("--progress", type=float, default=10.0, help="seconds between status lines")
+    dt.add_argument("--out-dir", default="runs")
+    dt.add_argument("--run-id", default="", help="default: tenants-<time>")
+    dt.add_argument("--quiet", action="store_true", help="no mesh start-up lines")
+    dt.set_defaults(fn=run_module)
     return p
 
 

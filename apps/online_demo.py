@@ -26,6 +26,7 @@ import asyncio
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -59,10 +60,11 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class Stack:
-    """A running mesh plus, where the trainer role is not built, `hotloop train online`."""
+    """A running mesh plus the `hotloop train online` processes started beside it (none where
+    the mesh runs the trainer role)."""
 
     mesh: object  # apps.launcher.Mesh
-    trainer: subprocess.Popen | None
+    trainers: dict[str, subprocess.Popen]  # name -> process; its log: mesh/logs/<name>.log
     out: Path  # runs/<id>
     target: Target
 
@@ -74,12 +76,14 @@ class Stack:
     def metrics_path(self) -> Path:
         return self.out / TRAINER_RUN / "metrics.jsonl"
 
+    def _procs(self) -> list[tuple[str, subprocess.Popen, Path]]:
+        procs = [(p.name, p.popen, p.log_path) for p in self.mesh.procs]
+        return procs + [(name, popen, self.out / "mesh" / "logs" / f"{name}.log")
+                        for name, popen in self.trainers.items()]
+
     def dead(self) -> str | None:
         """Which process of the stack died, with its log's last lines; None while all run."""
-        procs = [(p.name, p.popen, p.log_path) for p in self.mesh.procs]
-        if self.trainer is not None:
-            procs.append(("trainer", self.trainer, self.out / "mesh" / "logs" / "trainer.log"))
-        for name, popen, log_path in procs:
+        for name, popen, log_path in self._procs():
             if popen.poll() is not None:
                 return (f"{name} died with exit code {popen.returncode}; last lines of {log_path}:\n"
                         f"{tail_log(log_path, 8)}")
@@ -88,51 +92,62 @@ class Stack:
     def stop(self) -> str | None:
         """Stop everything; returns why a process had failed on its own (it can report a
         fatal error and still be shutting down when the demo ends), else None."""
-        procs = [(p.name, p.popen, p.log_path) for p in self.mesh.procs]
-        if self.trainer is not None:
-            procs.append(("trainer", self.trainer, self.out / "mesh" / "logs" / "trainer.log"))
-        stop_process(self.trainer, TRAINER_STOP_GRACE_S)
+        procs = self._procs()
+        for popen in self.trainers.values():  # all at once: each checkpoints meanwhile
+            if popen.poll() is None:
+                popen.send_signal(signal.SIGTERM)
+        for popen in self.trainers.values():
+            stop_process(popen, TRAINER_STOP_GRACE_S)
         self.mesh.stop()
         # A process that failed exits 1 (`hotloop.service`); a negative code is a signal, and
         # a SIGKILL here is the launcher's own, after its grace period (it says so itself).
+        # `hotloop train online` stopped by its SIGTERM exits 130 (the CLI's "interrupted").
         for name, popen, log_path in procs:
-            if popen.returncode is not None and popen.returncode > 0:
-                return f"{name} exited with code {popen.returncode}; last lines of {log_path}:\n{tail_log(log_path, 8)}"
+            code = popen.returncode
+            if code is not None and code > 0 and not (name in self.trainers and code == 130):
+                return f"{name} exited with code {code}; last lines of {log_path}:\n{tail_log(log_path, 8)}"
         return None
 
 
-def start_stack(config_path: str, overrides: list[str], out: Path, quiet: bool = False) -> Stack:
+def start_stack(config_path: str, overrides: list[str], out: Path, quiet: bool = False,
+                trainers: dict[str, list[str]] | None = None) -> Stack:
     """Start NATS, the rollout, the gateway, the reference (only with kl_beta > 0) and the
     online trainer, with the mesh's files under `out/mesh` and the trainer's under
-    `out/trainer`. Raises if any of them does not come up (and stops what did)."""
+    `out/trainer` (`online.run_id`). `trainers`: name -> overrides of its own, one `hotloop
+    train online` process each beside the mesh (its run id, its tenant); None: one trainer,
+    the mesh's trainer role where it is built, else such a process. Raises if any of them does
+    not come up (and stops what did)."""
     from apps import sections
     from apps.launcher import Mesh, available
 
     out = out.resolve()
     overrides = [*overrides, f"run_dir={out / 'mesh'}", f"online.out_dir={out}",
                  f"online.run_id={TRAINER_RUN}"]
-    loaded = sections.load(config_path, overrides)  # every section checked before anything starts
+    for own in (trainers or {}).values():  # every trainer's sections checked before anything starts
+        sections.load(config_path, [*overrides, *own])
+    loaded = sections.load(config_path, overrides)
     kl_beta = loaded["trainer"].loss.kl_beta
-    role = available("trainer")
+    role = trainers is None and available("trainer")
+    if trainers is None and not role:
+        trainers = {"trainer": []}
     services = ["rollout", "gateway"] + (["reference"] if kl_beta > 0 else []) + (["trainer"] if role else [])
     mesh = Mesh(loaded.mesh, config_path, overrides, services, quiet=quiet, up=loaded["up"],
                 rollout=loaded["rollout"])
     mesh.start()
-    trainer = None
+    procs: dict[str, subprocess.Popen] = {}
     try:
-        if not role:
-            log_path = out / "mesh" / "logs" / "trainer.log"
+        for name, own in (trainers or {}).items():
             cmd = [sys.executable, "-m", "apps.cli", "train", "online", "--config", config_path,
-                   "--run-dir", str(out / "mesh")] + [a for o in overrides for a in ("--set", o)]
-            with open(log_path, "ab") as f:
-                trainer = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT,
-                                           start_new_session=True, preexec_fn=die_with_parent)
+                   "--run-dir", str(out / "mesh")] + [a for o in [*overrides, *own] for a in ("--set", o)]
+            with open(out / "mesh" / "logs" / f"{name}.log", "ab") as f:
+                procs[name] = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT,
+                                               start_new_session=True, preexec_fn=die_with_parent)
         from apps.simulate import find_target
 
-        return Stack(mesh, trainer, out, find_target(out / "mesh"))
+        return Stack(mesh, procs, out, find_target(out / "mesh"))
     except BaseException:
-        if trainer is not None:
-            trainer.kill()
+        for popen in procs.values():
+            popen.kill()
         mesh.stop()
         raise
 
@@ -152,13 +167,15 @@ class Update:
 
 
 class LoopTracker:
-    """Follows the trainer from outside: its updates (metrics.jsonl) and the versions the bus
-    announces. `loops()` pairs them with the users' feedback and first tokens."""
+    """Follows one lineage's trainer from outside: its updates (metrics.jsonl) and the versions
+    the bus announces for `tenant` (its own subject: `bus.weights_subject`). `loops()` pairs
+    them with the users' feedback and first tokens."""
 
-    def __init__(self, nats_url: str, metrics_path: Path):
-        self.nats_url, self.metrics_path = nats_url, metrics_path
+    def __init__(self, nats_url: str, metrics_path: Path, tenant: str = ""):
+        self.nats_url, self.metrics_path, self.tenant = nats_url, metrics_path, tenant
         self.published_at: dict[int, float] = {}  # version -> unix seconds announced
         self.trained_in: dict[str, int] = {}  # response id -> first version trained on it
+        self.trained_tenants: dict[str, int] = {}  # tenant a trained feedback names -> count
         self.updates: list[Update] = []
         self.settled: dict[str, int] = {}  # kind -> feedback the trainer dropped or dead-lettered
         self._offset = 0
@@ -166,15 +183,17 @@ class LoopTracker:
         self._task: asyncio.Task | None = None
 
     async def start(self) -> None:
-        from hotloop.bus import WEIGHTS_UPDATED, Bus
+        from hotloop.bus import Bus, weights_subject
         from hotloop.proto.v1 import bus_pb2
 
-        self._bus = await Bus.connect(self.nats_url, "online-demo")
+        self._bus = await Bus.connect(self.nats_url, f"online-demo-{self.tenant}" if self.tenant
+                                      else "online-demo")
 
         async def on_weights(msg, headers) -> None:
-            self.published_at.setdefault(int(msg.info.version), time.time())
+            if msg.tenant == self.tenant:
+                self.published_at.setdefault(int(msg.info.version), time.time())
 
-        await self._bus.subscribe(WEIGHTS_UPDATED, bus_pb2.WeightsUpdated, on_weights)
+        await self._bus.subscribe(weights_subject(self.tenant), bus_pb2.WeightsUpdated, on_weights)
         self._task = asyncio.create_task(self._follow())
 
     async def close(self) -> None:
@@ -223,6 +242,7 @@ class LoopTracker:
                 fb = decode(bus_pb2.FeedbackEvent, raw.data, dict(raw.headers or {}))
                 up.response_ids.append(fb.response_id)
                 self.trained_in.setdefault(fb.response_id, up.version)
+                self.trained_tenants[fb.tenant] = self.trained_tenants.get(fb.tenant, 0) + 1
             self.updates.append(up)
 
     def loops(self, feedback_sent: dict[str, float], clock: VersionClock) -> list[dict]:

@@ -1,9 +1,10 @@
 """`hotloop simulate users`: simulated users who chat through the gateway and rate the answers.
 
 Owns:
-- the hidden preference (`Brevity`): what these users like, which the base model does not do
-  on its own. The simulator scores every answer with it; the trainer only ever sees the score;
-- the built-in prompts (short, varied user questions);
+- the hidden preferences (`Brevity`, `Bullets`, `Question`; `PREFERENCES` by name): what these
+  users like, which the base model does not do on its own. The simulator scores every answer
+  with one; the trainer only ever sees the score;
+- the built-in prompts (short, varied user questions; `TENANT_PROMPTS` for the many-tenant demo);
 - the user loop: the official `openai` client against the gateway's OpenAI-compatible HTTP
   API, streaming, then `POST /v1/feedback` with the same API key;
 - per-request records (JSONL) and live statistics: the share of answers matching the
@@ -30,9 +31,10 @@ import re
 import statistics
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import ClassVar, Protocol
 
 PROMPTS: tuple[str, ...] = (
     "What is a black hole?",
@@ -77,6 +79,65 @@ PROMPTS: tuple[str, ...] = (
     "How can I be more productive in the morning?",
 )
 
+# The many-tenant demo's prompts (`hotloop demo-tenants`): chat openings that invite a question
+# back, requests for lists, and a few of both, so that each tenant's preference starts rare but
+# present. Base rates on SmolLM2-135M-Instruct (vLLM directly, these prompts x 4-6 at
+# temperature 1, 128 new tokens, 272 answers, 2026-12-02): at most 60 words 0.22, a list of at
+# least 2 items 0.18, ends with a question (<= 10 words after the last "?") 0.13. On `PROMPTS`
+# the last two are 0.06 and 0.01: too rare to learn from binary scores. Through the mesh (the
+# demo's idle phase, two runs of 30-35 answers): 0.26 / 0.20, 0.14 / 0.22, 0.09 / 0.07.
+TENANT_PROMPTS: tuple[str, ...] = (
+    "I'm thinking about getting a dog.",
+    "I'm thinking about getting a cat.",
+    "I'm thinking about learning to cook.",
+    "I'm thinking about changing jobs.",
+    "I'm thinking about taking a vacation.",
+    "I'm thinking about buying a bike.",
+    "I'm thinking about starting a blog.",
+    "I'm thinking about going back to school.",
+    "I'm thinking about painting my bedroom.",
+    "I'm thinking about running a marathon.",
+    "I'm thinking about learning the guitar.",
+    "I'm thinking about moving abroad.",
+    "I'm planning a party this weekend.",
+    "I just adopted a puppy.",
+    "I want to learn something new this year.",
+    "I have a job interview tomorrow.",
+    "My friend's birthday is next week.",
+    "I'd like some help with a recipe.",
+    "I need advice about my garden.",
+    "I can't decide what to watch tonight.",
+    "I'm bored. What should I do?",
+    "I want to plan a trip to Japan.",
+    "Can you help me with my homework?",
+    "I feel stressed about work.",
+    "Help me choose a gift for my mother.",
+    "I want to start a small garden.",
+    "What should I cook for dinner tonight?",
+    "I need a new hobby.",
+    "Help me plan a birthday party.",
+    "I'd like to learn to play an instrument.",
+    "Recommend a book for me.",
+    "I'm moving to a new city next month.",
+    "I want to get better at chess.",
+    "Can you help me write a story?",
+    "I'm not sure which laptop to buy.",
+    "List three fun facts about octopuses.",
+    "What are the steps to change a flat tire?",
+    "List some tips for sleeping better.",
+    "List five healthy snacks.",
+    "What are three ways to save money?",
+    "List the planets of the solar system.",
+    "Give me a list of things to pack for a beach trip.",
+    "List four tips for a job interview.",
+    "What are the steps to make a cup of tea?",
+    "List three benefits of drinking water.",
+    "Give me a short checklist for cleaning a kitchen.",
+    "List some easy exercises to do at home.",
+    "Give me three ideas for a rainy day.",
+    "What are the pros and cons of working from home?",
+)
+
 _WORD = re.compile(r"\S+")
 
 
@@ -101,6 +162,7 @@ class Brevity:
     """
 
     max_words: int = 70
+    name: ClassVar[str] = "short"
 
     def matched(self, text: str) -> bool:
         return word_count(text) <= self.max_words
@@ -113,6 +175,90 @@ class Brevity:
 
     def describe(self) -> str:
         return f"answers of at most {self.max_words} words"
+
+
+class Preference(Protocol):
+    """What a hidden preference is to the simulator: a name, whether an answer meets it, the
+    score a user gives (in [-1, 1], +1 when met) and a line saying what it is."""
+
+    name: ClassVar[str]
+
+    def matched(self, text: str) -> bool: ...
+
+    def score(self, text: str) -> float: ...
+
+    def describe(self) -> str: ...
+
+
+# A list item: a line starting "- ", "* ", "• " or "1." / "1)" (markdown as the model writes it).
+_ITEM = re.compile(r"^\s*(?:[-*\u2022]|\d+[.)])\s+\S")
+
+
+def list_items(text: str) -> int:
+    """Lines of `text` that are list items."""
+    return sum(bool(_ITEM.match(line)) for line in text.splitlines())
+
+
+@dataclass(frozen=True)
+class Bullets:
+    """The hidden preference: the answer is a list, at least `min_items` lines that start
+    like a list item ("- ", "* ", "1.").
+
+    The score is +1 when met, else -1 plus the share of the items it has (one item of two:
+    -0.5): a step toward a list is worth something. Base rate on `TENANT_PROMPTS`: see there.
+    """
+
+    min_items: int = 2
+    name: ClassVar[str] = "bullets"
+
+    def matched(self, text: str) -> bool:
+        return list_items(text) >= self.min_items
+
+    def score(self, text: str) -> float:
+        items = list_items(text)
+        return 1.0 if items >= self.min_items else -1.0 + items / self.min_items
+
+    def describe(self) -> str:
+        return f"answers as a list of at least {self.min_items} items"
+
+
+def words_after_question(text: str) -> int | None:
+    """Words after the last question mark of `text` (0: it ends with one); None without one."""
+    text = text.rstrip()
+    i = text.rfind("?")
+    return None if i < 0 else word_count(text[i + 1:])
+
+
+@dataclass(frozen=True)
+class Question:
+    """The hidden preference: the answer ends with a question to the user: at most
+    `max_tail_words` words after its last question mark (0: the last character is "?").
+
+    A little tail is allowed because the small model rarely stops right at its question
+    ("...what kind of dog do you want? Let me know!"); the strict rule is met by about 5% of
+    its answers, too few for REINFORCE to find. The score is +1 when met, -0.5 for an answer
+    that asks something earlier, -1 for one that asks nothing.
+    """
+
+    max_tail_words: int = 10
+    name: ClassVar[str] = "question"
+
+    def matched(self, text: str) -> bool:
+        tail = words_after_question(text)
+        return tail is not None and tail <= self.max_tail_words
+
+    def score(self, text: str) -> float:
+        if self.matched(text):
+            return 1.0
+        return -1.0 if words_after_question(text) is None else -0.5
+
+    def describe(self) -> str:
+        return (f"answers that end with a question (at most {self.max_tail_words} words after "
+                f"the last '?')")
+
+
+PREFERENCES: dict[str, type] = {p.name: p for p in (Brevity, Bullets, Question)}
+"""The hidden preferences by name (the many-tenant demo gives one to each tenant)."""
 
 
 # ---- statistics ----------------------------------------------------------------------------
@@ -175,7 +321,7 @@ class Record:
     ts: float  # unix seconds when the request was sent
     user: int
     phase: str
-    prompt: int  # index into PROMPTS
+    prompt: int  # index into the simulation's prompts (`PROMPTS` unless given)
     response_id: str = ""
     version: int | None = None  # version of the first token
     last_version: int | None = None  # version of the last token (in-flight updates can differ)
@@ -190,6 +336,7 @@ class Record:
     feedback_ts: float | None = None  # unix seconds when the feedback was sent
     error: str = ""
     answer: str = ""  # the text, to see what the users rewarded
+    tenant: str | None = None  # whose lineage served it (X-Hotloop-Tenant); None: not said
 
 
 def itl_summary(gaps_ms: list[float]) -> dict[str, float | None]:
@@ -282,10 +429,14 @@ class Simulation:
     """N users against one gateway. `run()` returns when the bound is reached or `stop()`;
     `cfg.feedback` and `cfg.phase` may be changed while it runs (the demo's phases)."""
 
-    def __init__(self, target: Target, cfg: SimConfig, preference: Brevity,
+    def __init__(self, target: Target, cfg: SimConfig, preference: Preference,
                  out_path: str | Path | None = None, clock: VersionClock | None = None,
-                 status_extra: Callable[[], str] | None = None):
+                 status_extra: Callable[[], str] | None = None,
+                 prompts: Sequence[str] = PROMPTS):
+        if not prompts:
+            raise ValueError("the users need at least one prompt")
         self.target, self.cfg, self.preference = target, cfg, preference
+        self.prompts = tuple(prompts)
         self.clock = clock or VersionClock()
         self.records: list[Record] = []
         self.share = SlidingShare(cfg.window)
@@ -365,7 +516,7 @@ class Simulation:
         """One request, streamed, scored, rated. Never raises for an HTTP failure."""
         import openai
 
-        pi = self._rng.randrange(len(PROMPTS))
+        pi = self._rng.randrange(len(self.prompts))
         # the phase at the start decides: an answer begun in the idle phase is never rated
         rec = Record(ts=time.time(), user=uid, phase=self.cfg.phase, prompt=pi)
         self.in_flight[uid] = rec.phase
@@ -376,9 +527,10 @@ class Simulation:
         last = None
         try:
             raw = await client.chat.completions.with_raw_response.create(
-                model=self._model, messages=[{"role": "user", "content": PROMPTS[pi]}],
+                model=self._model, messages=[{"role": "user", "content": self.prompts[pi]}],
                 max_tokens=self.cfg.max_tokens, temperature=self.cfg.temperature, stream=True)
             rec.response_id = raw.headers.get("x-hotloop-response-id", "")
+            rec.tenant = raw.headers.get("x-hotloop-tenant")
             stream = raw.parse()
             if inspect.isawaitable(stream):  # the client's versions differ here
                 stream = await stream

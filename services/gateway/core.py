@@ -564,6 +564,9 @@ class Generation:
         self.policy_version = first.policy_version  # the version the request was admitted on
         self.user = user
         self.tenant = tenant
+        # the lineage the replica says it served from (its first message): said to the client,
+        # who can check it against its key's tenant; a mismatch is refused in `_absorb`
+        self.served_tenant = first.tenant
         self._n_prompts = len(up.chats if up.chats is not None else up.texts)
         self.choices = self._n_prompts * up.n
         self._core, self._req, self._n = core, req, up.n

@@ -3,12 +3,13 @@
 Owns: the OpenAI wire format (`/v1/chat/completions`, `/v1/completions`, streaming as SSE
 `data: …` events ending in `data: [DONE]`, `/v1/models`), OpenAI's error shape
 `{"error": {"message", "type", "param", "code"}}` for every refusal, and hotloop's additions:
-`X-Hotloop-Response-Id` / `X-Hotloop-Policy-Version` headers and a `policy_version` field in
-every body and chunk, `POST /v1/feedback`, `/v1/hotloop/status` and `/metrics`; `/health`
-(liveness: the process answers) and `/ready` (readiness: `GatewayCore.readiness`), both without
-a key; the request-body bounds (`_BoundedBody`); and the tenant admin API's routes
-(`/admin/tenants...`, with the admin token) and `GET /v1/adapter` (a user's own tenant's
-latest version, as a tar), whose operations are admin.py's.
+`X-Hotloop-Response-Id` / `X-Hotloop-Policy-Version` / `X-Hotloop-Tenant` (the lineage that
+served it) headers and a `policy_version` field in every body and chunk, `POST /v1/feedback`,
+`/v1/hotloop/status` and `/metrics`; `/health` (liveness: the process answers) and `/ready`
+(readiness: `GatewayCore.readiness`), both without a key; the request-body bounds
+(`_BoundedBody`); and the tenant admin API's routes (`/admin/tenants...`, with the admin
+token) and `GET /v1/adapter` (a user's own tenant's latest version, as a tar), whose
+operations are admin.py's.
 Does not own: any decision (core.py, admin.py); this module only converts.
 
 A failure after the stream started cannot change the status code: it is sent as one
@@ -57,6 +58,7 @@ log = logging.getLogger(__name__)
 RESPONSE_ID_HEADER = "X-Hotloop-Response-Id"
 POLICY_VERSION_HEADER = "X-Hotloop-Policy-Version"
 ADAPTER_SHA_HEADER = "X-Hotloop-Adapter-Sha256"
+TENANT_HEADER = "X-Hotloop-Tenant"  # the tenant whose lineage served the response ("": default)
 
 
 # ---- the OpenAI wire format (only what the gateway reads; other fields are ignored) --------
@@ -388,7 +390,8 @@ def _completion_api(top_k: int) -> _Api:
 
 
 def _headers(g: Generation) -> dict[str, str]:
-    return {RESPONSE_ID_HEADER: g.response_id, POLICY_VERSION_HEADER: str(g.policy_version)}
+    return {RESPONSE_ID_HEADER: g.response_id, POLICY_VERSION_HEADER: str(g.policy_version),
+            TENANT_HEADER: g.served_tenant}
 
 
 def _sse(data: dict | str) -> bytes:

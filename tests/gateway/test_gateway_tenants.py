@@ -56,8 +56,11 @@ async def test_each_tenants_traffic_and_feedback_stay_its_own(rig):
     fake, gw, _ = rig
     answers = {}
     for name, key in (("acme", KEY), ("globex", OTHER_KEY), ("", ANON_KEY)):
-        r = await gw.openai(key).chat.completions.create(model="tiny", messages=HI, max_tokens=3)
+        raw = await gw.openai(key).chat.completions.with_raw_response.create(
+            model="tiny", messages=HI, max_tokens=3)
+        r = raw.parse()
         answers[name] = r.id
+        assert raw.headers["x-hotloop-tenant"] == name  # the lineage that served it, said to the user
         assert fake.requests[-1].tenant == name  # the replica serves it from that lineage
         tr = await stored_traffic(gw, r.id)
         assert tr.tenant == name

@@ -1,0 +1,549 @@
+"""`hotloop demo-tenants` (`make demo-tenants`): three tenants on one engine, each with users of
+its own who like something different, each tenant's model learning its own users' taste live.
+
+Tenants (`TENANTS`): `short` (answers of at most N words: `apps.simulate.Brevity`), `bullets`
+(the answer is a list: `Bullets`), `question` (it ends with a question to the user: `Question`).
+Every tenant's users ask the same prompts (`TENANT_PROMPTS`), so each preference's base rate is
+the same for all of them before training, and a rise of another tenant's preference in a
+tenant's answers (`cross_delta_max`) is a leak, not a different prompt mix.
+
+Owns:
+- the tenants' API keys (one per tenant, a key file of `id:key` lines) and their `[tenants]`
+  config, given to the mesh as overrides;
+- which trainer processes learn the lineages (`trainer_plan`: one `hotloop train online` per
+  tenant, or one trainer for all where the trainer can serve several);
+- the phases: warm-up, idle (users only: each preference's base rate on the base model, every
+  tenant's answers pooled), training (each tenant's users rate answers by its preference, until
+  the tenant reaches its target: then they only ask, unless `--no-stop`);
+- the report `runs/<id>/tenants-report.{json,md}` and `tenants.png`: per tenant its share of
+  its preference (base, final, target), the other preferences' rise in its answers, the loop
+  latency of its lineage (`LoopTracker` on the tenant's subject and metrics), the feedback its
+  trainer trained and whose it was, and answers served from another lineage than the key's.
+
+Does not own: the mesh start-up, the loop bookkeeping (`apps.online_demo`), the users and the
+preferences (`apps.simulate`). Imports nothing from `services/` but the trainer's config
+section, to see whether one trainer can learn several lineages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import secrets
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hotloop.service import run_interruptible
+
+from apps.online_demo import (
+    DEFAULT_CONFIG,
+    WARMUP_MAX_S,
+    LoopTracker,
+    Stack,
+    loop_summary,
+    start_stack,
+    target_share,
+)
+from apps.processes import sigterm_interrupts
+from apps.simulate import (
+    TENANT_PROMPTS,
+    Brevity,
+    Bullets,
+    Preference,
+    Question,
+    Record,
+    SimConfig,
+    Simulation,
+    SlidingShare,
+    Target,
+    percentile,
+)
+
+TENANTS = ("short", "bullets", "question")
+CROSS_LIMIT = 0.1  # the issue's bound on another preference's rise in a tenant's answers
+log = logging.getLogger(__name__)
+
+
+def preferences(max_words: int = 60, min_items: int = 2, max_tail_words: int = 10) -> dict[str, Preference]:
+    """Each tenant's hidden preference. Base rates on `TENANT_PROMPTS` (apps/simulate.py says how
+    measured): 0.22, 0.18 and 0.13 with these defaults (`short` at 70 words would be 0.29)."""
+    return {"short": Brevity(max_words), "bullets": Bullets(min_items), "question": Question(max_tail_words)}
+
+
+# ---- keys and trainers ------------------------------------------------------------------------
+
+
+def make_keys(path: Path, tenants: list[str]) -> dict[str, str]:
+    """One API key per tenant, written as `<tenant>-user:<key>` lines (mode 0600); returns
+    tenant -> key. The key id is what `[tenants.<name>] keys` names."""
+    keys = {t: f"sk-hotloop-{secrets.token_hex(24)}" for t in tenants}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.touch(mode=0o600)
+    path.chmod(0o600)
+    path.write_text("".join(f"{key_id(t)}:{k}\n" for t, k in keys.items()))
+    return keys
+
+
+def key_id(tenant: str) -> str:
+    return f"{tenant}-user"
+
+
+def tenant_overrides(keys_file: Path, tenants: list[str]) -> list[str]:
+    """The mesh's `[security] user_tokens_file` and `[tenants.<name>] keys`."""
+    return [f"security.user_tokens_file={keys_file}",
+            *(f'tenants.{t}.keys=["{key_id(t)}"]' for t in tenants)]
+
+
+def shared_trainer_built() -> bool:
+    """Whether one online trainer can learn several lineages (`[online] tenants`)."""
+    from services.trainer.config import OnlineConfig
+
+    return "tenants" in OnlineConfig.model_fields
+
+
+@dataclass
+class TrainerPlan:
+    """Which trainer processes learn the tenants' lineages, and where each lineage's step
+    records are (`<out>/<run id>/metrics.jsonl`)."""
+
+    mode: str  # "per-tenant" | "shared"
+    overrides: list[str]  # for every process of the mesh
+    trainers: dict[str, list[str]] | None  # `start_stack`'s: name -> its own overrides
+    metrics: dict[str, Path]  # tenant -> its lineage's metrics.jsonl
+
+
+def trainer_plan(mode: str, tenants: list[str], out: Path) -> TrainerPlan:
+    """The one place that decides how the tenants' trainers run. `per-tenant`: a `hotloop train
+    online` process per tenant (`[online] tenant`, run id `trainer-<tenant>`). `shared`: the
+    mesh's trainer role with `[online] tenants` (one process, one base model). `auto`: shared
+    where the trainer has it, else per tenant."""
+    if mode == "auto":
+        mode = "shared" if shared_trainer_built() else "per-tenant"
+    if mode == "shared":
+        if not shared_trainer_built():
+            raise ValueError("--trainers shared: this trainer learns one lineage per process "
+                             "([online] has no `tenants`); use --trainers per-tenant")
+        names = json.dumps(tenants)
+        return TrainerPlan(mode, [f"online.tenants={names}"], None,
+                           {t: out / "trainer" / t / "metrics.jsonl" for t in tenants})
+    if mode != "per-tenant":
+        raise ValueError(f"--trainers {mode}: use auto, per-tenant or shared")
+    return TrainerPlan(mode, [], {f"trainer-{t}": [f"online.tenant={t}", f"online.run_id=trainer-{t}"]
+                                  for t in tenants},
+                       {t: out / f"trainer-{t}" / "metrics.jsonl" for t in tenants})
+
+
+# ---- the demo ---------------------------------------------------------------------------------
+
+
+@dataclass
+class TenantRun:
+    """One tenant during the demo: its users, its lineage's tracker, its target."""
+
+    name: str
+    preference: Preference
+    sim: Simulation
+    tracker: LoopTracker
+    base: float | None = None  # its preference's base rate when training began (idle answers
+    # of every tenant finished by then: the target is set from it)
+    target: float | None = None
+    reached_at: float | None = None  # unix seconds its window share first met the target
+
+
+@dataclass
+class TenantsState:
+    """Everything the report needs; filled while the demo runs, so an interrupted demo still
+    reports what it saw."""
+
+    run_id: str
+    out: Path
+    prefs: dict[str, Preference]
+    window: int
+    trainers: str = ""
+    runs: dict[str, TenantRun] = field(default_factory=dict)
+    training_started: float | None = None
+    training_ended: float | None = None
+    gateway_counters: dict = field(default_factory=dict)
+    interrupted: bool = False
+    failed: str = ""
+    settings: dict = field(default_factory=dict)
+
+
+def ok_records(records: list[Record], phase: str, since: float = 0.0) -> list[Record]:
+    return [r for r in records if r.phase == phase and not r.error and r.ts >= since]
+
+
+def share(records: list[Record], pref: Preference) -> float | None:
+    """The share of `records` meeting `pref`, judged on their text."""
+    return sum(pref.matched(r.answer) for r in records) / len(records) if records else None
+
+
+def base_rates(state: TenantsState) -> dict[str, float | None]:
+    """Each preference's share of the idle answers of every tenant together: all of them come
+    from the base model on the same prompts, so pooling is one sample three times the size."""
+    idle = [r for run in state.runs.values() for r in ok_records(run.sim.records, "idle")]
+    return {name: share(idle, pref) for name, pref in state.prefs.items()}
+
+
+def final_window(run: TenantRun, since: float, window: int) -> list[Record]:
+    """The tenant's last `window` answers of the training phase."""
+    return ok_records(run.sim.records, "training", since)[-window:]
+
+
+def wrong_adapter(run: TenantRun, r: Record) -> bool:
+    """An answer to this tenant's key from another lineage than its own: the gateway's
+    X-Hotloop-Tenant names another (or none), or it was served by a version its own lineage
+    never announced; refusals of the gateway ("lineage of tenant ...") count too."""
+    if r.error:
+        return "lineage of tenant" in r.error
+    newest = max(run.tracker.published_at, default=0)
+    return r.tenant != run.name or (r.version is not None and r.version > newest)
+
+
+def tenants_status(state: TenantsState, t0: float) -> str:
+    parts = [f"{time.monotonic() - t0:5.0f}s"]
+    for run in state.runs.values():
+        recent = SlidingShare(state.window)
+        for r in run.sim.records:
+            if not r.error:
+                recent.add(run.preference.matched(r.answer))
+        v = recent.value
+        target = f"/{run.target:.2f}" if run.target is not None else ""
+        parts.append(f"{run.name} v{run.sim.clock.latest} (trained v{run.tracker.trained_version}) "
+                     f"{'-' if v is None else f'{v:.2f}'}{target} n{len(run.sim.records)}")
+    return "  ".join(parts)
+
+
+async def run_tenants(state: TenantsState, stack: Stack, keys: dict[str, str], metrics: dict[str, Path],
+                      users: int, idle_s: float, train_s: float, max_tokens: int, until_target: bool,
+                      progress_s: float) -> None:
+    cfgs = []
+    for i, (name, pref) in enumerate(state.prefs.items()):
+        tracker = LoopTracker(stack.info.nats_url, metrics[name], tenant=name)
+        await tracker.start()
+        cfg = SimConfig(users=users, duration_s=WARMUP_MAX_S + idle_s + train_s, max_tokens=max_tokens,
+                        feedback=False, phase="warmup", window=state.window, progress_s=0, seed=i)
+        cfgs.append(cfg)
+        sim = Simulation(Target(stack.target.base_url, keys[name]), cfg, pref,
+                         state.out / f"requests-{name}.jsonl", prompts=TENANT_PROMPTS)
+        state.runs[name] = TenantRun(name, pref, sim, tracker)
+    runs = list(state.runs.values())
+    tasks = [asyncio.create_task(run.sim.run()) for run in runs]
+    t0 = time.monotonic()
+    progress = asyncio.create_task(_progress(state, t0, progress_s))
+
+    def phase(name: str, feedback: bool) -> None:
+        for cfg in cfgs:
+            cfg.phase, cfg.feedback = name, feedback
+
+    def running() -> bool:
+        return not any(t.done() for t in tasks)
+
+    try:
+        while running() and time.monotonic() - t0 < WARMUP_MAX_S and \
+                any(len(run.sim.records) < users for run in runs):
+            await _tick(tasks, stack, state)
+        phase("idle", False)
+        idle_until = time.monotonic() + idle_s
+        # ... and until every tenant has an idle answer: the targets are set from them
+        while running() and (time.monotonic() < idle_until or (
+                time.monotonic() < idle_until + WARMUP_MAX_S
+                and not all(ok_records(run.sim.records, "idle") for run in runs))):
+            await _tick(tasks, stack, state)
+        base = base_rates(state)
+        for run in runs:
+            run.base = base[run.name]
+            run.target = target_share(run.base)
+        if running():
+            n = sum(len(ok_records(run.sim.records, "idle")) for run in runs)
+            print(f"[demo-tenants] idle phase: {n} answers; base rates "
+                  + ", ".join(f"{k} {_f(v)}" for k, v in base.items())
+                  + "; training until each tenant's last "
+                  f"{state.window} answers reach " + ", ".join(f"{run.name} {run.target:.2f}" for run in runs),
+                  flush=True)
+        phase("training", True)
+        state.training_started = time.time()
+        train_until = time.monotonic() + train_s
+        while running() and time.monotonic() < train_until:
+            await _tick(tasks, stack, state)
+            for run in runs:
+                last = final_window(run, state.training_started, state.window)
+                if (run.reached_at is None and len(last) == state.window
+                        and share(last, run.preference) >= run.target):
+                    run.reached_at = time.time()
+                    if until_target:
+                        # its users keep asking (its share stays measured) but stop rating: its
+                        # trainer goes idle and leaves the trainers' core to the tenants still
+                        # learning (a tenant whose answers became short rates many times faster)
+                        run.sim.cfg.feedback = False
+                    print(f"[demo-tenants] {run.name}: target reached after "
+                          f"{run.reached_at - state.training_started:.0f} s of training"
+                          f"{'; its users stop rating' if until_target else ''}", flush=True)
+            if until_target and all(run.reached_at is not None for run in runs):
+                break
+        for run in runs:
+            run.sim.stop()
+        await asyncio.gather(*tasks)
+    finally:
+        state.training_ended = time.time() if state.training_started else None
+        progress.cancel()
+        state.gateway_counters = await _gateway_counters(stack, keys)
+        for run, task in zip(runs, tasks):
+            await run.sim.halt(task)
+            await run.tracker.poll()
+            await run.tracker.close()
+
+
+async def _progress(state: TenantsState, t0: float, every_s: float) -> None:
+    if every_s <= 0:
+        return
+    while True:
+        await asyncio.sleep(every_s)
+        print(f"[demo-tenants] {tenants_status(state, t0)}", flush=True)
+
+
+async def _tick(tasks: list[asyncio.Task], stack: Stack, state: TenantsState) -> None:
+    """Wait a second (or until some users stop); a dead mesh process stops the users."""
+    await asyncio.wait(tasks, timeout=1.0, return_when=asyncio.FIRST_COMPLETED)
+    if not state.failed and (why := stack.dead()) is not None:
+        state.failed = why
+        print(f"[demo-tenants] {why}\n[demo-tenants] stopping", flush=True)
+        for run in state.runs.values():
+            run.sim.stop()
+
+
+async def _gateway_counters(stack: Stack, keys: dict[str, str]) -> dict:
+    """The gateway's counters (`/v1/hotloop/status`), for its refusals of answers from another
+    tenant's lineage (`wrong_tenant`); {} when it cannot be asked."""
+    import httpx
+
+    try:
+        async with httpx.AsyncClient(timeout=10.0) as http:
+            r = await http.get(f"{stack.target.base_url}/v1/hotloop/status",
+                               headers={"Authorization": f"Bearer {next(iter(keys.values()))}"})
+            r.raise_for_status()
+            return r.json().get("counters", {})
+    except (httpx.HTTPError, ValueError, StopIteration) as e:
+        log.warning("the gateway's status could not be read: %r", e)
+        return {}
+
+
+# ---- the report -------------------------------------------------------------------------------
+
+
+def tenant_record(state: TenantsState, run: TenantRun) -> dict:
+    since = state.training_started or float("inf")
+    last = final_window(run, since, state.window)
+    base = base_rates(state)
+    own_idle = ok_records(run.sim.records, "idle")
+    cross = {}
+    for name, pref in state.prefs.items():
+        if name == run.name:
+            continue
+        b, f = base.get(name), share(last, pref)
+        cross[name] = {"base": b, "final": f, "delta": f - b if b is not None and f is not None else None}
+    deltas = [c["delta"] for c in cross.values() if c["delta"] is not None]
+    tracker, sim = run.tracker, run.sim
+    own_ids = {r.response_id for r in sim.records if r.response_id}
+    trained = set(tracker.trained_in)
+    records = [r for r in sim.records if r.phase in ("idle", "training")]
+    t0 = state.training_started
+    return {
+        "name": run.name,
+        "preference": run.preference.describe(),
+        "key_id": key_id(run.name),
+        # base: every idle answer, some finished after the switch (all from the base model)
+        "share": {"base": base[run.name], "base_at_switch": run.base,
+                  "base_own": share(own_idle, run.preference),
+                  "final": share(last, run.preference), "target": run.target,
+                  "reached": run.reached_at is not None,
+                  "time_to_target_s": run.reached_at - t0 if run.reached_at and t0 else None,
+                  "window": len(last)},
+        "cross": cross,
+        "cross_delta_max": max(deltas) if deltas else None,
+        "loop_ms": loop_summary(tracker.loops(sim.feedback_sent, sim.clock)),
+        "versions": {"trained": tracker.trained_version, "served": sim.clock.latest,
+                     "announced": sorted(tracker.published_at)},
+        "feedback": {
+            "sent": sum(r.feedback in ("accepted", "duplicate") for r in records),
+            "trained": len(trained),
+            "trained_tenants": dict(tracker.trained_tenants),  # whose feedback its trainer took
+            "trained_not_own": len(trained - own_ids),  # response ids this tenant's users never got
+            "dropped_by_reason": dict(tracker.settled),
+            "updates": len(tracker.updates),
+        },
+        "answers": {"idle": len(own_idle), "training": len(ok_records(sim.records, "training")),
+                    "errors": sum(bool(r.error) for r in sim.records)},
+        "wrong_adapter_answers": sum(wrong_adapter(run, r) for r in sim.records),
+        "ttft_ms": {"p50": percentile((r.ttft_ms for r in records if not r.error), 50),
+                    "p99": percentile((r.ttft_ms for r in records if not r.error), 99)},
+    }
+
+
+def tenants_report(state: TenantsState) -> dict:
+    tenants = [tenant_record(state, run) for run in state.runs.values()]
+    crosses = [t["cross_delta_max"] for t in tenants]
+    return {
+        "run_id": state.run_id,
+        "interrupted": state.interrupted,
+        "failed": state.failed,
+        "trainers": state.trainers,
+        "tenants": tenants,
+        "wrong_adapter_answers": sum(t["wrong_adapter_answers"] for t in tenants),
+        "gateway_wrong_tenant": state.gateway_counters.get("wrong_tenant"),
+        "acceptance": {
+            "targets_reached": bool(tenants) and all(t["share"]["reached"] for t in tenants),
+            "cross_delta_max_le_0_1": bool(tenants) and all(c is not None and c <= CROSS_LIMIT for c in crosses),
+            "no_wrong_adapter_answers": sum(t["wrong_adapter_answers"] for t in tenants) == 0,
+        },
+        "training_s": (state.training_ended - state.training_started
+                       if state.training_started and state.training_ended else 0.0),
+        "settings": state.settings,
+    }
+
+
+def write_tenants_report(state: TenantsState) -> dict:
+    report = tenants_report(state)
+    out = state.out
+    (out / "tenants-report.json").write_text(json.dumps(report, indent=2))
+    _plot(state, out / "tenants.png")
+    lines = [f"# hotloop many-tenant run `{state.run_id}`{' (interrupted)' if state.interrupted else ''}", "",
+             *([f"**The run stopped early:** {state.failed.splitlines()[0]}", ""] if state.failed else []),
+             f"Three tenants on one engine, each with users who rate answers by a preference its "
+             f"trainer never sees; trainers: {report['trainers']}; {report['training_s']:.0f} s of training.",
+             "",
+             "| tenant | preference | base | final | target | first met after | cross max (rise of others) "
+             "| loop p50 / p95 ms | versions | feedback sent / trained | wrong adapter |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for t in report["tenants"]:
+        s, lm, fb = t["share"], t["loop_ms"], t["feedback"]
+        reached = f"{s['time_to_target_s']:.0f} s" if s["reached"] else "not reached"
+        cross = ", ".join(f"{k} {_f(c['delta'], '+.2f')}" for k, c in t["cross"].items())
+        lines.append(f"| {t['name']} | {t['preference']} | {_f(s['base'])} | {_f(s['final'])} | "
+                     f"{_f(s['target'])} | {reached} | {_f(t['cross_delta_max'], '+.2f')} ({cross}) | "
+                     f"{_f(lm['p50'], '.0f')} / {_f(lm['p95'], '.0f')} | {t['versions']['served']} | "
+                     f"{fb['sent']} / {fb['trained']} | {t['wrong_adapter_answers']} |")
+    acc = report["acceptance"]
+    lines += ["", f"- every tenant reached its target: {acc['targets_reached']}; every cross rise <= "
+              f"{CROSS_LIMIT}: {acc['cross_delta_max_le_0_1']}; answers from another lineage: "
+              f"{report['wrong_adapter_answers']} (the gateway refused {_f(report['gateway_wrong_tenant'], 'd')})",
+              "- base: the preference's share of every tenant's idle answers (the base model on the same "
+              "prompts); final: of the tenant's last answers (`window`); cross: the same for the other "
+              "tenants' preferences, in this tenant's answers",
+              "", "![shares and loop latency per tenant](tenants.png)", "",
+              "## Settings", "", "```json", json.dumps(state.settings, indent=2), "```"]
+    (out / "tenants-report.md").write_text("\n".join(lines) + "\n")
+    return report
+
+
+def _plot(state: TenantsState, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")  # headless
+    import matplotlib.pyplot as plt
+
+    runs = list(state.runs.values())
+    fig, axes = plt.subplots(max(1, len(runs)), 2, figsize=(12, 3.2 * max(1, len(runs))), squeeze=False)
+    for row, run in zip(axes, runs):
+        records = [r for r in run.sim.records if not r.error]
+        t0 = state.training_started or (records[0].ts if records else time.time())
+        ax = row[0]
+        for name, pref in state.prefs.items():
+            window, xs, ys = SlidingShare(state.window), [], []
+            for r in records:
+                window.add(pref.matched(r.answer))
+                xs.append(r.ts - t0)
+                ys.append(window.value)
+            own = name == run.name
+            ax.plot(xs, ys, lw=2.0 if own else 1.0, alpha=1.0 if own else 0.6,
+                    label=f"{name}{' (its own)' if own else ''}")
+        if run.target is not None:
+            ax.axhline(run.target, color="green", ls="--", lw=0.8, label=f"target {run.target:.2f}")
+        for v, at in sorted(run.sim.clock.first_seen.items()):
+            if v:
+                ax.axvline(at - t0, color="tab:gray", lw=0.5, alpha=0.4)
+        ax.axvline(0, color="black", lw=0.8)
+        ax.set_ylim(0, 1)
+        ax.set_ylabel("share")
+        ax.set_title(f"tenant {run.name}: {run.preference.describe()} (grey: a new version served)",
+                     fontsize=9)
+        ax.legend(fontsize=7, loc="upper left")
+        ax.grid(alpha=0.3)
+        loops = sorted(run.tracker.loops(run.sim.feedback_sent, run.sim.clock), key=lambda e: e["sent"])
+        row[1].scatter([e["sent"] - t0 for e in loops], [e["loop_ms"] for e in loops], s=6)
+        if loops:
+            row[1].set_yscale("log")
+        row[1].set_title(f"tenant {run.name}: loop latency (feedback -> first token of a version "
+                         f"trained on it), ms", fontsize=9)
+        row[1].grid(alpha=0.3)
+    for ax in axes[-1]:
+        ax.set_xlabel("seconds since training started")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main(args) -> int:
+    """`hotloop demo-tenants`."""
+    logging.basicConfig(level=os.environ.get("HOTLOOP_LOG_LEVEL", "WARNING"))
+    config_path = args.config or str(DEFAULT_CONFIG)
+    run_id = args.run_id or time.strftime("tenants-%Y%m%d-%H%M%S")
+    out = (Path(args.out_dir) / run_id).resolve()
+    tenants = list(TENANTS)
+    small = [f"--{k.replace('_', '-')} {v}" for k, v in (("users", args.users), ("window", args.window),
+             ("max_tokens", args.max_tokens), ("max_words", args.max_words), ("min_items", args.min_items))
+             if v < 1] + [f"--{k.replace('_', '-')} {v:g}" for k, v in (("idle_s", args.idle_s),
+                          ("train_s", args.train_s), ("max_tail_words", args.max_tail_words)) if v < 0]
+    if small:
+        print(f"hotloop demo-tenants: {', '.join(small)}: too small", flush=True)
+        return 2
+    try:
+        plan = trainer_plan(args.trainers, tenants, out)
+    except ValueError as e:
+        print(f"hotloop demo-tenants: {e}", flush=True)
+        return 2
+    out.mkdir(parents=True, exist_ok=True)
+    keys_file = out / "tenant-keys"
+    keys = make_keys(keys_file, tenants)
+    prefs = preferences(args.max_words, args.min_items, args.max_tail_words)
+    state = TenantsState(run_id, out, prefs, args.window, trainers=plan.mode, settings={
+        "config": config_path, "overrides": args.set, "users_per_tenant": args.users,
+        "idle_s": args.idle_s, "train_s": args.train_s, "max_tokens": args.max_tokens,
+        "preferences": {k: p.describe() for k, p in prefs.items()}, "window": args.window,
+        "until_target": not args.no_stop, "trainers": plan.mode})
+    overrides = [*args.set, *tenant_overrides(keys_file, tenants), *plan.overrides]
+    print(f"[demo-tenants] starting the mesh (NATS, rollout with vLLM, gateway) and the trainers "
+          f"({plan.mode}) for tenants {', '.join(tenants)}; run files under {out}", flush=True)
+    try:
+        with sigterm_interrupts():  # start_stack stops what started
+            stack = start_stack(config_path, overrides, out, quiet=args.quiet, trainers=plan.trainers)
+    except KeyboardInterrupt:
+        print("[demo-tenants] interrupted during start-up; stopped", flush=True)
+        return 130
+    try:
+        print(f"[demo-tenants] gateway {stack.target.base_url}/v1; {args.users} users per tenant; idle "
+              f"phase {args.idle_s:g} s, then up to {args.train_s:g} s of training", flush=True)
+        _, state.interrupted = run_interruptible(run_tenants(
+            state, stack, keys, plan.metrics, args.users, args.idle_s, args.train_s, args.max_tokens,
+            not args.no_stop, args.progress))
+    finally:
+        why = stack.stop()
+    if why and not state.failed:
+        state.failed = why
+        print(f"[demo-tenants] {why}", flush=True)
+    report = write_tenants_report(state)
+    for t in report["tenants"]:
+        s = t["share"]
+        print(f"[demo-tenants] {t['name']}: {_f(s['base'])} -> {_f(s['final'])} (target {_f(s['target'])}, "
+              f"{'reached in %.0f s' % s['time_to_target_s'] if s['reached'] else 'not reached'}); "
+              f"cross max {_f(t['cross_delta_max'], '+.2f')}; loop p50 {_f(t['loop_ms']['p50'], '.0f')} ms; "
+              f"v{t['versions']['served']}; wrong adapter {t['wrong_adapter_answers']}", flush=True)
+    print(f"[demo-tenants] report: {out / 'tenants-report.md'}", flush=True)
+    return 130 if state.interrupted else 1 if state.failed else 0
+
+
+def _f(x, spec: str = ".2f") -> str:
+    return "-" if x is None else format(x, spec)

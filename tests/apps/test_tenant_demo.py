@@ -1,0 +1,188 @@
+"""`hotloop demo-tenants`: the preferences and the report's bookkeeping directly, and a short real
+run on the tiny model through the CLI (three tenants, one engine, a trainer per tenant), checked
+for its report, for each tenant's feedback training its own lineage only, and for leaving no
+process behind."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from apps.online_demo import LoopTracker
+from apps.simulate import PREFERENCES, TENANT_PROMPTS, Bullets, Question, Record, list_items
+from apps.tenant_demo import TENANTS, TenantRun, key_id, make_keys, tenant_overrides, trainer_plan, wrong_adapter
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_bullets_count_list_lines_and_score_a_step_toward_a_list():
+    assert list_items("Sure:\n- one\n* two\n1. three\n2) four\n  - nested\nnot - this") == 5
+    b = Bullets(2)
+    assert b.matched("- a\n- b") and not b.matched("- a only")
+    assert (b.score("- a\n- b"), b.score("1. a"), b.score("no list")) == (1.0, -0.5, -1.0)
+
+
+def test_a_question_ends_the_answer_within_its_tail():
+    q = Question(max_tail_words=3)
+    assert q.matched("What kind of dog?") and q.matched("What kind? Let me know!")
+    assert not q.matched("What kind? Tell me more about it soon") and not q.matched("A dog.")
+    assert q.score("Why? " + "word " * 10) == -0.5 and q.score("No question.") == -1.0
+    assert Question(0).matched("ok?  \n") and not Question(0).matched("ok? yes")
+
+
+def test_every_tenant_has_a_preference_and_the_prompts_are_distinct():
+    assert set(TENANTS) == set(PREFERENCES)
+    assert len(set(TENANT_PROMPTS)) == len(TENANT_PROMPTS) >= 40
+
+
+def test_keys_and_tenants_config_give_each_tenant_its_own_key(tmp_path):
+    keys = make_keys(tmp_path / "keys", list(TENANTS))
+    lines = (tmp_path / "keys").read_text().splitlines()
+    assert sorted(lines) == sorted(f"{key_id(t)}:{k}" for t, k in keys.items())
+    assert len(set(keys.values())) == 3 and (tmp_path / "keys").stat().st_mode & 0o077 == 0
+    from hotloop import config
+
+    mesh = config.load_mesh(config.raw_config(None, tenant_overrides(tmp_path / "keys", list(TENANTS))))
+    assert {t: c.keys for t, c in mesh.tenants.items()} == {t: [key_id(t)] for t in TENANTS}
+
+
+def test_the_trainer_plan_gives_each_tenant_its_own_run_and_subject(tmp_path):
+    plan = trainer_plan("per-tenant", ["a", "b"], tmp_path)
+    assert plan.mode == "per-tenant" and plan.overrides == []
+    assert plan.trainers == {"trainer-a": ["online.tenant=a", "online.run_id=trainer-a"],
+                             "trainer-b": ["online.tenant=b", "online.run_id=trainer-b"]}
+    assert plan.metrics["b"] == tmp_path / "trainer-b" / "metrics.jsonl"
+    with pytest.raises(ValueError):
+        trainer_plan("several", ["a"], tmp_path)
+
+
+def test_an_answer_is_from_the_wrong_adapter_when_its_lineage_is_not_the_keys():
+    tracker = LoopTracker("nats://unused", Path("/nonexistent"), tenant="short")
+    tracker.published_at = {1: 10.0, 2: 20.0}
+    run = TenantRun("short", PREFERENCES["short"](), sim=None, tracker=tracker)
+
+    def rec(**kw) -> Record:
+        return Record(ts=0.0, user=0, phase="training", prompt=0, **kw)
+
+    assert not wrong_adapter(run, rec(tenant="short", version=2))
+    assert not wrong_adapter(run, rec(tenant="short", version=0))
+    assert wrong_adapter(run, rec(tenant="bullets", version=1))  # another lineage served it
+    assert wrong_adapter(run, rec(tenant=None, version=1))  # nothing said which
+    assert wrong_adapter(run, rec(tenant="short", version=3))  # a version its lineage never had
+    assert wrong_adapter(run, rec(error="HTTP 503: ... answered from the lineage of tenant 'x'"))
+    assert not wrong_adapter(run, rec(error="HTTP 503: no healthy rollout replica"))
+
+
+def test_the_report_pools_the_base_rates_and_measures_the_other_preferences_rise(tmp_path):
+    from apps.simulate import VersionClock
+    from apps.tenant_demo import TenantsState, preferences, write_tenants_report
+
+    prefs = preferences(max_words=3)
+    long_list, short_q, plain = "- a b c d\n- e f g h", "Dog? Yes.", "one two three four five"
+
+    class Sim:  # what the report reads of a Simulation
+        def __init__(self, idle: list[str], training: list[str]):
+            self.records = [Record(ts=1.0, user=0, phase="idle", prompt=0, answer=a, tenant="x")
+                            for a in idle]
+            self.records += [Record(ts=10.0 + i, user=0, phase="training", prompt=0, answer=a)
+                             for i, a in enumerate(training)]
+            self.clock, self.feedback_sent = VersionClock(), {}
+
+    state = TenantsState("r", tmp_path, prefs, window=4, trainers="per-tenant", training_started=5.0,
+                         training_ended=20.0)
+    for name, idle, training in (
+            ("short", [plain, short_q], [plain] * 4 + [short_q] * 4),  # the last 4: short and questions
+            ("bullets", [long_list, plain], [long_list] * 4),
+            ("question", [plain, plain], [short_q, plain, plain, plain])):
+        run = TenantRun(name, prefs[name], Sim(idle, training), LoopTracker("nats://unused", tmp_path, name))
+        run.base, run.target = 0.1, 0.3
+        state.runs[name] = run
+    report = write_tenants_report(state)
+    short, bullets, question = report["tenants"]
+    # every tenant's idle answers together: 6 answers, 1 short, 1 list, 1 question
+    assert [t["share"]["base"] for t in report["tenants"]] == pytest.approx([1 / 6] * 3)
+    assert short["share"]["final"] == 1.0 and short["share"]["window"] == 4
+    assert short["cross"]["question"]["delta"] == pytest.approx(1 - 1 / 6)  # a leak: shown, not hidden
+    assert short["cross_delta_max"] == pytest.approx(5 / 6)
+    assert bullets["cross_delta_max"] == pytest.approx(-1 / 6)  # the others fell
+    assert question["share"]["final"] == 0.25
+    assert report["acceptance"] == {"targets_reached": False, "cross_delta_max_le_0_1": False,
+                                    "no_wrong_adapter_answers": False}  # training answers said no tenant
+    on_disk = json.loads((tmp_path / "tenants-report.json").read_text())
+    assert on_disk == json.loads(json.dumps(report))
+    assert (tmp_path / "tenants.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_run_stopped_before_any_answer_still_writes_its_report(tmp_path):
+    from apps.tenant_demo import TenantsState, preferences, write_tenants_report
+
+    state = TenantsState("early", tmp_path, preferences(), window=40, interrupted=True)
+    report = write_tenants_report(state)
+    assert report["tenants"] == [] and report["interrupted"]
+    assert "(interrupted)" in (tmp_path / "tenants-report.md").read_text()
+
+
+# ---- a real run --------------------------------------------------------------------------------
+
+
+def _config(tmp_path, tiny_model) -> Path:
+    cfg = tmp_path / "tenants.toml"
+    cfg.write_text(f"""
+run_dir = "{tmp_path / 'unused'}"
+[model]
+name = "{tiny_model}"
+max_model_len = 512
+[rollout]
+kv_cache_gib = 1
+[trainer]
+torch_threads = 1
+[trainer.optimizer]
+lr = 1e-3
+[online]
+batch_size = 2
+batch_window_s = 0.5
+checkpoint_interval = 2
+""")
+    return cfg
+
+
+@pytest.mark.slow
+def test_demo_tenants_trains_each_lineage_on_its_own_feedback(tiny_model, tmp_path):
+    out = tmp_path / "runs"
+    cmd = [sys.executable, "-m", "apps.cli", "demo-tenants", "--config", str(_config(tmp_path, tiny_model)),
+           "--idle-s", "5", "--train-s", "20", "--no-stop", "--users", "1", "--max-tokens", "16",
+           "--window", "8", "--progress", "5", "--out-dir", str(out), "--run-id", "t", "--quiet",
+           "--trainers", "per-tenant"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "idle phase:" in proc.stdout and "report:" in proc.stdout
+    report = json.loads((out / "t" / "tenants-report.json").read_text())
+    assert report["trainers"] == "per-tenant" and not report["failed"]
+    assert [t["name"] for t in report["tenants"]] == list(TENANTS)
+    assert report["wrong_adapter_answers"] == 0 and report["gateway_wrong_tenant"] == 0
+    assert set(report["acceptance"]) == {"targets_reached", "cross_delta_max_le_0_1", "no_wrong_adapter_answers"}
+    trained_somewhere = 0
+    for t in report["tenants"]:
+        assert set(t["share"]) >= {"base", "final", "target", "reached"} and t["share"]["target"] > 0
+        assert set(t["cross"]) == set(TENANTS) - {t["name"]} and "cross_delta_max" in t
+        assert {"p50", "p95"} <= set(t["loop_ms"])
+        assert t["wrong_adapter_answers"] == 0 and t["answers"]["training"] >= 1
+        fb = t["feedback"]
+        assert fb["sent"] >= 1
+        # what its trainer trained was this tenant's feedback, on this tenant's answers, only
+        assert set(fb["trained_tenants"]) <= {t["name"]} and fb["trained_not_own"] == 0
+        assert "other_tenant" not in fb["dropped_by_reason"]
+        trained_somewhere += fb["trained"]
+    assert trained_somewhere >= 1
+    for name in TENANTS:  # every answer said which lineage served it: the key's own
+        records = [json.loads(line) for line in (out / "t" / f"requests-{name}.jsonl").read_text().splitlines()]
+        assert records and all(r["tenant"] == name for r in records if not r["error"])
+        assert all(r["feedback"] == "" for r in records if r["phase"] != "training")
+    assert (out / "t" / "tenants.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (out / "t" / "tenants-report.md").read_text().startswith("# hotloop many-tenant run")
+    left = subprocess.run(["pgrep", "-af", str(out)], capture_output=True, text=True).stdout
+    assert [line for line in left.splitlines() if "pgrep" not in line] == []
