@@ -68,6 +68,7 @@ class ReplicaProcess:
         self.config, self.port_file = config, tmp_path / "replica.port"
         self.log = tmp_path / "replica.log"
         self.proc: subprocess.Popen | None = None
+        self.groups: list[int] = []  # process groups started (the engine's processes are in them)
 
     def start(self) -> None:
         self.port_file.unlink(missing_ok=True)
@@ -77,7 +78,9 @@ class ReplicaProcess:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "services.rollout", "--config", str(self.config),
                  "--port-file", str(self.port_file)],
-                cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+                cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
+                start_new_session=True)
+        self.groups.append(self.proc.pid)
 
     async def serving(self, timeout_s: float = 300) -> dict:
         """The port file, once the replica serves (it is written after catch-up)."""
@@ -93,8 +96,14 @@ class ReplicaProcess:
         self.proc.wait(timeout=30)
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
+        """Kill every process either replica started, its engine's included (a process
+        killed mid-start may leave an engine process that had not armed its death signal)."""
+        for group in self.groups:
+            try:
+                os.killpg(group, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if self.proc is not None:
             self.proc.wait(timeout=30)
 
     def tail(self) -> str:
