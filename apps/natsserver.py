@@ -100,7 +100,11 @@ class NatsServer:
                 raise RuntimeError(f"nats-server exited ({self.proc.returncode}); see {self.log_path}")
             files = list(ports_dir.glob("*.ports"))
             if files:
-                ports = json.loads(files[0].read_text())
+                try:
+                    ports = json.loads(files[0].read_text())
+                except json.JSONDecodeError:  # still being written: read it again
+                    time.sleep(0.02)
+                    continue
                 self.port = int(ports["nats"][0].rsplit(":", 1)[1])
                 if ports.get("monitoring"):
                     self.monitor_port = int(ports["monitoring"][0].rsplit(":", 1)[1])

@@ -2,8 +2,9 @@
 
 Owns: connecting with bounded retry, subject/stream names, publishing with W3C trace
 context in headers, durable pull consumers with explicit ack and a dead-letter subject for
-messages that cannot be decoded, the KV bucket holding the current policy version, and the
-tenant registry's KV bucket (whose records `hotloop.tenants.Registry` owns).
+messages that cannot be decoded, the KV bucket holding each lineage's current policy version
+(`lineages` lists them all), and the tenant registry's KV bucket (whose records
+`hotloop.tenants.Registry` owns).
 Does not own: what a service does with a message.
 
 Clusters: `connect` takes one URL or several of one cluster, comma-separated; the client
@@ -114,6 +115,25 @@ def latest_key(tenant: str = "") -> str:
     from hotloop.tenants import DEFAULT, check_tenant
 
     return LATEST_KEY if check_tenant(tenant) == DEFAULT else f"{LATEST_KEY}.tenant.{tenant}"
+
+
+WEIGHTS_TENANTS = f"{WEIGHTS_UPDATED}.tenant.*"
+"""Every tenant's `weights_subject` (a wildcard: one subscription hears them all)."""
+_LATEST_TENANT = f"{LATEST_KEY}.tenant."
+
+
+def lineage_of_key(key: str) -> str | None:
+    """The lineage whose `latest_key` `key` is ("" for `latest`), or None for any other key."""
+    from hotloop.tenants import check_tenant
+
+    if key == LATEST_KEY:
+        return ""
+    if not key.startswith(_LATEST_TENANT):
+        return None
+    try:
+        return check_tenant(key[len(_LATEST_TENANT):]) or None
+    except ValueError:
+        return None
 
 
 def feedback_subject(tenant: str = "") -> str:
@@ -383,6 +403,30 @@ class Bus:
         """Delete a key of the versions KV (a deleted tenant's `latest_key`); absent is fine."""
         kv = await self.kv()
         await self.retrying(lambda: kv.delete(key), f"KV delete {key}")
+
+    async def kv_keys(self) -> list[str]:
+        """Every key of the versions bucket that holds a value (deleted ones left out)."""
+        from nats.js.errors import NoKeysError
+
+        kv = await self.kv()
+        try:
+            return await self.retrying(lambda: kv.keys(), "KV keys")
+        except NoKeysError:
+            return []
+
+    async def lineages(self) -> dict[str, Message]:
+        """Every lineage the mesh announced: tenant ("" the default) -> its newest version
+        (the `common_pb2.VersionInfo` under its `latest_key`)."""
+        from hotloop.proto.v1 import common_pb2
+
+        out = {}
+        for key in await self.kv_keys():
+            tenant = lineage_of_key(key)
+            if tenant is not None:
+                info = await self.kv_get(key, common_pb2.VersionInfo)
+                if info is not None:  # deleted since the listing
+                    out[tenant] = info
+        return dict(sorted(out.items()))
 
     # ---- consuming ------------------------------------------------------------------------
     async def subscribe(

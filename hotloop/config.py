@@ -161,6 +161,11 @@ class TenantConfig(Section):
     entries `id:key`). A request with one of them is served by this tenant's newest adapter
     version (the base model while it has none), and its traffic and feedback carry the
     tenant's name. A key id in no tenant belongs to the default tenant ("")."""
+    trainer: str = ""
+    """The FetchAdapter address (`host:port`) of the trainer of this tenant's lineage (its
+    `[online] tenant` process): where a rollout replica that restarted fetches the tenant's
+    latest version, asked before `[endpoints] trainer`. Empty: `[endpoints] trainer`, then the
+    address the tenant's next announcement names (a trainer announces again when it starts)."""
 
 
 def _tenants(tenants: dict[str, TenantConfig]) -> dict[str, TenantConfig]:

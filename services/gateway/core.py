@@ -19,7 +19,9 @@ Owns:
 - tenants: each key id's tenant (`hotloop.tenants.Directory`, from `[tenants]`) goes with its
   requests to the replica (whose lineage serves it) and with their traffic; feedback is
   published on the subject of the tenant that served the response (`bus.feedback_subject`),
-  which only that tenant's trainer reads.
+  which only that tenant's trainer reads; a tenant's request is routed by its lineage's
+  versions (`Router.pick(tenant=)`, fed the tenants' announced versions by
+  `BusEvents.watch_lineages`).
 
 Feedback rules (the edges map `FeedbackResult.outcome`):
 - exactly one of `score` (finite, in [-1, 1]) and `label` ("up" = +1, "down" = -1), a choice in
@@ -201,6 +203,8 @@ class GatewayCore:
 
     async def start(self) -> None:
         await self.events.start()
+        # before the first poll: a tenant's request is routed by its announced version at once
+        await self.events.watch_lineages(self.router.announced)
         await self.router.start()
 
     async def close(self) -> None:
@@ -294,7 +298,7 @@ class GatewayCore:
         tried: set[int] = set()
         while True:
             try:
-                state = self.router.pick(exclude=tried)
+                state = self.router.pick(exclude=tried, tenant=tenant)
             except Unavailable as e:
                 self._fail(span, e)
                 raise
@@ -450,9 +454,12 @@ class GatewayCore:
             },
             "traffic_queued": self.events.queued,
             "newest_version": self.router.newest,
+            "tenant_newest_versions": dict(self.router.tenant_newest),
+            "tenant_behind_picks": self.router.behind_picks,
             "replicas": [
                 {"address": s.replica.address, "healthy": s.healthy, "reason": s.reason,
                  "version": s.version, "version_lag": self.router.lag(s),
+                 "tenant_versions": dict(s.tenants),
                  "may_serve": self.router.may_serve(s),
                  "in_flight": s.in_flight, "other_load": s.others, "served": s.served,
                  "failures": s.failures}
@@ -509,6 +516,13 @@ class GatewayCore:
         yield gauge("hotloop_gateway_newest_version",
                     "The newest policy version any replica serves or knows announced.",
                     self.router.newest)
+        newest = sorted(list(self.router.tenant_newest.items()))  # a copy: the loop may add one
+        yield gauge("hotloop_gateway_tenant_newest_version",
+                    "The newest version of each tenant's lineage announced on the bus or seen at "
+                    "any replica.", labels=["tenant"], samples=[([t], v) for t, v in newest])
+        yield counter("hotloop_gateway_tenant_behind_picks_total",
+                      "Tenants' requests sent to a replica behind the tenant's newest version "
+                      "because no healthy replica had it.", self.router.behind_picks)
         states = self.router.states
 
         def per_replica(family, name: str, doc: str, value) -> object:
@@ -524,6 +538,11 @@ class GatewayCore:
         yield per_replica(gauge, "hotloop_gateway_replica_version",
                           "The policy version the replica served at its last poll.",
                           lambda s: s.version)
+        yield gauge("hotloop_gateway_replica_tenant_version",
+                    "The version of each tenant's lineage the replica served at its last poll.",
+                    labels=["address", "tenant"],
+                    samples=[([s.replica.address, t], v) for s in states
+                             for t, v in sorted(list(s.tenants.items()))])
         yield per_replica(gauge, "hotloop_gateway_replica_version_lag",
                           "Versions the replica is behind the newest version seen.",
                           self.router.lag)

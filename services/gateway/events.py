@@ -1,10 +1,15 @@
-"""The gateway's side of the bus: the traffic fork and durable feedback.
+"""The gateway's side of the bus: the traffic fork, durable feedback, and the tenants'
+announced versions.
 
 Owns: turning served choices and feedback into `bus_pb2` events with the message ids of
 bus.proto, the bounded queue and background task that publish traffic (a full queue drops
 and counts, so a slow or absent bus never slows a user), the synchronous, acked feedback
-publish, and reading a served choice back from TRAFFIC.
-Does not own: deciding what is valid feedback (core.py) or the streams (hotloop.bus).
+publish, reading a served choice back from TRAFFIC, and hearing each tenant's newest version
+(`watch_lineages`: every tenant's `WeightsUpdated` through one wildcard subscription, and the
+tenants' KV keys read at start, on each reconnect and every `LINEAGES_REREAD_S`, since core
+NATS delivers an announcement at most once).
+Does not own: deciding what is valid feedback (core.py), what the versions mean for routing
+(routing.py) or the streams (hotloop.bus).
 """
 
 from __future__ import annotations
@@ -13,13 +18,21 @@ import asyncio
 import logging
 from dataclasses import dataclass
 
-from hotloop.bus import Bus, feedback_subject, traffic_subject
+from collections.abc import Callable
+
+from hotloop.bus import WEIGHTS_TENANTS, Bus, feedback_subject, traffic_subject
 from hotloop.errors import Unavailable
 from hotloop.proto.v1 import bus_pb2, common_pb2
 
 from .types import ServedChoice
 
 log = logging.getLogger(__name__)
+
+LINEAGES_REREAD_S = 30.0
+"""How often the tenants' KV keys are read again, as the backstop for a missed announcement."""
+FIRST_READ_S = 5.0
+"""Bound on the read of the tenants' KV keys at start (a bus that does not answer by then is
+read again in the background; the replicas' polls report what they know meanwhile)."""
 
 
 @dataclass
@@ -57,6 +70,7 @@ class BusEvents:
         self._bus = bus
         self._queue: asyncio.Queue[tuple[ServedChoice, asyncio.Future]] = asyncio.Queue(maxsize=queue_size)
         self._task: asyncio.Task | None = None
+        self._watch: asyncio.Task | None = None
         self.counters = TrafficCounters()
 
     async def start(self) -> None:
@@ -65,6 +79,10 @@ class BusEvents:
 
     async def close(self, drain_s: float = 5.0) -> None:
         """Publish what is queued (for at most `drain_s`), then stop."""
+        if self._watch is not None:
+            self._watch.cancel()
+            await asyncio.gather(self._watch, return_exceptions=True)
+            self._watch = None
         if self._task is None:
             return
         try:
@@ -74,6 +92,47 @@ class BusEvents:
         self._task.cancel()
         await asyncio.gather(self._task, return_exceptions=True)
         self._task = None
+
+    async def watch_lineages(self, on_version: Callable[[str, int], None]) -> None:
+        """Call `on_version(tenant, version)` with each tenant's newest announced version:
+        every `WeightsUpdated` on a tenant's subject from now on, and every tenant's KV key
+        now (bounded by `FIRST_READ_S`), on each reconnect and every `LINEAGES_REREAD_S`."""
+        from hotloop.tenants import check_tenant
+
+        async def on_weights(msg: bus_pb2.WeightsUpdated, headers) -> None:
+            try:
+                tenant = check_tenant(msg.tenant)
+            except ValueError as e:
+                log.warning("ignoring an announcement on a tenant's subject: %s", e)
+                return
+            on_version(tenant, msg.info.version)
+
+        async def read() -> None:
+            for tenant, info in (await self._bus.lineages()).items():
+                on_version(tenant, info.version)
+
+        wake = asyncio.Event()
+
+        async def reread_forever() -> None:
+            while True:
+                try:
+                    await asyncio.wait_for(wake.wait(), LINEAGES_REREAD_S)
+                except TimeoutError:
+                    pass
+                wake.clear()
+                try:
+                    await read()
+                except Exception as e:  # the next reconnect or period tries again
+                    log.warning("reading the tenants' announced versions failed: %s", e)
+
+        await self._bus.subscribe(WEIGHTS_TENANTS, bus_pb2.WeightsUpdated, on_weights)
+        self._bus.on_reconnect(wake.set)
+        try:
+            await asyncio.wait_for(read(), FIRST_READ_S)
+        except Exception as e:
+            log.warning("reading the tenants' announced versions failed (%s); trying again in "
+                        "the background", e)
+        self._watch = asyncio.create_task(reread_forever())
 
     @property
     def queued(self) -> int:

@@ -9,6 +9,19 @@ seen (the highest any replica serves or knows announced: a replica catching up r
 is skipped, so no user is answered by an older policy than the mesh has while a current replica
 can answer; with none, the request is refused (Unavailable), not served stale. The newest
 version only grows: it is what the trainer published, whichever replica said it last.
+Per tenant, the same preference over the tenant's lineage: a tenant's request goes to a
+healthy replica whose lineage of that tenant is within `max_version_lag` of the tenant's
+newest version (the highest announced on the bus, KV `latest.tenant.<name>` or its
+`WeightsUpdated`, fed in through `announced`, or served or known announced by any replica),
+so a replica behind for that tenant (it missed the push, or restarted and is still fetching)
+gets none of its users while another replica has it; the default lineage's version plays no
+part. When no healthy replica has it, the request goes to the freshest ones (the highest
+version of that lineage any healthy replica holds) rather than being refused: an announcement
+reaches the gateway straight from the bus, before the next poll sees the replicas that took
+the push, so refusing would fail the tenant's users for a poll after each of its versions.
+Those requests are counted (`behind_picks`), and the answer names the version that served it.
+The base model is never the stand-in: a replica that holds nothing of a lineage it knows was
+announced waits for its catch-up, then refuses (services/rollout/core.py).
 A replica that fails a request, or says it is not serving, is marked down at once, so the next
 request goes elsewhere without waiting; the poll brings it back when it answers again. A poll
 that merely gets no answer in time marks it down only after `failures` in a row: a replica (or
@@ -26,7 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from hotloop.errors import Unavailable
 
@@ -46,6 +59,7 @@ class ReplicaState:
     failures: int = 0  # requests it failed
     missed_polls: int = 0  # polls in a row without an answer
     version: int = 0  # the version it serves, at the last poll that reached it
+    tenants: dict[str, int] = field(default_factory=dict)  # tenant -> the version it serves
 
     @property
     def load(self) -> int:
@@ -65,6 +79,12 @@ class Router:
         self._max_lag = max_version_lag
         self.newest = 0
         """The newest version seen (served or known announced by any replica); never falls."""
+        self.tenant_newest: dict[str, int] = {}
+        """Per tenant: the newest version of its lineage announced on the bus or seen at any
+        replica; never falls."""
+        self.behind_picks = 0
+        """Tenants' requests sent to a replica behind the tenant's newest version because no
+        healthy replica had it."""
         self._turn = 0
         self._poller: asyncio.Task | None = None
 
@@ -75,6 +95,16 @@ class Router:
     def lag(self, state: ReplicaState) -> int:
         """Versions `state`'s replica is behind the newest seen."""
         return max(0, self.newest - state.version)
+
+    def tenant_lag(self, state: ReplicaState, tenant: str) -> int:
+        """Versions `state`'s replica is behind the newest version of `tenant`'s lineage."""
+        return max(0, self.tenant_newest.get(tenant, 0) - state.tenants.get(tenant, 0))
+
+    def announced(self, tenant: str, version: int) -> None:
+        """The bus says `version` is the newest of `tenant`'s lineage (the default lineage's
+        newest comes from the replicas' polls alone)."""
+        if tenant and version > self.tenant_newest.get(tenant, 0):
+            self.tenant_newest[tenant] = version
 
     def may_serve(self, state: ReplicaState) -> bool:
         return state.healthy and self.lag(state) <= self._max_lag
@@ -148,6 +178,9 @@ class Router:
                     s.others = max(0, status.running - s.in_flight)
                     s.version = status.version
                     self.newest = max(self.newest, status.version, status.known_latest)
+                    s.tenants = dict(status.tenants)
+                    for t, v in (*status.tenants.items(), *status.tenants_known.items()):
+                        self.announced(t, v)
             if was != s.healthy:
                 log.info("replica %s is %s", s.replica.address,
                          "healthy" if s.healthy else f"unhealthy ({s.reason})")
@@ -175,12 +208,15 @@ class Router:
                 s.healthy, s.reason = False, reason
                 s.failures += 1
 
-    def pick(self, exclude: set[int] = frozenset()) -> ReplicaState:
+    def pick(self, exclude: set[int] = frozenset(), tenant: str = "") -> ReplicaState:
         """A replica that may serve (`servable`) not in `exclude` (ids of states), else
-        Unavailable saying why each one may not."""
+        Unavailable saying why each one may not. `tenant`: for a tenant's request, by the
+        tenant's lineage instead (`_pick_for_tenant`)."""
         n = len(self._states)
         if not n:
             raise Unavailable("no rollout replica found ([endpoints] rollout resolves to no address yet)")
+        if tenant:
+            return self._pick_for_tenant(tenant, exclude)
         order = [(self._turn + i) % n for i in range(n)]  # rotating start: ties go in turn
         candidates = [self._states[i] for i in order
                       if self.may_serve(self._states[i]) and id(self._states[i]) not in exclude]
@@ -195,6 +231,30 @@ class Router:
         self._turn = (self._turn + 1) % n
         if self._policy == "least_loaded":
             return min(candidates, key=lambda s: s.load)  # min keeps the first of equals
+        return candidates[0]
+
+    def _pick_for_tenant(self, tenant: str, exclude: set[int]) -> ReplicaState:
+        """A healthy replica not in `exclude` whose lineage of `tenant` is within
+        `max_version_lag` of the tenant's newest version; with none, one of the freshest
+        healthy ones (see the module's docstring); with no healthy one, Unavailable."""
+        n = len(self._states)
+        order = [self._states[(self._turn + i) % n] for i in range(n)]
+        healthy = [s for s in order if s.healthy and id(s) not in exclude]
+        if not healthy:
+            why = "; ".join(f"{s.replica.address}: "
+                            f"{'failed this request' if s.healthy else s.reason}"
+                            for s in self._states)
+            raise Unavailable(f"no healthy rollout replica ({why})")
+        candidates = [s for s in healthy if self.tenant_lag(s, tenant) <= self._max_lag]
+        if not candidates:
+            freshest = max(s.tenants.get(tenant, 0) for s in healthy)
+            candidates = [s for s in healthy if s.tenants.get(tenant, 0) == freshest]
+            self.behind_picks += 1
+            log.debug("tenant %r: no healthy replica has its v%d; the freshest (v%d) serve",
+                     tenant, self.tenant_newest.get(tenant, 0), freshest)
+        self._turn = (self._turn + 1) % n
+        if self._policy == "least_loaded":
+            return min(candidates, key=lambda s: s.load)
         return candidates[0]
 
     @staticmethod

@@ -109,6 +109,10 @@ class ReplicaStatus:
     running: int  # requests running on it now (all callers)
     version: int  # the version new requests run on
     known_latest: int = 0  # the newest version it knows the mesh announced (>= version)
+    # per tenant: the version of its lineage the tenant's requests run on (absent: none),
+    # and the newest one the replica knows the mesh announced (>= that)
+    tenants: dict[str, int] = field(default_factory=dict)
+    tenants_known: dict[str, int] = field(default_factory=dict)
 
 
 class Replica(ABC):

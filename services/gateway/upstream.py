@@ -3,9 +3,9 @@ client (`hotloop.clients.RolloutClient`).
 
 Owns: what the gateway asks of a replica (a stream in user priority, with prompt ids for the
 traffic fork), the health probe (grpc health, then `Status` for the replica's load and
-versions), and mapping the replica's status codes to `hotloop.errors`. Does not own: the wire
-format and the result type (`hotloop.clients`), choosing a replica or retrying (routing.py,
-core.py).
+versions, each tenant's lineage's too), and mapping the replica's status codes to
+`hotloop.errors`. Does not own: the wire format and the result type (`hotloop.clients`),
+choosing a replica or retrying (routing.py, core.py).
 
 No gRPC-level retry here: a Generate stream replayed after it produced tokens would duplicate
 them, so a failed call is reported once and the core decides (it only retries a request on
@@ -87,8 +87,12 @@ class GrpcReplica(Replica):
             status = await self._client.status(timeout_s)
         except grpc.aio.AioRpcError as e:
             raise Unavailable(f"{e.code().name}: {e.details()}") from e
-        return ReplicaStatus(status.running_requests, status.latest_version,
-                             max(status.known_latest_version, status.latest_version))
+        return ReplicaStatus(
+            status.running_requests, status.latest_version,
+            max(status.known_latest_version, status.latest_version),
+            tenants={t.tenant: t.latest_version for t in status.tenants},
+            tenants_known={t.tenant: max(t.known_latest_version, t.latest_version)
+                           for t in status.tenants})
 
     async def close(self) -> None:
         await self._client.close()

@@ -1,9 +1,10 @@
 """`python -m services.rollout` / `hotloop serve rollout`.
 
-Start order: the bus, the engine, then catch-up to the mesh's latest announced version
-(catchup.py, bounded by `catchup_timeout_s`), and only then the gRPC server, whose health says
-SERVING from its first answer: nobody is served an older policy than the mesh announced unless
-the bound ran out, and then Status says the replica is behind.
+Start order: the bus, the engine, then catch-up to the mesh's latest announced version of
+every lineage, the default one and each tenant's (catchup.py, bounded by `catchup_timeout_s`),
+and only then the gRPC server, whose health says SERVING from its first answer: nobody is
+served an older policy than the mesh announced unless the bound ran out, and then Status says
+the replica is behind (per tenant too).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ async def build(mesh: MeshConfig, cfg: RolloutConfig) -> service.Running:
     from hotloop.adapters import Version, version_to_proto
     from hotloop.errors import FatalError
 
-    from .catchup import CatchUp, TrainerFetch, bus_latest, listen
+    from .catchup import CatchUp, Lineages, TrainerFetch, bus_latest, bus_tenants, listen
     from .core import RolloutCore
     from .server import serve
 
@@ -60,8 +61,14 @@ async def build(mesh: MeshConfig, cfg: RolloutConfig) -> service.Running:
     catchup = follower = None
     fetch = TrainerFetch(mesh.security.admin_token)
     if bus is not None:
-        catchup = CatchUp(core, bus_latest(bus), fetch, mesh.endpoints.trainer,
-                          poll_s=cfg.catchup_poll_s, retry_max_s=cfg.catchup_retry_max_s)
+        def lineage(tenant: str) -> CatchUp:
+            # a tenant's own trainer first, if configured, then the mesh's
+            own = mesh.tenants[tenant].trainer if tenant in mesh.tenants else ""
+            return CatchUp(core, bus_latest(bus, tenant), fetch, [own, mesh.endpoints.trainer],
+                           tenant=tenant, poll_s=cfg.catchup_poll_s,
+                           retry_max_s=cfg.catchup_retry_max_s)
+
+        catchup = Lineages(lineage, bus_tenants(bus), poll_s=cfg.catchup_poll_s)
         metrics.StateCollector(catchup.metric_families, metrics.registry())
         await listen(catchup, bus)
         await catchup.start(cfg.catchup_timeout_s)

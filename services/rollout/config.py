@@ -31,6 +31,11 @@ class RolloutConfig(ServiceSection):
     tenant_slot_wait_s: float = Field(30.0, gt=0)
     """Longest a tenant's request waits for a slot while every slot is held by running
     requests of other versions; then it fails with RESOURCE_EXHAUSTED."""
+    tenant_fetch_wait_s: float = Field(10.0, gt=0, le=3600)
+    """Longest a tenant's request waits on a replica that holds no version of the tenant's
+    lineage while the mesh announced one (the replica restarted, or the tenant is new to it)
+    for catch-up to fetch it; then it fails with UNAVAILABLE (the gateway tries another
+    replica). The tenant is never served the base model in its place."""
     keep_versions: int = Field(3, ge=1, le=100)
     """Versions kept on this replica (newest first), per lineage (the default one and each
     tenant's); older unused ones are retired."""
@@ -79,16 +84,19 @@ class RolloutConfig(ServiceSection):
     storage_dir: str = ""
     """Where received adapters are unpacked; empty: `<run_dir>/rollout-<port>/adapters`."""
     catchup_timeout_s: float = Field(60.0, ge=0, le=3600)
-    """Start-up: longest wait to fetch and load the mesh's latest announced version (bus KV
-    `latest`, from the trainer's FetchAdapter) before the replica reports SERVING. Past it, or
-    at once when no trainer address is known (`[endpoints] trainer` unset and no announcement
-    heard: waiting could not help), the replica serves what it has and reports itself behind
-    (Status `known_latest_version` above `latest_version`; the gateway skips a replica more
-    than its `max_version_lag` behind) while it keeps catching up in the background. Bounded
+    """Start-up: longest wait to fetch and load the mesh's latest announced version of every
+    lineage (bus KV `latest` and each tenant's `latest.tenant.<name>`, from the trainers'
+    FetchAdapter; all lineages at once) before the replica reports SERVING. Past it, or at
+    once for a lineage whose trainer address is unknown (`[endpoints] trainer`, and for a
+    tenant `[tenants.<name>] trainer`, unset and no announcement heard: waiting could not
+    help), the replica serves what it has and reports itself behind (Status
+    `known_latest_version` above `latest_version`, per tenant too; the gateway skips a replica
+    more than its `max_version_lag` behind) while it keeps catching up in the background. Bounded
     rather than unbounded so that a trainer that is gone for good leaves a replica that says
     so, not one that never starts; 60 s covers a trainer restarting (~10-30 s here)."""
     catchup_poll_s: float = Field(30.0, gt=0, le=3600)
-    """How often the latest version is re-read from the bus besides the announcements, which
-    trigger a look at once, and reconnects: core NATS delivers an announcement at most once."""
+    """How often each lineage's latest version is re-read from the bus, and the tenants'
+    lineages listed again, besides the announcements, which trigger a look at once, and
+    reconnects: core NATS delivers an announcement at most once."""
     catchup_retry_max_s: float = Field(30.0, gt=0, le=3600)
     """Longest wait between two failed catch-up attempts (the wait doubles from 0.5 s)."""

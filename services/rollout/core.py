@@ -36,11 +36,14 @@ Two ways to make a version live, chosen once by `make_updater` (the only branch 
 
 Tenants (services/rollout/tenants.py): besides the default lineage above, any number of
 tenants' lineages (`GenerateInput.tenant`, `push(..., tenant=)`; versions 1, 2, ... each; the
-base model until a tenant's first push) are served by the same engine in the same batches,
-each request on its own tenant's version, held resident from admission to its end. The
-updater's `slots` (chosen in `make_updater` with the mode) keep them resident: adapter slots
-in the CPU worker in merged mode, vLLM LoRA requests in lora mode. A tenant's request never
-changes version (one span) and is unaffected by the default lineage's swaps.
+base model until a tenant's first version is announced) are served by the same engine in the
+same batches, each request on its own tenant's version, held resident from admission to its
+end. The updater's `slots` (chosen in `make_updater` with the mode) keep them resident:
+adapter slots in the CPU worker in merged mode, vLLM LoRA requests in lora mode. A tenant's
+request never changes version (one span) and is unaffected by the default lineage's swaps.
+A tenant whose lineage the mesh announced (`announced`, told by catch-up) but this replica
+holds no version of yet is never served the base model: its request waits for the version
+(`tenant_fetch_wait_s`), then is refused with Unavailable.
 
 Also owns the rollout's Prometheus metrics (`RolloutMetrics`): requests and generated tokens,
 pushes and swaps by result with their seconds, and the state read when scraped (the served
@@ -68,7 +71,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from hotloop import adapters
 from hotloop.adapters import Version
-from hotloop.errors import FailedPrecondition, FatalError, InvalidArgument, NotFound
+from hotloop.errors import FailedPrecondition, FatalError, InvalidArgument, NotFound, Unavailable
 from hotloop.metrics import LATENCY_BUCKETS, StateCollector, gauge, info
 
 from .config import RolloutConfig
@@ -552,6 +555,8 @@ class RolloutCore:
         self.engine_name = ""
         self._held: dict[int, _Held] = {0: _Held(Version(0, base_model=base_model), None)}
         self._tenants: dict[str, _Lineage] = {}
+        self._announced: dict[str, int] = {}  # tenant -> the newest version catch-up heard of
+        self._tenant_stored = asyncio.Condition()  # notified when a tenant's latest changes
         self._latest = 0
         self._live = 0  # merged mode: the version in the engine's weights
         self._cond = asyncio.Condition()
@@ -653,6 +658,20 @@ class RolloutCore:
     def latest(self) -> int:
         return self._latest
 
+    def latest_of(self, tenant: str) -> int:
+        """The latest version of `tenant`'s lineage ("" the default one; 0: none)."""
+        if not tenant:
+            return self._latest
+        lin = self._tenants.get(tenant)
+        return lin.latest if lin is not None else 0
+
+    def announced(self, tenant: str, version: int) -> None:
+        """The mesh announced `version` of `tenant`'s lineage (catch-up heard it). A tenant's
+        request finding its lineage empty while a version is announced waits for it rather
+        than being served the base model (`_admitted_tenant`)."""
+        if tenant and version > self._announced.get(tenant, 0):
+            self._announced[tenant] = version
+
     def versions(self) -> list[Version]:
         return [h.version for _, h in sorted(self._held.items())]
 
@@ -714,6 +733,8 @@ class RolloutCore:
         """A tenant's request: its lineage's latest version (or `pin`), held resident in the
         engine until the request ends; the base model while the tenant has no version."""
         lin = self._tenants.get(tenant, _Lineage())
+        if not pin and not lin.latest and self._announced.get(tenant, 0):
+            lin = await self._await_lineage(tenant)
         version = pin or lin.latest
         held = lin.held.get(version)
         if version and held is None:
@@ -734,6 +755,26 @@ class RolloutCore:
         finally:
             if held is not None:
                 held.in_flight -= 1
+
+    async def _await_lineage(self, tenant: str) -> "_Lineage":
+        """The mesh announced a version of `tenant`'s lineage and this replica holds none
+        (it restarted, or the tenant is new to it): catch-up is fetching it. Wait for a
+        version for up to `tenant_fetch_wait_s`, then refuse with Unavailable (another
+        replica may hold it); never serve the tenant the base model in its place."""
+        def stored() -> bool:
+            return self.latest_of(tenant) > 0
+
+        try:
+            async with self._tenant_stored:
+                await asyncio.wait_for(self._tenant_stored.wait_for(stored),
+                                       self.cfg.tenant_fetch_wait_s)
+        except TimeoutError:
+            raise Unavailable(
+                f"tenant {tenant!r}: the mesh announced v{self._announced[tenant]} of its "
+                f"lineage and this replica has not fetched it yet (waited "
+                f"{self.cfg.tenant_fetch_wait_s:g}s, [rollout] tenant_fetch_wait_s); it does "
+                "not serve the tenant the base model instead") from None
+        return self._tenants[tenant]
 
     # ---- generation -------------------------------------------------------------------
     def _validate(self, req: GenerateInput) -> tuple[list[list[int]], Sampling]:
@@ -1035,6 +1076,8 @@ class RolloutCore:
             if make_latest:
                 lin.latest = info.version
             self._tenants[tenant] = lin
+            async with self._tenant_stored:  # a request waiting for the lineage goes on
+                self._tenant_stored.notify_all()
             keep = sorted(lin.held, reverse=True)[: self.cfg.keep_versions]
             for v in [v for v, h in lin.held.items()
                       if v not in keep and v != lin.latest and h.in_flight == 0]:

@@ -14,7 +14,7 @@ from hotloop.grpcutil import create_server, map_errors
 from hotloop.hardware import runtime_info
 from hotloop.proto.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 
-from .catchup import CatchUp
+from .catchup import Lineages
 from .core import CompletionOut, GenerateInput, PromptIn, RolloutCore, Sampling
 
 SERVICE = rollout_pb2.DESCRIPTOR.services_by_name["Rollout"].full_name
@@ -65,7 +65,7 @@ def completion_to_proto(c: CompletionOut) -> rollout_pb2.Completion:
 
 
 class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
-    def __init__(self, core: RolloutCore, catchup: CatchUp | None = None):
+    def __init__(self, core: RolloutCore, catchup: Lineages | None = None):
         self.core = core
         self.catchup = catchup
 
@@ -104,8 +104,23 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
             already_present=res.already_present,
         )
 
+    def _tenants(self) -> list[rollout_pb2.TenantVersions]:
+        """Every tenant the replica holds a version of or knows announced."""
+        held = self.core.tenants()
+        lineages = self.catchup
+        known = lineages.tenants() if lineages is not None else []
+        out = []
+        for t in sorted(set(held) | set(known)):
+            latest, versions = held.get(t, (0, []))
+            c = lineages[t] if lineages is not None and t in lineages else None
+            out.append(rollout_pb2.TenantVersions(
+                tenant=t, latest_version=latest, versions=[version_to_proto(v) for v in versions],
+                known_latest_version=max(latest, c.known_latest if c is not None else 0),
+                catch_up=c.error if c is not None and c.behind else ""))
+        return out
+
     async def Status(self, request, context):
-        c = self.catchup
+        c = self.catchup.default if self.catchup is not None else None
         return rollout_pb2.RolloutStatus(
             model=self.core.base_model,
             latest_version=self.core.latest,
@@ -119,9 +134,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
             swap=self.core.swap,
             known_latest_version=c.known_latest if c is not None else self.core.latest,
             catch_up=c.error if c is not None and c.behind else "",
-            tenants=[rollout_pb2.TenantVersions(tenant=t, latest_version=latest,
-                                                versions=[version_to_proto(v) for v in vs])
-                     for t, (latest, vs) in self.core.tenants().items()],
+            tenants=self._tenants(),
             resident_adapters=[x or "" for x in self.core.tenant_slots().get("resident", [])],
         )
 
@@ -134,8 +147,9 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
 
 
 async def serve(core: RolloutCore, address: str, admin_token: str,
-                catchup: CatchUp | None = None) -> tuple[grpc.aio.Server, int, object]:
-    """`catchup`: what Status reports of the mesh's latest version (None: no bus)."""
+                catchup: Lineages | None = None) -> tuple[grpc.aio.Server, int, object]:
+    """`catchup`: what Status reports of the mesh's latest version of each lineage (None: no
+    bus)."""
     servicer = RolloutServicer(core, catchup)
     return await create_server(
         [lambda s: rollout_pb2_grpc.add_RolloutServicer_to_server(servicer, s)],

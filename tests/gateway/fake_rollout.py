@@ -31,6 +31,7 @@ class ScriptedRollout(rollout_pb2_grpc.RolloutServicer):
         self.sent = asyncio.Event()  # set after the first token went out
         self.running = 0
         self.lineage: str | None = None  # answer for this lineage instead of the request's
+        self.tenant_versions: dict[str, int] = {}  # tenant -> the version its lineage serves
 
     async def Generate(self, request, context):
         self.requests.append(request)
@@ -43,17 +44,19 @@ class ScriptedRollout(rollout_pb2_grpc.RolloutServicer):
             n = request.sampling.n or 1
             limit = request.sampling.max_tokens or 16
             k = request.sampling.top_logprobs
+            version = (self.tenant_versions.get(request.tenant, 0) if request.tenant
+                       else self.version)
             for p in range(len(request.prompts)):
                 for s in range(n):
                     words = WORDS[:limit]
-                    spans = [common_pb2.VersionSpan(version=self.version, first_token=0)]
+                    spans = [common_pb2.VersionSpan(version=version, first_token=0)]
                     for i, w in enumerate(words):
                         if self.swap_at is not None and i == self.swap_at:
-                            spans.append(common_pb2.VersionSpan(version=self.version + 1, first_token=i))
+                            spans.append(common_pb2.VersionSpan(version=version + 1, first_token=i))
                         last = i == len(words) - 1
                         msg = rollout_pb2.Completion(
                             prompt_index=p, sample_index=s, text=w, token_ids=[1000 + i],
-                            logprobs=[-0.5 - i], policy_version=self.version,
+                            logprobs=[-0.5 - i], policy_version=version,
                             version_spans=spans, num_prompt_tokens=len(PROMPT_IDS),
                             final=last, finish_reason=("length" if len(words) == limit else "stop") if last else "",
                             tenant=request.tenant if self.lineage is None else self.lineage,
@@ -74,8 +77,10 @@ class ScriptedRollout(rollout_pb2_grpc.RolloutServicer):
             self.running -= 1
 
     async def Status(self, request, context):
-        return rollout_pb2.RolloutStatus(model="fake", latest_version=self.version,
-                                         running_requests=self.running)
+        return rollout_pb2.RolloutStatus(
+            model="fake", latest_version=self.version, running_requests=self.running,
+            tenants=[rollout_pb2.TenantVersions(tenant=t, latest_version=v, known_latest_version=v)
+                     for t, v in sorted(self.tenant_versions.items())])
 
 
 async def start_fake(address: str = "127.0.0.1:0", **kw) -> tuple[ScriptedRollout, grpc.aio.Server, str]:

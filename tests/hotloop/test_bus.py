@@ -63,6 +63,37 @@ async def test_kv_holds_latest_version_across_reconnects(nats_server):
     await b2.close()
 
 
+async def test_lineages_lists_every_announced_lineage_and_one_wildcard_hears_every_tenant(
+        nats_server):
+    b = await hbus.Bus.connect(nats_server.url, "a")
+    try:
+        assert await b.kv_keys() == [] and await b.lineages() == {}
+        heard: list[tuple[str, int]] = []
+
+        async def on(msg, headers) -> None:
+            heard.append((msg.tenant, msg.info.version))
+
+        await b.subscribe(hbus.WEIGHTS_TENANTS, bus_pb2.WeightsUpdated, on)
+        for tenant, version in (("", 4), ("acme", 2), ("globex", 7)):
+            info = common_pb2.VersionInfo(version=version)
+            await b.kv_put(hbus.latest_key(tenant), info)
+            await b.publish(hbus.weights_subject(tenant),
+                            bus_pb2.WeightsUpdated(info=info, tenant=tenant))
+        await b.kv_put("something-else", common_pb2.VersionInfo(version=9))
+        got = await b.lineages()
+        assert {t: v.version for t, v in got.items()} == {"": 4, "acme": 2, "globex": 7}
+        for _ in range(100):  # the default lineage's subject is not under the wildcard
+            if len(heard) == 2:
+                break
+            await asyncio.sleep(0.05)
+        assert sorted(heard) == [("acme", 2), ("globex", 7)]
+    finally:
+        await b.close()
+    assert hbus.lineage_of_key("latest") == "" and hbus.lineage_of_key("latest.tenant.a-1") == "a-1"
+    for other in ("latest.tenant.", "latest.tenant.Bad", "latest.x", "lates", "latest.tenant.a.b"):
+        assert hbus.lineage_of_key(other) is None, other
+
+
 async def test_connect_to_nothing_fails_within_bound():
     with pytest.raises(Exception):
         await asyncio.wait_for(hbus.Bus.connect("nats://127.0.0.1:1", "x", timeout_s=1.0), 10)

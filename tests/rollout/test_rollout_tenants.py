@@ -5,6 +5,7 @@ in batches shared with other tenants, with more tenants than slots."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import grpc
 import pytest
@@ -17,12 +18,14 @@ from .test_rollout_service import TOKEN, serving, text_prompt
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 PROMPT = "def add(a, b):"
+FETCH_WAIT_S = 3.0
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def rollout(tiny_model, tmp_path_factory):
     async with serving(tiny_model, tmp_path_factory.mktemp("rollout-tenants"), "merged",
-                       tenant_slots=2, max_new_tokens=400, tenant_slot_wait_s=60) as served:
+                       tenant_slots=2, max_new_tokens=400, tenant_slot_wait_s=60,
+                       tenant_fetch_wait_s=FETCH_WAIT_S) as served:
         yield served
 
 
@@ -175,3 +178,34 @@ async def test_a_version_in_use_is_neither_evicted_nor_retired(rollout, adapter_
     await push(stub, "x", adapters.pack(adapter_factory(seed=99, scale=5.0)), 5)
     assert [v.version for v in core.tenants()["x"][1]] == [3, 4, 5]
     assert "x@v1" not in core.tenant_slots()["resident"]
+
+
+async def test_a_tenant_announced_but_not_fetched_yet_waits_for_its_version_never_the_base(
+        rollout, adapter_factory):
+    """Catch-up told the core that the mesh announced a version of a lineage the replica holds
+    nothing of (it restarted): the tenant's request waits for catch-up's push of it, bounded by
+    `tenant_fetch_wait_s`, and is refused with UNAVAILABLE past it, never served the base."""
+    core, stub = rollout
+    data = adapters.pack(adapter_factory(seed=61, scale=5.0))
+    core.announced("late", 1)  # what catch-up does once it reads late's KV key
+    base = await greedy(stub, "not-announced")  # a tenant nothing was announced for: the base
+    assert spans(base) == [(0, 0)]
+    waiting = asyncio.create_task(greedy(stub, "late"))
+    deadline = time.monotonic() + 30
+    while core.users.waiting == 0:  # admitted into generate, waiting for its first token
+        assert time.monotonic() < deadline and not waiting.done()
+        await asyncio.sleep(0.01)
+    await push(stub, "late", data, 1)  # what catch-up does once it fetched it
+    served = await waiting
+    assert served.tenant == "late" and spans(served) == [(1, 0)]
+    assert list(served.token_ids) == list((await greedy(stub, "late", pin=1)).token_ids)
+    assert list(served.token_ids) != list(base.token_ids)
+
+    core.announced("never", 2)  # nothing will fetch it
+    t0 = time.monotonic()
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await greedy(stub, "never")
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "announced v2" in e.value.details() and "has not fetched it yet" in e.value.details()
+    assert time.monotonic() - t0 >= FETCH_WAIT_S
+    assert "never" not in core.tenants()

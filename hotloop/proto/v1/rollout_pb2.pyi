@@ -136,14 +136,18 @@ class RolloutStatus(_message.Message):
     def __init__(self, model: _Optional[str] = ..., latest_version: _Optional[int] = ..., versions: _Optional[_Iterable[_Union[_common_pb2.VersionInfo, _Mapping]]] = ..., running_requests: _Optional[int] = ..., update_mode: _Optional[str] = ..., engine: _Optional[str] = ..., runtime: _Optional[_Union[_common_pb2.RuntimeInfo, _Mapping]] = ..., swap: _Optional[str] = ..., foreground_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., known_latest_version: _Optional[int] = ..., catch_up: _Optional[str] = ..., tenants: _Optional[_Iterable[_Union[TenantVersions, _Mapping]]] = ..., resident_adapters: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class TenantVersions(_message.Message):
-    __slots__ = ("tenant", "latest_version", "versions")
+    __slots__ = ("tenant", "latest_version", "versions", "known_latest_version", "catch_up")
     TENANT_FIELD_NUMBER: _ClassVar[int]
     LATEST_VERSION_FIELD_NUMBER: _ClassVar[int]
     VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    KNOWN_LATEST_VERSION_FIELD_NUMBER: _ClassVar[int]
+    CATCH_UP_FIELD_NUMBER: _ClassVar[int]
     tenant: str
     latest_version: int
     versions: _containers.RepeatedCompositeFieldContainer[_common_pb2.VersionInfo]
-    def __init__(self, tenant: _Optional[str] = ..., latest_version: _Optional[int] = ..., versions: _Optional[_Iterable[_Union[_common_pb2.VersionInfo, _Mapping]]] = ...) -> None: ...
+    known_latest_version: int
+    catch_up: str
+    def __init__(self, tenant: _Optional[str] = ..., latest_version: _Optional[int] = ..., versions: _Optional[_Iterable[_Union[_common_pb2.VersionInfo, _Mapping]]] = ..., known_latest_version: _Optional[int] = ..., catch_up: _Optional[str] = ...) -> None: ...
 
 class WatchLoadRequest(_message.Message):
     __slots__ = ()
