@@ -89,12 +89,20 @@ def _deny(handler: grpc.RpcMethodHandler, why: str) -> grpc.RpcMethodHandler:
     async def stream(request_iterator, context):
         await context.abort(grpc.StatusCode.PERMISSION_DENIED, why)
 
+    async def responses(request, context):  # a response stream's handler is an async generator
+        await context.abort(grpc.StatusCode.PERMISSION_DENIED, why)
+        yield  # never reached
+
+    async def responses_of_stream(request_iterator, context):
+        await context.abort(grpc.StatusCode.PERMISSION_DENIED, why)
+        yield  # never reached
+
     if handler.request_streaming and handler.response_streaming:
-        return grpc.stream_stream_rpc_method_handler(stream)
+        return grpc.stream_stream_rpc_method_handler(responses_of_stream)
     if handler.request_streaming:
         return grpc.stream_unary_rpc_method_handler(stream)
     if handler.response_streaming:
-        return grpc.unary_stream_rpc_method_handler(unary)
+        return grpc.unary_stream_rpc_method_handler(responses)
     return grpc.unary_unary_rpc_method_handler(unary)
 
 
