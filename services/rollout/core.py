@@ -47,7 +47,8 @@ holds no version of yet is never served the base model: its request waits for th
 
 Also owns the rollout's Prometheus metrics (`RolloutMetrics`): requests and generated tokens,
 pushes and swaps by result with their seconds, and the state read when scraped (the served
-version, versions held, requests running, users waiting for a first token).
+version, versions held, requests running, users waiting for a first token); the tenants'
+slots' metrics (`tenants.SlotMetrics`) go on the same registry.
 
 Does not own: gRPC (server.py), the bus (an `on_loaded` callback announces versions), catching
 up (catchup.py, which reports its own state).
@@ -75,7 +76,15 @@ from hotloop.errors import FailedPrecondition, FatalError, InvalidArgument, NotF
 from hotloop.metrics import LATENCY_BUCKETS, StateCollector, gauge, info
 
 from .config import RolloutConfig
-from .tenants import Lease, LoraSlots, NoSlots, TenantSlots, WorkerSlots, check_tenant
+from .tenants import (
+    Lease,
+    LoraSlots,
+    NoSlots,
+    SlotMetrics,
+    TenantSlots,
+    WorkerSlots,
+    check_tenant,
+)
 
 log = logging.getLogger(__name__)
 
@@ -196,10 +205,11 @@ class MergedUpdater(Updater):
     POLL_S = 0.005
 
     def __init__(self, engine, model_dir: Path, max_rank: int, swap: str, tenant_slots: int = 0,
-                 slot_wait_s: float = 30.0):
+                 slot_wait_s: float = 30.0, slot_metrics: SlotMetrics | None = None):
         self.engine = engine
         self.tenant_slots = tenant_slots
         self.slot_wait_s = slot_wait_s
+        self.slot_metrics = slot_metrics
         self.model_dir = model_dir
         self.max_rank = max_rank
         self.swap = swap
@@ -224,7 +234,8 @@ class MergedUpdater(Updater):
         elif self.tenant_slots == 0:
             self.slots = NoSlots("tenants are off on this replica ([rollout] tenant_slots = 0)")
         else:
-            self.slots = WorkerSlots(self.engine, self.tenant_slots, self.slot_wait_s)
+            self.slots = WorkerSlots(self.engine, self.tenant_slots, self.slot_wait_s,
+                                     self.slot_metrics)
             await self.slots.init()
 
     async def prepare(self, version: int, archive: Path) -> None:
@@ -378,11 +389,13 @@ def resolve_swap(cfg: RolloutConfig, mode: str) -> str:
 
 
 def make_updater(mode: str, engine, model_dir: Path, max_rank: int, swap: str = "",
-                 tenant_slots: int = 0, slot_wait_s: float = 30.0) -> Updater:
-    """The one place that branches on the update mode (tenants too: `Updater.slots`)."""
+                 tenant_slots: int = 0, slot_wait_s: float = 30.0,
+                 slot_metrics: SlotMetrics | None = None) -> Updater:
+    """The one place that branches on the update mode (tenants too: `Updater.slots`, whose
+    metrics go to `slot_metrics`)."""
     if mode == "merged":
         return MergedUpdater(engine, model_dir, max_rank, swap or "drain", tenant_slots,
-                             slot_wait_s)
+                             slot_wait_s, slot_metrics)
     if mode == "lora":
         return LoraUpdater(engine)
     raise ValueError(f"unknown update mode {mode!r}")
@@ -567,6 +580,7 @@ class RolloutCore:
         self.users = UserLoad()  # priority-0 (users') Generate calls: in flight, waiting
         self.registry = registry if registry is not None else CollectorRegistry()
         self.metrics = RolloutMetrics(self.registry)
+        self.slot_metrics = SlotMetrics(self.registry)  # tenants' adapter slots (tenants.py)
         StateCollector(self._metric_families, self.registry)
 
     # ---- lifecycle ------------------------------------------------------------------
@@ -610,7 +624,7 @@ class RolloutCore:
         self.engine_name = f"vllm {vllm.__version__}"
         self.updater = make_updater(
             self.mode, self.engine, self.model_dir, self.cfg.max_lora_rank, self.swap,
-            self.cfg.tenant_slots, self.cfg.tenant_slot_wait_s,
+            self.cfg.tenant_slots, self.cfg.tenant_slot_wait_s, self.slot_metrics,
         )
         if isinstance(self.updater, MergedUpdater):
             await self.updater.init()

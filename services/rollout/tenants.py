@@ -16,18 +16,29 @@ Two ways, chosen by `core.make_updater` with the update mode:
   slots (max_loras per batch, an LRU of max_cpu_loras) do the residency.
 Elsewhere (merged mode on a GPU, or `tenant_slots = 0`) `NoSlots` refuses tenants clearly.
 
+Also owns the slots' metrics (`SlotMetrics`, on the core's registry): loads into a slot by
+result and their seconds, evictions, waits for a slot and refusals, and what is resident (count
+and bytes), with the same numbers as a plain `stats()` snapshot for a benchmark in the process.
+`WorkerSlots` feeds them; in lora mode vLLM keeps its own residency and they stay at zero.
+
 Plain asyncio; no gRPC.
 """
 
 from __future__ import annotations
 
 import asyncio
+import statistics
+import time
 from abc import ABC, abstractmethod
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
 from hotloop import adapters, tenants
 from hotloop.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
+from hotloop.metrics import LATENCY_BUCKETS
 
 BASE = "@base"  # the label of a request served by the load-time base weights
 LABEL_KEY = "hotloop_adapter"  # SamplingParams.extra_args key that names a request's adapter
@@ -55,8 +66,83 @@ class Lease:
     extra_args: dict | None = None
 
 
+class SlotMetrics:
+    """What the slots count as it happens, as Prometheus metrics on `registry` (the core's; a
+    private one by default) and as plain numbers (`stats()`), updated together."""
+
+    KEEP_LOADS = 10_000  # load durations kept for `stats()` (the newest)
+
+    def __init__(self, registry: CollectorRegistry | None = None):
+        registry = registry if registry is not None else CollectorRegistry()
+        self._load_seconds = Histogram(
+            "hotloop_rollout_tenant_slot_load_seconds", "Seconds to load a tenant's adapter "
+            "version into a slot in the worker (read, build, between two engine steps), by "
+            "result (ok, failed); its _count is the number of loads.", ["result"],
+            buckets=LATENCY_BUCKETS, registry=registry)
+        self._evictions = Counter(
+            "hotloop_rollout_tenant_slot_evictions", "Resident adapter versions replaced by "
+            "another one (the least recently used one no request held); retired versions "
+            "freed are not counted.", registry=registry)
+        self._wait_seconds = Histogram(
+            "hotloop_rollout_tenant_slot_wait_seconds", "Seconds a tenant's request waited for "
+            "a slot while every slot was held by running requests of other versions (requests "
+            "that waited only, refused ones too).", buckets=LATENCY_BUCKETS, registry=registry)
+        self._refusals = Counter(
+            "hotloop_rollout_tenant_slot_refusals", "Tenants' requests refused with "
+            "RESOURCE_EXHAUSTED after waiting tenant_slot_wait_s for a slot.", registry=registry)
+        self._resident = Gauge(
+            "hotloop_rollout_tenant_resident_adapters", "Tenants' adapter versions resident in "
+            "slots.", registry=registry)
+        self._resident_bytes = Gauge(
+            "hotloop_rollout_tenant_resident_adapter_bytes", "Bytes of the resident adapters' "
+            "factors in the worker.", registry=registry)
+        self.loads = {"ok": 0, "failed": 0}
+        self.load_s: deque[float] = deque(maxlen=self.KEEP_LOADS)  # ok loads, oldest first
+        self.evictions = 0
+        self.waits = 0
+        self.wait_s = 0.0
+        self.refusals = 0
+        self.resident = 0
+        self.resident_bytes = 0
+
+    def loaded(self, result: str, seconds: float) -> None:
+        self.loads[result] = self.loads.get(result, 0) + 1
+        self._load_seconds.labels(result).observe(seconds)
+        if result == "ok":
+            self.load_s.append(seconds)
+
+    def evicted(self) -> None:
+        self.evictions += 1
+        self._evictions.inc()
+
+    def waited(self, seconds: float, refused: bool) -> None:
+        self.waits += 1
+        self.wait_s += seconds
+        self._wait_seconds.observe(seconds)
+        if refused:
+            self.refusals += 1
+            self._refusals.inc()
+
+    def set_resident(self, count: int, nbytes: int) -> None:
+        self.resident, self.resident_bytes = count, nbytes
+        self._resident.set(count)
+        self._resident_bytes.set(nbytes)
+
+    def stats(self) -> dict:
+        """A snapshot: counts since start, the ok loads' seconds (newest `KEEP_LOADS`), and
+        what is resident now."""
+        return {"loads": self.loads.get("ok", 0), "failed_loads": self.loads.get("failed", 0),
+                "load_s": list(self.load_s),
+                "load_p50_s": statistics.median(self.load_s) if self.load_s else None,
+                "evictions": self.evictions, "waits": self.waits, "wait_s": self.wait_s,
+                "refusals": self.refusals, "resident_adapters": self.resident,
+                "resident_bytes": self.resident_bytes}
+
+
 class TenantSlots(ABC):
     """Residency of tenants' versions in the engine."""
+
+    metrics: SlotMetrics | None = None
 
     async def init(self) -> None:
         """Called once the engine runs."""
@@ -78,6 +164,10 @@ class TenantSlots(ABC):
     def status(self) -> dict:
         return {}
 
+    def stats(self) -> dict:
+        """`SlotMetrics.stats()` of these slots (zeros where the engine keeps residency)."""
+        return (self.metrics or SlotMetrics()).stats()
+
 
 class NoSlots(TenantSlots):
     def __init__(self, why: str):
@@ -96,14 +186,16 @@ class _Slot:
     refs: int = 0
     used: int = 0  # LRU clock of the last acquire or release
     loading: bool = False
+    nbytes: int = 0  # the loaded adapter's factors in the worker (its load report)
 
 
 class WorkerSlots(TenantSlots):
     """`n` adapter slots in the CPU worker, filled on demand, least recently used evicted."""
 
-    def __init__(self, engine, n: int, wait_s: float):
+    def __init__(self, engine, n: int, wait_s: float, metrics: SlotMetrics | None = None):
         self.engine = engine
         self.wait_s = wait_s
+        self.metrics = metrics if metrics is not None else SlotMetrics()
         self.slots = [_Slot() for _ in range(n)]
         self._cond = asyncio.Condition()
         self._clock = 0
@@ -118,19 +210,25 @@ class WorkerSlots(TenantSlots):
         name = label(tenant, version)
         lease = Lease(name, extra_args={LABEL_KEY: name})
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.wait_s
+        t0 = loop.time()
+        deadline = t0 + self.wait_s
+        waited = False  # for a slot (every one held), not for a load of this version
         async with self._cond:
             while True:
                 k = next((i for i, s in enumerate(self.slots) if s.label == name), None)
                 if k is not None and not self.slots[k].loading:
                     self._hold(k)
+                    if waited:
+                        self.metrics.waited(loop.time() - t0, refused=False)
                     return lease
                 if k is None:
                     k = self._victim()
                     if k is not None:
                         break
+                    waited = True
                 left = deadline - loop.time()
                 if left <= 0:
+                    self.metrics.waited(loop.time() - t0, refused=True)
                     raise ResourceExhausted(
                         f"all {len(self.slots)} adapter slots are held by running requests of "
                         f"other versions ({[s.label for s in self.slots]}); {name} waited "
@@ -139,7 +237,11 @@ class WorkerSlots(TenantSlots):
                     await asyncio.wait_for(self._cond.wait(), left)
                 except TimeoutError:
                     pass  # the loop raises with the reason
+            if waited:
+                self.metrics.waited(loop.time() - t0, refused=False)
             slot = self.slots[k]
+            if slot.label is not None:
+                self.metrics.evicted()
             slot.label, slot.loading = name, True
         # Shielded: a caller that goes away mid-load leaves a loaded slot (released when the
         # load ends), never a slot whose worker state differs from this table.
@@ -168,19 +270,31 @@ class WorkerSlots(TenantSlots):
         return min(free, key=lambda i: (self.slots[i].label is not None, self.slots[i].used))
 
     async def _load(self, k: int, name: str, archive: Path | None) -> None:
+        t0 = time.perf_counter()
         try:
-            await self.engine.collective_rpc("hotloop_slot_load", args=(k, name, str(archive)))
+            (report,) = await self.engine.collective_rpc(
+                "hotloop_slot_load", args=(k, name, str(archive)))
         except BaseException:
+            self.metrics.loaded("failed", time.perf_counter() - t0)
             async with self._cond:
                 self.slots[k].label = None
                 self.slots[k].loading = False
+                self.slots[k].nbytes = 0
+                self._resident_changed()
                 self._cond.notify_all()
             raise
+        self.metrics.loaded("ok", time.perf_counter() - t0)
         async with self._cond:
             self.slots[k].loading = False
+            self.slots[k].nbytes = int((report or {}).get("bytes", 0))
             self._hold(k)  # held by the request that loaded it before anyone can evict it
             self.loads += 1
+            self._resident_changed()
             self._cond.notify_all()
+
+    def _resident_changed(self) -> None:
+        loaded = [s for s in self.slots if s.label is not None and not s.loading]
+        self.metrics.set_resident(len(loaded), sum(s.nbytes for s in loaded))
 
     async def release(self, lease: Lease) -> None:
         if lease.label == BASE:
@@ -200,6 +314,8 @@ class WorkerSlots(TenantSlots):
                   and not s.loading]
             for k in ks:
                 self.slots[k].label = None
+                self.slots[k].nbytes = 0
+            self._resident_changed()
         for k in ks:
             await self.engine.collective_rpc("hotloop_slot_free", args=(k,))
 

@@ -438,7 +438,8 @@ class HotloopWorkerExtension:
     def hotloop_slot_load(self, slot: int, label: str, adapter: str) -> dict[str, Any]:
         """Read ``adapter`` (a peft directory or archive) into ``slot`` under ``label``,
         replacing what the slot held. Runs between two engine steps; the caller guarantees no
-        running request names the label the slot held (the core's slot manager counts them)."""
+        running request names the label the slot held (the core's slot manager counts them).
+        Returns the slot, the label, the seconds it took and the bytes of its factors."""
         st = self._hotloop_state()
         if st.slots is None:
             raise ValueError("hotloop_slots_init has not been called")
@@ -448,7 +449,9 @@ class HotloopWorkerExtension:
         with torch.no_grad():
             built = build_slot(plan, st.specs, st.dtype)
         st.slots.load(int(slot), str(label), built)
-        return {"slot": int(slot), "label": label, "load_s": time.perf_counter() - t0}
+        nbytes = sum(f.a.nbytes + f.bt.nbytes for f in built.values())
+        return {"slot": int(slot), "label": label, "load_s": time.perf_counter() - t0,
+                "bytes": nbytes}
 
     def hotloop_slot_free(self, slot: int) -> dict[str, Any]:
         st = self._hotloop_state()

@@ -209,3 +209,37 @@ async def test_a_tenant_announced_but_not_fetched_yet_waits_for_its_version_neve
     assert "announced v2" in e.value.details() and "has not fetched it yet" in e.value.details()
     assert time.monotonic() - t0 >= FETCH_WAIT_S
     assert "never" not in core.tenants()
+
+
+async def test_metrics_show_slot_loads_evictions_and_residency(rollout, adapter_factory):
+    from hotloop import metrics
+    from tests.scrape import scrape
+
+    core, stub = rollout
+    names = ["m0", "m1", "m2"]  # three tenants through two slots: the third evicts
+    for i, t in enumerate(names):
+        await push(stub, t, adapters.pack(adapter_factory(seed=70 + i, scale=5.0)), 1)
+    endpoint = metrics.serve(core.registry)
+    try:
+        before = await scrape(endpoint.port)
+        for t in names:
+            await greedy(stub, t, max_tokens=4)
+        after = await scrape(endpoint.port)
+    finally:
+        endpoint.close()
+
+    def delta(sample: str, **labels) -> float:
+        return after.value(sample, **labels) - before.value(sample, **labels)
+
+    assert after.type_of("hotloop_rollout_tenant_slot_load_seconds") == "histogram"
+    assert delta("hotloop_rollout_tenant_slot_load_seconds_count", result="ok") == 3
+    assert delta("hotloop_rollout_tenant_slot_load_seconds_sum", result="ok") > 0
+    assert delta("hotloop_rollout_tenant_slot_evictions_total") >= 1
+    assert delta("hotloop_rollout_tenant_slot_refusals_total") == 0
+    assert after.type_of("hotloop_rollout_tenant_slot_wait_seconds") == "histogram"
+    assert after.value("hotloop_rollout_tenant_resident_adapters") == 2
+    # the bytes of the two resident adapters' factors, as the worker reported them
+    st = core.updater.slots.stats()
+    assert after.value("hotloop_rollout_tenant_resident_adapter_bytes") == st["resident_bytes"] > 0
+    assert st["resident_adapters"] == 2
+    assert set(core.tenant_slots()["resident"]) == {"m1@v1", "m2@v1"}

@@ -19,6 +19,7 @@ from services.rollout.tenants import (
     LABEL_KEY,
     LoraSlots,
     NoSlots,
+    SlotMetrics,
     WorkerSlots,
     check_tenant,
 )
@@ -36,9 +37,12 @@ class Worker:
         if method == "hotloop_slot_load":
             slot, label, _ = args
             self.labels[slot] = label
+            return [{"slot": slot, "label": label, "bytes": self.BYTES}]
         elif method == "hotloop_slot_free":
             self.labels[args[0]] = None
         return [{}]
+
+    BYTES = 1000  # what each loaded adapter's factors take, as the worker reports it
 
 
 @pytest.mark.parametrize("name", ["acme", "a", "team-7_x", "0" * 32])
@@ -85,6 +89,63 @@ async def test_slots_fill_evict_lru_and_never_a_held_one():
     assert "a@v1" not in w.labels and ("hotloop_slot_free", w.labels.index(None)) in w.calls
 
 
+async def test_slot_metrics_count_loads_evictions_waits_refusals_and_residency():
+    from prometheus_client import CollectorRegistry
+
+    reg = CollectorRegistry()
+    m = SlotMetrics(reg)
+    slots = WorkerSlots(Worker(2), 2, wait_s=0.2, metrics=m)
+    archive = Path("/nowhere")
+
+    def sample(name: str, **labels) -> float:
+        return reg.get_sample_value(name, labels) or 0.0
+
+    a = await slots.acquire("a", 1, archive)
+    b = await slots.acquire("b", 1, archive)
+    st = slots.stats()
+    assert (st["loads"], st["evictions"], st["waits"], st["refusals"]) == (2, 0, 0, 0)
+    assert (st["resident_adapters"], st["resident_bytes"]) == (2, 2 * Worker.BYTES)
+    assert len(st["load_s"]) == 2 and all(x >= 0 for x in st["load_s"])
+    # a resident version is shared: no load, no wait; the base model needs no slot
+    a2 = await slots.acquire("a", 1, archive)
+    await slots.acquire("a", 0, None)
+    assert slots.stats()["loads"] == 2 and slots.stats()["waits"] == 0
+    # b released: c evicts it (one eviction, still two resident)
+    await slots.release(b)
+    c = await slots.acquire("c", 1, archive)
+    st = slots.stats()
+    assert (st["loads"], st["evictions"], st["resident_adapters"]) == (3, 1, 2)
+    # everything held: d waits its 0.2 s and is refused (a wait and a refusal)
+    with pytest.raises(ResourceExhausted):
+        await slots.acquire("d", 1, archive)
+    st = slots.stats()
+    assert (st["waits"], st["refusals"], st["evictions"]) == (1, 1, 1) and st["wait_s"] >= 0.2
+    # d waits again and gets c's slot when c ends: a wait, no refusal, an eviction
+    waiting = asyncio.create_task(slots.acquire("d", 1, archive))
+    await asyncio.sleep(0.05)
+    await slots.release(c)
+    d = await waiting
+    st = slots.stats()
+    assert (st["loads"], st["waits"], st["refusals"], st["evictions"]) == (4, 2, 1, 2)
+    # the same numbers on the registry
+    assert sample("hotloop_rollout_tenant_slot_load_seconds_count", result="ok") == 4
+    assert sample("hotloop_rollout_tenant_slot_load_seconds_count", result="failed") == 0
+    assert sample("hotloop_rollout_tenant_slot_evictions_total") == 2
+    assert sample("hotloop_rollout_tenant_slot_wait_seconds_count") == 2
+    assert sample("hotloop_rollout_tenant_slot_wait_seconds_sum") == pytest.approx(st["wait_s"])
+    assert sample("hotloop_rollout_tenant_slot_refusals_total") == 1
+    assert sample("hotloop_rollout_tenant_resident_adapters") == 2
+    assert sample("hotloop_rollout_tenant_resident_adapter_bytes") == 2 * Worker.BYTES
+    # a retired version's slot is freed: one fewer resident, its bytes gone
+    for lease in (a, a2, d):
+        await slots.release(lease)
+    await slots.forget("a", 1)
+    st = slots.stats()
+    assert (st["resident_adapters"], st["resident_bytes"]) == (1, Worker.BYTES)
+    assert sample("hotloop_rollout_tenant_resident_adapters") == 1
+    assert st["evictions"] == 2  # a retirement is not an eviction
+
+
 async def test_a_failed_load_leaves_the_slot_empty():
     class Failing(Worker):
         async def collective_rpc(self, method, args=(), kwargs=None):
@@ -96,6 +157,8 @@ async def test_a_failed_load_leaves_the_slot_empty():
     with pytest.raises(ValueError, match="bad adapter"):
         await slots.acquire("a", 1, Path("/nowhere"))
     assert slots.status()["resident"] == [None] and slots.status()["held"] == [0]
+    st = slots.stats()
+    assert (st["loads"], st["failed_loads"], st["resident_adapters"]) == (0, 1, 0)
 
 
 def test_one_factory_gives_each_mode_its_tenant_path():
