@@ -21,7 +21,7 @@ help:
 	@echo "make demo-online  simulated users, gateway and online trainer (writes runs/<id>/online-report.md)"
 	@echo "make demo-tenants three tenants on one engine, each learning its users' preference (runs/<id>/tenants-report.md)"
 	@echo "make test    the full test suite (tiny model + a few real-model tests)"
-	@echo "make bench   rollout, hot-update and sandbox benchmarks (ratios in one run)"
+	@echo "make bench   rollout, hot-update, sandbox, threads and tenants benchmarks (ratios in one run)"
 
 $(STAMP): pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' || \
@@ -63,6 +63,7 @@ bench: $(MODEL_STAMP)
 	$(BIN)/hotloop bench hot-update --json runs/bench-hot-update.json
 	$(BIN)/hotloop bench sandbox --json runs/bench-sandbox.json
 	$(BIN)/hotloop bench threads --json runs/bench-threads.json
+	$(BIN)/hotloop bench tenants --json runs/bench-tenants.json --plot runs/bench-tenants.png
 
 protos: $(STAMP)
 	$(BIN)/python -m hotloop.protogen

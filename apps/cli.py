@@ -150,6 +150,8 @@ def command_main(command: str, bench: str = ""):
         from benchmarks.grpo import main
     elif name == "bench update-loop":
         from benchmarks.update_loop import main
+    elif name == "bench tenants":
+        from benchmarks.tenants import main
     else:
         raise KeyError(f"no command `hotloop {name}`")
     return main
@@ -265,6 +267,28 @@ def build_parser() -> argparse.ArgumentParser:
     bu.add_argument("--max-words", type=int, default=70, help="the users' hidden preference")
     bu.add_argument("--loop-timeout-s", type=float, default=60.0, help="count a feedback lost after this")
     _out_dir(bu, "update-loop")
+    bten = _bench_parser(bsub, "tenants", "many tenants on one engine, per tenant count in one run: "
+                         "users' TTFT and tokens/s while every tenant gets new versions, push-to-"
+                         "first-token loops, slot loads and evictions, wrong-adapter answers, and "
+                         "batch tokens/s against one merged adapter", model=True)
+    bten.add_argument("--tenant-counts", default="1,4,16", help="comma-separated, one run each")
+    bten.add_argument("--tenant-slots", type=int, default=4,
+                      help="[rollout] tenant_slots (fewer than tenants: evictions)")
+    bten.add_argument("--users", type=int, default=4, help="concurrent simulated users")
+    bten.add_argument("--duration-s", type=float, default=30.0,
+                      help="seconds of users and pushes per tenant count")
+    bten.add_argument("--push-every-s", type=float, default=10.0,
+                      help="a new version for each tenant this often")
+    bten.add_argument("--max-tokens", type=int, default=64, help="users' answer length")
+    bten.add_argument("--prompts", type=int, default=8, help="batch workload (bench rollout's)")
+    bten.add_argument("--n", type=int, default=8, help="batch workload: samples per prompt")
+    bten.add_argument("--batch-max-tokens", type=int, default=128,
+                      help="batch workload: tokens per sample")
+    bten.add_argument("--repeats", type=int, default=1, help="batch workload runs (median)")
+    bten.add_argument("--slot-wait-s", type=float, default=120.0,
+                      help="[rollout] tenant_slot_wait_s (the batch over more tenants than slots "
+                           "waits for slots in turn)")
+    bten.add_argument("--plot", metavar="PNG", help="also plot TTFT and batch tokens/s here")
     for bench in bsub.choices.values():
         bench.add_argument("--json", help="write results here")
     b.set_defaults(fn=run_module)

@@ -72,6 +72,53 @@ def hf_tokens_per_s(model_dir: Path, prompts: list[str], n: int, max_tokens: int
     return tokens / (time.perf_counter() - t0)
 
 
+def spread(prompts: list[str], n: int, tenants: list[str]) -> list[tuple[str, list[str], int]]:
+    """The workload's Generate calls, (tenant, prompts, n), with its len(prompts) x n samples
+    spread evenly over `tenants` ("": one call on the default lineage). At most as many
+    tenants as prompts: prompt i goes to tenant i % k with its n samples (prefills as in one
+    call); more: prompt i's samples are shared out among tenants i, i + len(prompts), ..."""
+    if not tenants:
+        return [("", list(prompts), n)]
+    k, calls = len(tenants), {}
+    for i, prompt in enumerate(prompts):
+        mine = tenants[i::len(prompts)] if k > len(prompts) else [tenants[i % k]]
+        for j, t in enumerate(mine):
+            share = n // len(mine) + (j < n % len(mine))
+            if share:
+                calls.setdefault((t, share), []).append(prompt)
+    return [(t, ps, m) for (t, m), ps in calls.items()]
+
+
+async def workload_rate(core, prompts: list[str], n: int, max_tokens: int,
+                        tenants: list[str] = ()) -> float:
+    """Generated tokens/s of the workload on `core` (a started `RolloutCore`): chat prompts,
+    n samples of exactly `max_tokens` each at temperature 1, spread over `tenants` (`spread`),
+    every call at once."""
+    from services.rollout.core import GenerateInput, PromptIn, Sampling
+
+    async def tokens(tenant: str, ps: list[str], m: int) -> int:
+        req = GenerateInput([PromptIn(messages=[{"role": "user", "content": p}]) for p in ps],
+                            Sampling(n=m, max_tokens=max_tokens, temperature=1.0, ignore_eos=True),
+                            tenant=tenant)
+        return sum([len(c.token_ids) async for c in core.generate(req)])
+
+    t0 = time.perf_counter()
+    got = sum(await asyncio.gather(*(tokens(*call) for call in spread(prompts, n, list(tenants)))))
+    return got / (time.perf_counter() - t0)
+
+
+async def push_local(core, data: bytes, version: int, model_name: str, tenant: str = "") -> None:
+    """Push a packed adapter into `core` in this process (no gRPC), as `version` of `tenant`'s
+    lineage ("": the default one, made live)."""
+    from hotloop import adapters
+
+    async def chunks():
+        yield data
+
+    await core.push(adapters.Version(version, adapters.sha256(data), len(data), model_name),
+                    chunks(), tenant=tenant)
+
+
 async def _vllm_rates(model_dir: Path, model_name: str, prompts: list[str], n: int, max_tokens: int,
                       repeats: int, mode: str, adapter_dir: Path,
                       tenant_adapters: list[Path] = ()) -> dict[str, float]:
@@ -80,7 +127,7 @@ async def _vllm_rates(model_dir: Path, model_name: str, prompts: list[str], n: i
     on its own adapter (`tenants`: one Generate call per tenant, all at once)."""
     from hotloop import adapters
     from services.rollout.config import RolloutConfig
-    from services.rollout.core import GenerateInput, PromptIn, RolloutCore, Sampling
+    from services.rollout.core import RolloutCore
 
     cfg = RolloutConfig(update_mode=mode, max_lora_rank=64, max_new_tokens=max(max_tokens, 16),
                         cpu_reserved_cpus=0, tenant_slots=max(4, len(tenant_adapters)))
@@ -92,77 +139,64 @@ async def _vllm_rates(model_dir: Path, model_name: str, prompts: list[str], n: i
 
     tenants = [f"tenant-{i}" for i in range(len(tenant_adapters))]
 
-    async def tokens(ps: list[str], tokens_per_sample: int, tenant: str = "") -> int:
-        req = GenerateInput([PromptIn(messages=[{"role": "user", "content": p}]) for p in ps],
-                            Sampling(n=n, max_tokens=tokens_per_sample, temperature=1.0, ignore_eos=True),
-                            tenant=tenant)
-        return sum([len(c.token_ids) async for c in core.generate(req)])
-
-    async def rate(tokens_per_sample: int = max_tokens, spread: bool = False) -> float:
-        t0 = time.perf_counter()
-        if spread:  # prompt i to tenant i % len(tenants), every tenant's call at once
-            k = len(tenants)
-            got = sum(await asyncio.gather(*(tokens(prompts[i::k], tokens_per_sample, t)
-                                             for i, t in enumerate(tenants))))
-        else:
-            got = await tokens(prompts, tokens_per_sample)
-        return got / (time.perf_counter() - t0)
-
-    async def rates(label: str, spread: bool = False) -> float:
+    async def rates(label: str, tenants: list[str] = ()) -> float:
         runs = []
         for i in range(repeats):
-            runs.append(await rate(spread=spread))
+            runs.append(await workload_rate(core, prompts, n, max_tokens, tenants))
             print(f"    {label} run {i + 1}/{repeats}: {runs[-1]:.1f} tok/s", flush=True)
         return statistics.median(runs)
 
     try:
         # warm-up: first-use costs (allocations, oneDNN primitives) are not throughput; a short
         # batch of the same shape is enough and keeps the default run under 5 minutes
-        await rate(tokens_per_sample=8)
+        await workload_rate(core, prompts, n, 8)
         base = await rates("base")
-        data = adapters.pack(adapter_dir)
-        info = adapters.Version(1, adapters.sha256(data), len(data), model_name)
-
-        async def chunks():
-            yield data
-
-        await core.push(info, chunks())
-        await rate(tokens_per_sample=8)
+        await push_local(core, adapters.pack(adapter_dir), 1, model_name)
+        await workload_rate(core, prompts, n, 8)
         with_adapter = await rates("fresh adapter")
         out = {"base": base, "adapter": with_adapter}
         if tenants:
             for t, d in zip(tenants, tenant_adapters):
-                data = adapters.pack(d)
-                info = adapters.Version(1, adapters.sha256(data), len(data), model_name)
-
-                async def one():
-                    yield data
-
-                await core.push(info, one(), tenant=t)
-            await rate(tokens_per_sample=8, spread=True)  # loads the slots
-            out["tenants"] = await rates(f"{len(tenants)} tenants", spread=True)
+                await push_local(core, adapters.pack(d), 1, model_name, tenant=t)
+            await workload_rate(core, prompts, n, 8, tenants)  # loads the slots
+            out["tenants"] = await rates(f"{len(tenants)} tenants", tenants)
     finally:
         await core.stop()
     return out
 
 
-def make_bench_adapter(model_dir: Path, out: Path, rank: int, seed: int = 0) -> Path:
+def make_bench_adapter(model_dir: Path, out: Path, rank: int, seed: int = 0,
+                       b_scale: float = 0.01) -> Path:
     """An r=`rank` all-linear LoRA with small random weights, like an early training step."""
+    return make_bench_adapters(model_dir, [out], rank, [seed], b_scale)[0]
+
+
+def make_bench_adapters(model_dir: Path, outs: list[Path], rank: int, seeds: list[int],
+                        b_scale: float = 0.01) -> list[Path]:
+    """`make_bench_adapter` for each (out, seed), the model loaded once. `b_scale` multiplies
+    peft's random B: 0.01 keeps outputs sensible (a trained adapter is a small delta); 1 makes
+    each adapter's greedy outputs its own (a test of which adapter served a request)."""
+    import math
+
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     peft_model = get_peft_model(model, LoraConfig(
         r=rank, lora_alpha=2 * rank, init_lora_weights=False,
         target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
-    with torch.no_grad():
-        for name, p in peft_model.named_parameters():
-            if "lora_B" in name:
-                p.mul_(0.01)  # keep outputs sensible: a trained adapter is a small delta
-    peft_model.save_pretrained(out)
-    return out
+    for out, seed in zip(outs, seeds):
+        torch.manual_seed(seed)
+        with torch.no_grad():
+            for name, p in peft_model.named_parameters():
+                if "lora_" in name:
+                    # what init_lora_weights=False leaves: nn.Linear's own init, A and B alike
+                    torch.nn.init.kaiming_uniform_(p, a=math.sqrt(5))
+                    if "lora_B" in name:
+                        p.mul_(b_scale)
+        peft_model.save_pretrained(out)
+    return outs
 
 
 def engine_threads(cfg) -> int:

@@ -40,7 +40,7 @@ def test_every_bench_command_has_a_module_and_a_help():
     bench = next(a for a in build_parser()._subparsers._group_actions[0].choices["bench"]._actions
                  if a.dest == "bench")
     assert set(bench.choices) >= {"rollout", "hot-update", "sandbox", "threads", "joint",
-                                  "train-step", "grpo", "update-loop"}
+                                  "train-step", "grpo", "update-loop", "tenants"}
     for name in bench.choices:
         assert callable(command_main("bench", name)), name
         r = subprocess.run([sys.executable, "-m", "apps.cli", "bench", name, "--help"],
