@@ -232,7 +232,10 @@ async def _run(core, client, k: int, archives, args) -> dict:
         mixed = await asyncio.gather(*(u.probe(t) for t in tenants))  # beside the users
     finally:
         u.stop.set()
-        await asyncio.gather(*users, return_exceptions=True)
+        ended = await asyncio.gather(*users, return_exceptions=True)
+    crashed = [e for e in ended if isinstance(e, Exception)]
+    if crashed:
+        raise crashed[0]  # a user's error that is not a refused call (those are counted)
     users_s = time.perf_counter() - t0
     alone = [await u.probe(t) for t in tenants]
     verdicts = Counter(probe_verdict(m, a) for m, a in zip(mixed, alone))
