@@ -104,7 +104,7 @@ def probe_verdict(mixed, alone) -> str:
     if i >= min(len(a), len(b)):
         return "wrong"  # one stopped early where the other did not
     top = {tid: lp for tid, lp, _ in mixed.top_logprobs[i]} if i < len(mixed.top_logprobs) else {}
-    if b[i] in top and abs(top[a[i]] - top[b[i]]) <= TIE_LOGPROB:
+    if a[i] in top and b[i] in top and abs(top[a[i]] - top[b[i]]) <= TIE_LOGPROB:
         return "tie"
     return "wrong"
 
@@ -220,8 +220,9 @@ async def _run(core, client, k: int, archives, args) -> dict:
     try:
         pusher = asyncio.create_task(u.pusher(args.duration_s, args.push_every_s))
         t0 = time.perf_counter()
-        while not pusher.done():
-            await asyncio.wait([pusher], timeout=10)
+        while not pusher.done() or time.perf_counter() < t0 + args.duration_s:
+            left = t0 + args.duration_s - time.perf_counter()
+            await asyncio.wait([pusher], timeout=min(10.0, left) if pusher.done() else 10.0)
             say(f"  {k} tenant(s): {time.perf_counter() - t0:.0f} s, {len(u.requests)} answers, "
                 f"{len(u.pushes)} pushes, {sum(u.failed.values())} failed")
         pusher.result()
