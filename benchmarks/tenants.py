@@ -221,8 +221,10 @@ async def _run(core, client, k: int, archives, args) -> dict:
         pusher = asyncio.create_task(u.pusher(args.duration_s, args.push_every_s))
         t0 = time.perf_counter()
         while not pusher.done() or time.perf_counter() < t0 + args.duration_s:
-            left = t0 + args.duration_s - time.perf_counter()
-            await asyncio.wait([pusher], timeout=min(10.0, left) if pusher.done() else 10.0)
+            if pusher.done():  # the last round ended: the users go on until duration_s
+                await asyncio.sleep(min(10.0, t0 + args.duration_s - time.perf_counter()))
+            else:
+                await asyncio.wait([pusher], timeout=10.0)
             say(f"  {k} tenant(s): {time.perf_counter() - t0:.0f} s, {len(u.requests)} answers, "
                 f"{len(u.pushes)} pushes, {sum(u.failed.values())} failed")
         pusher.result()
