@@ -20,7 +20,8 @@ Owns the tenants benchmark: one engine (`RolloutCore`) behind the rollout's own 
 - slot loads, evictions, waits, refusals and resident bytes from the slots' own counters
   (`SlotMetrics.stats()`, read in this process; the same numbers the rollout's /metrics serves).
 `merged_tokens_per_s`: one merged adapter (the default lineage) on the same workload, same
-engine. Does not own the workload, its rate or the adapters (benchmarks/rollout.py), the slots
+engine, measured right before each tenant count's batch (a run's `batch_vs_merged` divides by
+its own: on a shared machine the load of a minute earlier is another machine). Does not own the workload, its rate or the adapters (benchmarks/rollout.py), the slots
 (services/rollout/tenants.py), or the report's tail (benchmarks/common.py). A shared machine
 makes every figure noisy: compare the ratios of one run, not runs.
 """
@@ -244,10 +245,13 @@ async def _run(core, client, k: int, archives, args) -> dict:
     verdicts = Counter(probe_verdict(m, a) for m, a in zip(mixed, alone))
     distinct = len({tuple(a.token_ids) for a in alone})
     say(f"  {k} tenant(s): users done ({len(u.requests)} answers, {len(u.wrong)} wrong); "
-        f"probes {dict(verdicts)}; batch workload...")
-    await workload_rate(core, _prompts(args.prompts), args.n, 8, tenants)  # warm: loads slots
-    batch = statistics.median([await workload_rate(core, _prompts(args.prompts), args.n,
-                                                   args.batch_max_tokens, tenants)
+        f"probes {dict(verdicts)}; batch workload, one merged adapter then the tenants'...")
+    prompts = _prompts(args.prompts)
+    merged = statistics.median([await workload_rate(core, prompts, args.n, args.batch_max_tokens)
+                                for _ in range(args.repeats)])
+    await workload_rate(core, prompts, args.n, 8, tenants)  # warm: loads the slots
+    batch = statistics.median([await workload_rate(core, prompts, args.n, args.batch_max_tokens,
+                                                   tenants)
                                for _ in range(args.repeats)])
     after = core.updater.slots.stats()
     loads = after["loads"] - before["loads"]
@@ -266,6 +270,8 @@ async def _run(core, client, k: int, archives, args) -> dict:
         "evictions": after["evictions"] - before["evictions"],
         "wrong_adapter_answers": wrong,
         "batch_tokens_per_s": batch,
+        "merged_tokens_per_s": merged,
+        "batch_vs_merged": batch / merged,
         "resident_adapter_mib": after["resident_bytes"] / 2**20,
         # the detail behind them
         "user_requests": len(u.requests),
@@ -283,7 +289,8 @@ async def _run(core, client, k: int, archives, args) -> dict:
     }
     say(f"  {k} tenant(s): TTFT p50 {_ms(run['user_ttft_ms']['p50'])} p99 "
         f"{_ms(run['user_ttft_ms']['p99'])}, loop p50 {_ms(run['loop_ms']['p50'])}, "
-        f"{loads} loads, {run['evictions']} evictions, batch {batch:.0f} tok/s")
+        f"{loads} loads, {run['evictions']} evictions, batch {batch:.0f} tok/s against merged "
+        f"{merged:.0f}")
     return run
 
 
@@ -329,15 +336,10 @@ async def _bench(args) -> dict:
     server, port, _ = await serve(core, "127.0.0.1:0", TOKEN)
     client = RolloutClient(f"127.0.0.1:{port}")
     try:
-        workload = f"{len(prompts)} prompts x n={args.n} x {args.batch_max_tokens} tokens"
-        say(f"one merged adapter on the workload ({workload})...")
+        # the default lineage: one merged adapter live throughout, as beside real tenants
         data, sha = archives[pool]
         await client.push_adapter(adapters.Version(1, sha, len(data), args.model), data, TOKEN)
         await workload_rate(core, prompts, args.n, 8)  # warm-up
-        merged = statistics.median([await workload_rate(core, prompts, args.n,
-                                                        args.batch_max_tokens)
-                                    for _ in range(args.repeats)])
-        say(f"  merged {merged:.0f} tok/s")
         runs = [await _run(core, client, k, archives[:pool], args) for k in counts]
     finally:
         await client.close()
@@ -346,14 +348,13 @@ async def _bench(args) -> dict:
         shutil.rmtree(tmp, ignore_errors=True)
     one = next((r for r in runs if r["tenants"] == 1), None)
     for r in runs:
-        r["batch_vs_merged"] = r["batch_tokens_per_s"] / merged
         p99, base = r["user_ttft_ms"]["p99"], one and one["user_ttft_ms"]["p99"]
         r["ttft_p99_vs_1_tenant"] = p99 / base if p99 is not None and base else None
     import vllm
 
     return {
         "runs": runs,
-        "merged_tokens_per_s": merged,
+        "merged_tokens_per_s": statistics.median([r["merged_tokens_per_s"] for r in runs]),
         "aims": {k: f"{op} {v}" for k, (op, v) in AIMS.items()},
         "config": {"model": args.model, "tenant_counts": counts, "tenant_slots": args.tenant_slots,
                    "tenant_slot_wait_s": args.slot_wait_s, "users": args.users,
@@ -390,7 +391,8 @@ def table(r: dict) -> str:
     c = r["config"]
     lines.append(f"(ms unless marked; {c['users']} users, {c['tenant_slots']} slots, a version per "
                  f"tenant every {c['push_every_s']:g} s; merged adapter "
-                 f"{r['merged_tokens_per_s']:.0f} tok/s; {r['machine']['cpu']}, "
+                 f"{r['merged_tokens_per_s']:.0f} tok/s (median; each run's own beside its "
+                 f"batch); {r['machine']['cpu']}, "
                  f"{r['machine']['cores']} cores, {r['machine']['dtype']})")
     four = next((x for x in r["runs"] if x["tenants"] == 4), None)
     if four is not None and four["ttft_p99_vs_1_tenant"] is not None:
@@ -419,8 +421,11 @@ def plot(r: dict, path: str) -> None:
     a.set_xlabel("tenants")
     a.set_ylabel("ms")
     a.legend()
-    b.bar(ks, [x["batch_tokens_per_s"] for x in r["runs"]], label="tenants' adapters")
-    b.axhline(r["merged_tokens_per_s"], color="k", linestyle="--", label="one merged adapter")
+    b.bar([i - 0.2 for i in range(len(ks))], [x["merged_tokens_per_s"] for x in r["runs"]],
+          width=0.4, label="one merged adapter")
+    b.bar([i + 0.2 for i in range(len(ks))], [x["batch_tokens_per_s"] for x in r["runs"]],
+          width=0.4, label="tenants' adapters")
+    b.set_xticks(range(len(ks)), ks)
     b.set_xlabel("tenants")
     b.set_ylabel("batch tokens/s")
     b.legend()

@@ -94,7 +94,7 @@ def test_a_short_run_reports_every_field_and_no_wrong_answer(tiny_model: Path, t
         k = x["tenants"]
         for key in ("user_ttft_ms.p50", "user_ttft_ms.p99", "user_tokens_per_s", "loop_ms.p50",
                     "loop_ms.p95", "adapter_load_ms.p50", "batch_tokens_per_s",
-                    "resident_adapter_mib", "batch_vs_merged"):
+                    "resident_adapter_mib", "merged_tokens_per_s", "batch_vs_merged"):
             v = x
             for part in key.split("."):
                 v = v[part]
