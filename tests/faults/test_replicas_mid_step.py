@@ -2,7 +2,7 @@
 nothing is scored twice.
 
 The mesh as `hotloop up --replicas rollout=2,reference=2,reward=2` runs it (`apps.launcher.Mesh`,
-real processes on the tiny model) with the gateway. A GRPO job of 3 steps spreads generation,
+real processes on the tiny model) with the gateway. A GRPO job of 2 steps spreads generation,
 scoring and reference passes over the replicas while a user streams answers through the
 gateway. The reward scorer (gated_scorer.py) holds its first call until released, saying which
 process is in it; that process is killed there, mid-call, and its chunk is re-run whole on the
@@ -26,7 +26,7 @@ from apps.launcher import Mesh
 from tests.scrape import parse
 
 pytestmark = pytest.mark.slow
-B, G, STEPS = 4, 2, 3
+B, G, STEPS = 4, 2, 2  # the kill is in step 1's scoring; step 2 runs on the survivor
 
 
 def write_config(tmp_path, tiny_model):

@@ -5,9 +5,8 @@ default lineage's and two tenants'), over the real `TrainerClient`.
 
 The replica is `Versions`, a stand-in for the core's version tables: like `RolloutCore.push`
 it takes a version only when the bytes match the header's sha256 and refuses one older than
-its lineage's latest. Catch-up is what is under test; a real replica (vLLM) catching up under
-`hotloop up` is tests/faults/test_mesh_restarts.py, and a real replica process catching up
-tenants' lineages is tests/faults/test_tenant_catchup.py.
+its lineage's latest. Catch-up is what is under test; a real replica (vLLM) catching up the
+default and a tenant's lineage under `hotloop up` is tests/faults/test_mesh_restarts.py.
 """
 
 from __future__ import annotations
