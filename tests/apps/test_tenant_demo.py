@@ -19,11 +19,14 @@ from apps.tenant_demo import TENANTS, TenantRun, key_id, make_keys, tenant_overr
 REPO = Path(__file__).resolve().parents[2]
 
 
-def test_bullets_count_list_lines_and_score_a_step_toward_a_list():
-    assert list_items("Sure:\n- one\n* two\n1. three\n2) four\n  - nested\nnot - this") == 5
-    b = Bullets(2)
-    assert b.matched("- a\n- b") and not b.matched("- a only")
-    assert (b.score("- a\n- b"), b.score("1. a"), b.score("no list")) == (1.0, -0.5, -1.0)
+def test_bullets_count_list_lines_of_enough_words_and_score_a_step_toward_a_list():
+    assert list_items("Sure:\n- one\n* two\n1. three\n2) four\n  - nested\nnot - this\n-\n- ") == 5
+    assert list_items("- one two three four\n- Excuse.\n1. a b c d e", min_words=4) == 2
+    b = Bullets(2, min_item_words=2)
+    assert b.matched("- a b\n- c d") and not b.matched("- a b only") and not b.matched("- a\n- b")
+    assert (b.score("- a b\n- c d"), b.score("1. a b"), b.score("- a\n- b"), b.score("no list")) == \
+        (1.0, -0.5, -1.0, -1.0)
+    assert "at least 4 words" in Bullets().describe()
 
 
 def test_a_question_ends_the_answer_within_its_tail():
@@ -48,6 +51,24 @@ def test_keys_and_tenants_config_give_each_tenant_its_own_key(tmp_path):
 
     mesh = config.load_mesh(config.raw_config(None, tenant_overrides(tmp_path / "keys", list(TENANTS))))
     assert {t: c.keys for t, c in mesh.tenants.items()} == {t: [key_id(t)] for t in TENANTS}
+
+
+def test_the_shared_trainer_plan_is_the_default_and_reads_each_lanes_metrics(tmp_path):
+    from apps.online_demo import TRAINER_RUN
+    from services.trainer.recipes.lanes import lane_dir
+
+    plan = trainer_plan("auto", ["a", "b"], tmp_path)
+    assert plan.mode == "shared" and plan.trainers is None  # the mesh's trainer role
+    assert plan.overrides == ['online.tenants=["a", "b"]']
+    from hotloop import config
+    from services.trainer.config import OnlineConfig
+
+    section = config.raw_config(None, [*plan.overrides, f"online.out_dir={tmp_path}",
+                                       f"online.run_id={TRAINER_RUN}"])["online"]
+    job = OnlineConfig(**section)
+    assert job.lanes and job.lane_tenants == ["a", "b"]
+    for t in ("a", "b"):  # where start_stack's trainer writes each lane's step records
+        assert plan.metrics[t] == lane_dir(Path(job.out_dir) / job.run_id, t) / "metrics.jsonl"
 
 
 def test_the_trainer_plan_gives_each_tenant_its_own_run_and_subject(tmp_path):
@@ -81,8 +102,8 @@ def test_the_report_pools_the_base_rates_and_measures_the_other_preferences_rise
     from apps.simulate import VersionClock
     from apps.tenant_demo import TenantsState, preferences, write_tenants_report
 
-    prefs = preferences(max_words=3)
-    long_list, short_q, plain = "- a b c d\n- e f g h", "Dog? Yes.", "one two three four five"
+    prefs = preferences(max_words=6)  # 5 to 6 words; lists of items of >= 4 words
+    long_list, short_q, plain = "- a b c d\n- e f g h", "What kind of dog? Yes.", "one two three four five six seven"
 
     class Sim:  # what the report reads of a Simulation
         def __init__(self, idle: list[str], training: list[str]):
