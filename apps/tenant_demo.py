@@ -519,14 +519,13 @@ def _plot(state: TenantsState, path: Path) -> None:
     t0 = state.training_started or time.time()
     for run in runs:
         ups = sorted(run.tracker.updates, key=lambda u: u.seen_at)
-        xs = [u.seen_at - t0 for u in ups]
-        axes[-1][0].step(xs, range(1, len(ups) + 1), where="post", label=run.name)
-        tokens = [0]
+        xs, tokens = [0.0] + [u.seen_at - t0 for u in ups], [0]
         for u in ups:
             tokens.append(tokens[-1] + u.tokens)
-        axes[-1][1].step(xs, tokens[1:], where="post", label=run.name)
-    axes[-1][0].set_title("updates (training turns) per tenant", fontsize=9)
-    axes[-1][1].set_title("tokens trained per tenant (what the fair share charges)", fontsize=9)
+        axes[-1][0].step(xs, range(len(xs)), where="post", label=run.name)
+        axes[-1][1].step(xs, tokens, where="post", label=run.name)
+    axes[-1][0].set_title("updates (training turns) per tenant, from its lane's step records", fontsize=9)
+    axes[-1][1].set_title("tokens trained per tenant", fontsize=9)
     for ax in axes[-1]:
         ax.axvline(0, color="black", lw=0.8)
         ax.grid(alpha=0.3)
