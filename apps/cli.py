@@ -381,7 +381,7 @@ def build_parser() -> argparse.ArgumentParser:
     dt.add_argument("--min-item-words", type=int, default=4,
                     help="tenant `bullets`: items of at least N words (a list of one-word items is "
                          "a short answer too)")
-    dt.add_argument("--max-tail-words", type=int, default=10,
+    dt.add_argument("--max-tail-words", type=int, default=3,
                     help="tenant `question`: at most N words after the answer's last question mark")
     dt.add_argument("--window", type=int, default=40, help="a tenant's last answers in its final share")
     dt.add_argument("--trainers", choices=["auto", "per-tenant", "shared"], default="auto",

@@ -81,11 +81,13 @@ PROMPTS: tuple[str, ...] = (
 
 # The many-tenant demo's prompts (`hotloop demo-tenants`): chat openings that invite a question
 # back, requests for lists, and a few of both, so that each tenant's preference starts rare but
-# present. Base rates on SmolLM2-135M-Instruct (vLLM directly, these prompts x 4-6 at
-# temperature 1, 128 new tokens, 272 answers, 2026-12-02): at most 60 words 0.22, a list of at
-# least 2 items 0.18, ends with a question (<= 10 words after the last "?") 0.13. On `PROMPTS`
-# the last two are 0.06 and 0.01: too rare to learn from binary scores. Through the mesh (the
-# demo's idle phase, two runs of 30-35 answers): 0.26 / 0.20, 0.14 / 0.22, 0.09 / 0.07.
+# present. Base rates on SmolLM2-135M-Instruct (vLLM directly, these prompts x 8 at temperature
+# 1, 128 new tokens, 392 answers, 2026-12-02; 69% hit the token limit): 5 to 60 words 0.24 (no
+# answer had fewer than 5 words; 5 to 70: 0.32), a list of at least 2 items of at least 4 words
+# 0.16 (of any items: 0.18), ends with a question with at most 3 words after the last "?" 0.14
+# (0 words: 0.11, 5: 0.16, 10: 0.19). On `PROMPTS` the last two were 0.06 and 0.01: too rare to
+# learn from binary scores. Through the mesh (the demo's idle phase) they come out lower and
+# noisier: ~30 answers per run.
 TENANT_PROMPTS: tuple[str, ...] = (
     "I'm thinking about getting a dog.",
     "I'm thinking about getting a cat.",
@@ -160,8 +162,9 @@ class Brevity:
     The default limit sits at the base model's 15th percentile. Measured (SmolLM2-135M-Instruct,
     vLLM, these prompts x 4 at temperature 1, 128 new tokens, 2026-11-29): word-count
     quantiles 5%: 40, 10%: 63, 15%: 70, 25%: 82, 50%: 98; 71% of the answers hit the token
-    limit. So "at most 70 words" is met about 15% of the time before any training; the base
-    model gives almost no answer under 5 words, so the lower bound leaves the base rate as it is.
+    limit. So "at most 70 words" is met about 15% of the time before any training. The base
+    model gives no answer under 5 words (its 5% quantile is 40; on `TENANT_PROMPTS` none of 392
+    answers), so the lower bound changes no base rate.
     """
 
     max_words: int = 70
@@ -247,13 +250,15 @@ class Question:
     """The hidden preference: the answer ends with a question to the user: at most
     `max_tail_words` words after its last question mark (0: the last character is "?").
 
-    A little tail is allowed because the small model rarely stops right at its question
-    ("...what kind of dog do you want? Let me know!"); the strict rule is met by about 5% of
-    its answers, too few for REINFORCE to find. The score is +1 when met, -0.5 for an answer
-    that asks something earlier, -1 for one that asks nothing.
+    A little tail is allowed because the small model often adds a word or two after its
+    question ("...what kind of dog do you want? Let me know!"). The default, 3 words, is met by
+    0.14 of the base model's answers on `TENANT_PROMPTS` (the strict rule, 0 words: 0.11; 10
+    words, the earlier default: 0.19, which let a question be followed by a whole sentence).
+    The score is +1 when met, -0.5 for an answer that asks something earlier, -1 for one that
+    asks nothing.
     """
 
-    max_tail_words: int = 10
+    max_tail_words: int = 3
     name: ClassVar[str] = "question"
 
     def matched(self, text: str) -> bool:

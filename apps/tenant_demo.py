@@ -73,7 +73,7 @@ CROSS_LIMIT = 0.1  # the issue's bound on another preference's rise in a tenant'
 log = logging.getLogger(__name__)
 
 
-def preferences(max_words: int = 60, min_items: int = 2, max_tail_words: int = 10, min_words: int = 5,
+def preferences(max_words: int = 60, min_items: int = 2, max_tail_words: int = 3, min_words: int = 5,
                 min_item_words: int = 4) -> dict[str, Preference]:
     """Each tenant's hidden preference. Base rates on `TENANT_PROMPTS`: see there (apps/simulate.py)."""
     return {"short": Brevity(max_words, min_words), "bullets": Bullets(min_items, min_item_words),
