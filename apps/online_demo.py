@@ -567,7 +567,7 @@ def main(args) -> int:
     pref = Brevity(args.max_words)
     state = DemoState(run_id, out, pref, args.window, settings={
         "config": config_path, "overrides": args.set, "users": args.users, "idle_s": args.idle_s,
-        "train_s": args.train_s, "max_tokens": args.max_tokens, "max_words": args.max_words,
+        "train_s": args.train_s, "max_tokens": args.max_tokens, "max_words": args.max_words, "min_words": pref.min_words,
         "until_target": not args.no_stop, "window": args.window})
 
     print(f"[demo-online] starting the mesh (NATS, rollout with vLLM, gateway, online trainer); "
