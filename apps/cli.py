@@ -368,11 +368,20 @@ def build_parser() -> argparse.ArgumentParser:
     dt.add_argument("--idle-s", type=float, default=60.0, help="users only, no training: base rates")
     dt.add_argument("--train-s", type=float, default=900.0, help="longest training phase")
     dt.add_argument("--no-stop", action="store_true",
-                    help="keep rating and training after a tenant reached its target, and after all did")
+                    help="train the whole --train-s, also after every tenant reached its target")
+    dt.add_argument("--stop-rating-at-target", action="store_true",
+                    help="a tenant at its target stops rating (its users keep asking); by default "
+                         "it keeps rating and the shared trainer's fair share keeps it from "
+                         "starving the others")
     dt.add_argument("--max-tokens", type=int, default=128)
     dt.add_argument("--max-words", type=int, default=60, help="tenant `short`: answers of at most N words")
+    dt.add_argument("--min-words", type=int, default=5,
+                    help="tenant `short`: and at least N words (an empty answer is broken, not short)")
     dt.add_argument("--min-items", type=int, default=2, help="tenant `bullets`: lists of at least N items")
-    dt.add_argument("--max-tail-words", type=int, default=10,
+    dt.add_argument("--min-item-words", type=int, default=4,
+                    help="tenant `bullets`: items of at least N words (a list of one-word items is "
+                         "a short answer too)")
+    dt.add_argument("--max-tail-words", type=int, default=3,
                     help="tenant `question`: at most N words after the answer's last question mark")
     dt.add_argument("--window", type=int, default=40, help="a tenant's last answers in its final share")
     dt.add_argument("--trainers", choices=["auto", "per-tenant", "shared"], default="auto",

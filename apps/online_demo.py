@@ -164,6 +164,8 @@ class Update:
     response_ids: list[str] = field(default_factory=list)
     seconds: float = 0.0  # the update's stages, all together
     tokens: int = 0  # completion tokens trained
+    stages: dict[str, float] = field(default_factory=dict)  # seconds per stage (turn_wait: a
+    # lane of a shared trainer waiting for its turn)
 
 
 class LoopTracker:
@@ -236,7 +238,8 @@ class LoopTracker:
             if not step:
                 continue
             up = Update(int(step["version"]), time.time(), int(step["feedback"]), float(step["score_mean"]),
-                        seconds=sum(step["stage_seconds"].values()), tokens=int(step["tokens"]))
+                        seconds=sum(step["stage_seconds"].values()), tokens=int(step["tokens"]),
+                        stages=dict(step["stage_seconds"]))
             for seq in step["seqs"]:
                 raw = await self._bus.js.get_msg("FEEDBACK", seq)
                 fb = decode(bus_pb2.FeedbackEvent, raw.data, dict(raw.headers or {}))
@@ -564,7 +567,7 @@ def main(args) -> int:
     pref = Brevity(args.max_words)
     state = DemoState(run_id, out, pref, args.window, settings={
         "config": config_path, "overrides": args.set, "users": args.users, "idle_s": args.idle_s,
-        "train_s": args.train_s, "max_tokens": args.max_tokens, "max_words": args.max_words,
+        "train_s": args.train_s, "max_tokens": args.max_tokens, "max_words": args.max_words, "min_words": pref.min_words,
         "until_target": not args.no_stop, "window": args.window})
 
     print(f"[demo-online] starting the mesh (NATS, rollout with vLLM, gateway, online trainer); "

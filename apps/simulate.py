@@ -81,11 +81,13 @@ PROMPTS: tuple[str, ...] = (
 
 # The many-tenant demo's prompts (`hotloop demo-tenants`): chat openings that invite a question
 # back, requests for lists, and a few of both, so that each tenant's preference starts rare but
-# present. Base rates on SmolLM2-135M-Instruct (vLLM directly, these prompts x 4-6 at
-# temperature 1, 128 new tokens, 272 answers, 2026-12-02): at most 60 words 0.22, a list of at
-# least 2 items 0.18, ends with a question (<= 10 words after the last "?") 0.13. On `PROMPTS`
-# the last two are 0.06 and 0.01: too rare to learn from binary scores. Through the mesh (the
-# demo's idle phase, two runs of 30-35 answers): 0.26 / 0.20, 0.14 / 0.22, 0.09 / 0.07.
+# present. Base rates on SmolLM2-135M-Instruct (vLLM directly, these prompts x 8 at temperature
+# 1, 128 new tokens, 392 answers, 2026-12-02; 69% hit the token limit): 5 to 60 words 0.24 (no
+# answer had fewer than 5 words; 5 to 70: 0.32), a list of at least 2 items of at least 4 words
+# 0.16 (of any items: 0.18), ends with a question with at most 3 words after the last "?" 0.14
+# (0 words: 0.11, 5: 0.16, 10: 0.19). On `PROMPTS` the last two were 0.06 and 0.01: too rare to
+# learn from binary scores. Through the mesh (the demo's idle phase) they come out lower and
+# noisier: ~30 answers per run.
 TENANT_PROMPTS: tuple[str, ...] = (
     "I'm thinking about getting a dog.",
     "I'm thinking about getting a cat.",
@@ -148,33 +150,40 @@ def word_count(text: str) -> int:
 
 @dataclass(frozen=True)
 class Brevity:
-    """The hidden preference: answers of at most `max_words` words.
+    """The hidden preference: answers of at least `min_words` and at most `max_words` words.
 
     The score is +1 when met, else negative and growing with the excess, reaching -1 at
     twice the limit: a graded signal, so REINFORCE learns "shorter" even while no answer of
     a batch meets the limit yet. Length is what a 135M model can learn quickly from scalar
     feedback; a fixed phrase it never produces unprompted would give no signal to follow.
+    An answer under `min_words` scores -1: an empty or near-empty answer is not short, it is
+    broken (a lineage rewarded for "at most N words" alone collapsed to empty answers).
 
     The default limit sits at the base model's 15th percentile. Measured (SmolLM2-135M-Instruct,
     vLLM, these prompts x 4 at temperature 1, 128 new tokens, 2026-11-29): word-count
     quantiles 5%: 40, 10%: 63, 15%: 70, 25%: 82, 50%: 98; 71% of the answers hit the token
-    limit. So "at most 70 words" is met about 15% of the time before any training.
+    limit. So "at most 70 words" is met about 15% of the time before any training. The base
+    model gives no answer under 5 words (its 5% quantile is 40; on `TENANT_PROMPTS` none of 392
+    answers), so the lower bound changes no base rate.
     """
 
     max_words: int = 70
+    min_words: int = 5
     name: ClassVar[str] = "short"
 
     def matched(self, text: str) -> bool:
-        return word_count(text) <= self.max_words
+        return self.min_words <= word_count(text) <= self.max_words
 
     def score(self, text: str) -> float:
         words = word_count(text)
+        if words < self.min_words:
+            return -1.0
         if words <= self.max_words:
             return 1.0
         return -min(1.0, (words - self.max_words) / self.max_words)
 
     def describe(self) -> str:
-        return f"answers of at most {self.max_words} words"
+        return f"answers of {self.min_words} to {self.max_words} words"
 
 
 class Preference(Protocol):
@@ -191,35 +200,42 @@ class Preference(Protocol):
 
 
 # A list item: a line starting "- ", "* ", "• " or "1." / "1)" (markdown as the model writes it).
-_ITEM = re.compile(r"^\s*(?:[-*\u2022]|\d+[.)])\s+\S")
+_ITEM = re.compile(r"^\s*(?:[-*\u2022]|\d+[.)])\s+(\S.*)$")
 
 
-def list_items(text: str) -> int:
-    """Lines of `text` that are list items."""
-    return sum(bool(_ITEM.match(line)) for line in text.splitlines())
+def list_items(text: str, min_words: int = 1) -> int:
+    """Lines of `text` that are list items of at least `min_words` words (the marker not
+    counted)."""
+    return sum(bool(m) and word_count(m.group(1)) >= min_words
+               for m in map(_ITEM.match, text.splitlines()))
 
 
 @dataclass(frozen=True)
 class Bullets:
     """The hidden preference: the answer is a list, at least `min_items` lines that start
-    like a list item ("- ", "* ", "1.").
+    like a list item ("- ", "* ", "1.") and carry at least `min_item_words` words each.
 
-    The score is +1 when met, else -1 plus the share of the items it has (one item of two:
-    -0.5): a step toward a list is worth something. Base rate on `TENANT_PROMPTS`: see there.
+    The words per item keep the cheapest list from being a short answer too: a lineage
+    rewarded for any list learned "- Excuse." repeated, which raised the short tenant's
+    preference in its answers by 0.43. The score is +1 when met, else -1 plus the share of
+    the items it has (one item of two: -0.5): a step toward a list is worth something. Base
+    rate on `TENANT_PROMPTS`: see there.
     """
 
     min_items: int = 2
+    min_item_words: int = 4
     name: ClassVar[str] = "bullets"
 
     def matched(self, text: str) -> bool:
-        return list_items(text) >= self.min_items
+        return list_items(text, self.min_item_words) >= self.min_items
 
     def score(self, text: str) -> float:
-        items = list_items(text)
+        items = list_items(text, self.min_item_words)
         return 1.0 if items >= self.min_items else -1.0 + items / self.min_items
 
     def describe(self) -> str:
-        return f"answers as a list of at least {self.min_items} items"
+        return (f"answers as a list of at least {self.min_items} items of at least "
+                f"{self.min_item_words} words")
 
 
 def words_after_question(text: str) -> int | None:
@@ -234,13 +250,15 @@ class Question:
     """The hidden preference: the answer ends with a question to the user: at most
     `max_tail_words` words after its last question mark (0: the last character is "?").
 
-    A little tail is allowed because the small model rarely stops right at its question
-    ("...what kind of dog do you want? Let me know!"); the strict rule is met by about 5% of
-    its answers, too few for REINFORCE to find. The score is +1 when met, -0.5 for an answer
-    that asks something earlier, -1 for one that asks nothing.
+    A little tail is allowed because the small model often adds a word or two after its
+    question ("...what kind of dog do you want? Let me know!"). The default, 3 words, is met by
+    0.14 of the base model's answers on `TENANT_PROMPTS` (the strict rule, 0 words: 0.11; 10
+    words, the earlier default: 0.19, which let a question be followed by a whole sentence).
+    The score is +1 when met, -0.5 for an answer that asks something earlier, -1 for one that
+    asks nothing.
     """
 
-    max_tail_words: int = 10
+    max_tail_words: int = 3
     name: ClassVar[str] = "question"
 
     def matched(self, text: str) -> bool:

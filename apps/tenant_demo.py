@@ -1,8 +1,9 @@
 """`hotloop demo-tenants` (`make demo-tenants`): three tenants on one engine, each with users of
 its own who like something different, each tenant's model learning its own users' taste live.
 
-Tenants (`TENANTS`): `short` (answers of at most N words: `apps.simulate.Brevity`), `bullets`
-(the answer is a list: `Bullets`), `question` (it ends with a question to the user: `Question`).
+Tenants (`TENANTS`): `short` (answers of 5 to N words: `apps.simulate.Brevity`), `bullets`
+(the answer is a list of items of a few words: `Bullets`), `question` (it ends with a question
+to the user: `Question`).
 Every tenant's users ask the same prompts (`TENANT_PROMPTS`), so each preference's base rate is
 the same for all of them before training, and a rise of another tenant's preference in a
 tenant's answers (`cross_delta_max`) is a leak, not a different prompt mix.
@@ -10,15 +11,19 @@ tenant's answers (`cross_delta_max`) is a leak, not a different prompt mix.
 Owns:
 - the tenants' API keys (one per tenant, a key file of `id:key` lines) and their `[tenants]`
   config, given to the mesh as overrides;
-- which trainer processes learn the lineages (`trainer_plan`: one `hotloop train online` per
-  tenant, or one trainer for all where the trainer can serve several);
+- which trainer processes learn the lineages (`trainer_plan`: by default the mesh's one
+  trainer with a lane per tenant, `[online] tenants`, whose fair share on trained tokens keeps
+  a fast-rating tenant from starving the others; or one `hotloop train online` per tenant);
 - the phases: warm-up, idle (users only: each preference's base rate on the base model, every
-  tenant's answers pooled), training (each tenant's users rate answers by its preference, until
-  the tenant reaches its target: then they only ask, unless `--no-stop`);
+  tenant's answers pooled), training (each tenant's users rate answers by its preference; a
+  tenant that reached its target keeps rating, as real users would, unless
+  `--stop-rating-at-target`; the phase ends once every tenant reached its target, unless
+  `--no-stop`, or after `--train-s`);
 - the report `runs/<id>/tenants-report.{json,md}` and `tenants.png`: per tenant its share of
   its preference (base, final, target), the other preferences' rise in its answers, the loop
-  latency of its lineage (`LoopTracker` on the tenant's subject and metrics), the feedback its
-  trainer trained and whose it was, and answers served from another lineage than the key's.
+  latency of its lineage (`LoopTracker` on the tenant's subject and its lane's metrics), the
+  feedback its trainer trained and whose it was, its training turns (updates, tokens, time
+  waiting for its turn: the fairness), and answers served from another lineage than the key's.
 
 Does not own: the mesh start-up, the loop bookkeeping (`apps.online_demo`), the users and the
 preferences (`apps.simulate`). Imports nothing from `services/` but the trainer's config
@@ -40,6 +45,7 @@ from hotloop.service import run_interruptible
 
 from apps.online_demo import (
     DEFAULT_CONFIG,
+    TRAINER_RUN,
     WARMUP_MAX_S,
     LoopTracker,
     Stack,
@@ -67,10 +73,11 @@ CROSS_LIMIT = 0.1  # the issue's bound on another preference's rise in a tenant'
 log = logging.getLogger(__name__)
 
 
-def preferences(max_words: int = 60, min_items: int = 2, max_tail_words: int = 10) -> dict[str, Preference]:
-    """Each tenant's hidden preference. Base rates on `TENANT_PROMPTS` (apps/simulate.py says how
-    measured): 0.22, 0.18 and 0.13 with these defaults (`short` at 70 words would be 0.29)."""
-    return {"short": Brevity(max_words), "bullets": Bullets(min_items), "question": Question(max_tail_words)}
+def preferences(max_words: int = 60, min_items: int = 2, max_tail_words: int = 3, min_words: int = 5,
+                min_item_words: int = 4) -> dict[str, Preference]:
+    """Each tenant's hidden preference. Base rates on `TENANT_PROMPTS`: see there (apps/simulate.py)."""
+    return {"short": Brevity(max_words, min_words), "bullets": Bullets(min_items, min_item_words),
+            "question": Question(max_tail_words)}
 
 
 # ---- keys and trainers ------------------------------------------------------------------------
@@ -107,7 +114,7 @@ def shared_trainer_built() -> bool:
 @dataclass
 class TrainerPlan:
     """Which trainer processes learn the tenants' lineages, and where each lineage's step
-    records are (`<out>/<run id>/metrics.jsonl`)."""
+    records are (a lane's `metrics.jsonl`)."""
 
     mode: str  # "per-tenant" | "shared"
     overrides: list[str]  # for every process of the mesh
@@ -118,8 +125,10 @@ class TrainerPlan:
 def trainer_plan(mode: str, tenants: list[str], out: Path) -> TrainerPlan:
     """The one place that decides how the tenants' trainers run. `per-tenant`: a `hotloop train
     online` process per tenant (`[online] tenant`, run id `trainer-<tenant>`). `shared`: the
-    mesh's trainer role with `[online] tenants` (one process, one base model). `auto`: shared
-    where the trainer has it, else per tenant."""
+    mesh's trainer role with `[online] tenants` (one process, one base model, a lane per tenant
+    under `<out>/trainer/tenants/<tenant>/`: `lane_dir` in services/trainer/recipes/lanes.py,
+    with `start_stack`'s `online.out_dir` and run id). `auto`: shared where the trainer has it,
+    else per tenant."""
     if mode == "auto":
         mode = "shared" if shared_trainer_built() else "per-tenant"
     if mode == "shared":
@@ -128,7 +137,7 @@ def trainer_plan(mode: str, tenants: list[str], out: Path) -> TrainerPlan:
                              "([online] has no `tenants`); use --trainers per-tenant")
         names = json.dumps(tenants)
         return TrainerPlan(mode, [f"online.tenants={names}"], None,
-                           {t: out / "trainer" / t / "metrics.jsonl" for t in tenants})
+                           {t: out / TRAINER_RUN / "tenants" / t / "metrics.jsonl" for t in tenants})
     if mode != "per-tenant":
         raise ValueError(f"--trainers {mode}: use auto, per-tenant or shared")
     return TrainerPlan(mode, [], {f"trainer-{t}": [f"online.tenant={t}", f"online.run_id=trainer-{t}"]
@@ -219,7 +228,11 @@ def tenants_status(state: TenantsState, t0: float) -> str:
 
 async def run_tenants(state: TenantsState, stack: Stack, keys: dict[str, str], metrics: dict[str, Path],
                       users: int, idle_s: float, train_s: float, max_tokens: int, until_target: bool,
-                      progress_s: float) -> None:
+                      progress_s: float, stop_rating: bool = False) -> None:
+    """The phases. `until_target`: training ends once every tenant's window met its target
+    (else it runs `train_s`). `stop_rating`: a tenant at its target stops rating (its users keep
+    asking); by default it keeps rating, and the shared trainer's fair share is what keeps its
+    faster feedback from starving the others."""
     cfgs = []
     for i, (name, pref) in enumerate(state.prefs.items()):
         tracker = LoopTracker(stack.info.nats_url, metrics[name], tenant=name)
@@ -274,14 +287,13 @@ async def run_tenants(state: TenantsState, stack: Stack, keys: dict[str, str], m
                 if (run.reached_at is None and len(last) == state.window
                         and share(last, run.preference) >= run.target):
                     run.reached_at = time.time()
-                    if until_target:
+                    if stop_rating:
                         # its users keep asking (its share stays measured) but stop rating: its
-                        # trainer goes idle and leaves the trainers' core to the tenants still
-                        # learning (a tenant whose answers became short rates many times faster)
+                        # lane goes idle and leaves the trainer to the tenants still learning
                         run.sim.cfg.feedback = False
                     print(f"[demo-tenants] {run.name}: target reached after "
                           f"{run.reached_at - state.training_started:.0f} s of training"
-                          f"{'; its users stop rating' if until_target else ''}", flush=True)
+                          f"{'; its users stop rating' if stop_rating else ''}", flush=True)
             if until_target and all(run.reached_at is not None for run in runs):
                 break
         for run in runs:
@@ -375,6 +387,7 @@ def tenant_record(state: TenantsState, run: TenantRun) -> dict:
             "dropped_by_reason": dict(tracker.settled),
             "updates": len(tracker.updates),
         },
+        "turns": training_turns(tracker),
         "answers": {"idle": len(own_idle), "training": len(ok_records(sim.records, "training")),
                     "errors": sum(bool(r.error) for r in sim.records)},
         "wrong_adapter_answers": sum(wrong_adapter(run, r) for r in sim.records),
@@ -383,8 +396,23 @@ def tenant_record(state: TenantsState, run: TenantRun) -> dict:
     }
 
 
+def training_turns(tracker: LoopTracker) -> dict:
+    """The tenant's training turns, from its lane's step records: one update is one turn on the
+    trainer (with a shared trainer, granted by its fair share on trained tokens)."""
+    ups = tracker.updates
+    waits = [u.stages.get("turn_wait", 0.0) for u in ups]
+    return {"updates": len(ups), "feedback": sum(u.feedback for u in ups),
+            "tokens": sum(u.tokens for u in ups),
+            "train_s": sum(u.stages.get("train", 0.0) for u in ups),
+            "turn_wait_s": sum(waits), "turn_wait_p50_s": percentile(waits, 50),
+            "turn_wait_max_s": max(waits, default=None)}
+
+
 def tenants_report(state: TenantsState) -> dict:
     tenants = [tenant_record(state, run) for run in state.runs.values()]
+    tokens = sum(t["turns"]["tokens"] for t in tenants)
+    for t in tenants:
+        t["turns"]["tokens_share"] = t["turns"]["tokens"] / tokens if tokens else None
     crosses = [t["cross_delta_max"] for t in tenants]
     return {
         "run_id": state.run_id,
@@ -427,6 +455,14 @@ def write_tenants_report(state: TenantsState) -> dict:
                      f"{_f(lm['p50'], '.0f')} / {_f(lm['p95'], '.0f')} | {t['versions']['served']} | "
                      f"{fb['sent']} / {fb['trained']} | {t['wrong_adapter_answers']} |")
     acc = report["acceptance"]
+    lines += ["", "Training turns (each lane's step records; one update is one turn on the trainer):", "",
+              "| tenant | updates | feedback trained | tokens trained (share) | training s "
+              "| waited for its turn s (p50 / max per update) |", "|---|---|---|---|---|---|"]
+    for t in report["tenants"]:
+        u = t["turns"]
+        lines.append(f"| {t['name']} | {u['updates']} | {u['feedback']} | {u['tokens']} "
+                     f"({_f(u['tokens_share'], '.0%')}) | {u['train_s']:.0f} | {u['turn_wait_s']:.0f} "
+                     f"({_f(u['turn_wait_p50_s'], '.1f')} / {_f(u['turn_wait_max_s'], '.1f')}) |")
     lines += ["", f"- every tenant reached its target: {acc['targets_reached']}; every cross rise <= "
               f"{CROSS_LIMIT}: {acc['cross_delta_max_le_0_1']}; answers from another lineage: "
               f"{report['wrong_adapter_answers']} (the gateway refused {_f(report['gateway_wrong_tenant'], 'd')})",
@@ -446,7 +482,7 @@ def _plot(state: TenantsState, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     runs = list(state.runs.values())
-    fig, axes = plt.subplots(max(1, len(runs)), 2, figsize=(12, 3.2 * max(1, len(runs))), squeeze=False)
+    fig, axes = plt.subplots(len(runs) + 1, 2, figsize=(12, 3.2 * (len(runs) + 1)), squeeze=False)
     for row, run in zip(axes, runs):
         records = [r for r in run.sim.records if not r.error]
         t0 = state.training_started or (records[0].ts if records else time.time())
@@ -479,6 +515,22 @@ def _plot(state: TenantsState, path: Path) -> None:
         row[1].set_title(f"tenant {run.name}: loop latency (feedback -> first token of a version "
                          f"trained on it), ms", fontsize=9)
         row[1].grid(alpha=0.3)
+    # the fairness: each tenant's updates (training turns) and trained tokens over time
+    t0 = state.training_started or time.time()
+    for run in runs:
+        ups = sorted(run.tracker.updates, key=lambda u: u.seen_at)
+        xs, tokens = [0.0] + [u.seen_at - t0 for u in ups], [0]
+        for u in ups:
+            tokens.append(tokens[-1] + u.tokens)
+        axes[-1][0].step(xs, range(len(xs)), where="post", label=run.name)
+        axes[-1][1].step(xs, tokens, where="post", label=run.name)
+    axes[-1][0].set_title("updates (training turns) per tenant, from its lane's step records", fontsize=9)
+    axes[-1][1].set_title("tokens trained per tenant", fontsize=9)
+    for ax in axes[-1]:
+        ax.axvline(0, color="black", lw=0.8)
+        ax.grid(alpha=0.3)
+        if runs:
+            ax.legend(fontsize=7, loc="upper left")
     for ax in axes[-1]:
         ax.set_xlabel("seconds since training started")
     fig.tight_layout()
@@ -494,11 +546,15 @@ def main(args) -> int:
     out = (Path(args.out_dir) / run_id).resolve()
     tenants = list(TENANTS)
     small = [f"--{k.replace('_', '-')} {v}" for k, v in (("users", args.users), ("window", args.window),
-             ("max_tokens", args.max_tokens), ("max_words", args.max_words), ("min_items", args.min_items))
+             ("max_tokens", args.max_tokens), ("max_words", args.max_words), ("min_items", args.min_items),
+             ("min_item_words", args.min_item_words))
              if v < 1] + [f"--{k.replace('_', '-')} {v:g}" for k, v in (("idle_s", args.idle_s),
-                          ("train_s", args.train_s), ("max_tail_words", args.max_tail_words)) if v < 0]
+                          ("train_s", args.train_s), ("max_tail_words", args.max_tail_words),
+                          ("min_words", args.min_words)) if v < 0]
+    if args.min_words > args.max_words:
+        small.append(f"--min-words {args.min_words} above --max-words {args.max_words}")
     if small:
-        print(f"hotloop demo-tenants: {', '.join(small)}: too small", flush=True)
+        print(f"hotloop demo-tenants: {', '.join(small)}: out of range", flush=True)
         return 2
     try:
         plan = trainer_plan(args.trainers, tenants, out)
@@ -508,12 +564,14 @@ def main(args) -> int:
     out.mkdir(parents=True, exist_ok=True)
     keys_file = out / "tenant-keys"
     keys = make_keys(keys_file, tenants)
-    prefs = preferences(args.max_words, args.min_items, args.max_tail_words)
+    prefs = preferences(args.max_words, args.min_items, args.max_tail_words, args.min_words,
+                        args.min_item_words)
     state = TenantsState(run_id, out, prefs, args.window, trainers=plan.mode, settings={
         "config": config_path, "overrides": args.set, "users_per_tenant": args.users,
         "idle_s": args.idle_s, "train_s": args.train_s, "max_tokens": args.max_tokens,
         "preferences": {k: p.describe() for k, p in prefs.items()}, "window": args.window,
-        "until_target": not args.no_stop, "trainers": plan.mode})
+        "until_target": not args.no_stop, "stop_rating_at_target": args.stop_rating_at_target,
+        "trainers": plan.mode})
     overrides = [*args.set, *tenant_overrides(keys_file, tenants), *plan.overrides]
     print(f"[demo-tenants] starting the mesh (NATS, rollout with vLLM, gateway) and the trainers "
           f"({plan.mode}) for tenants {', '.join(tenants)}; run files under {out}", flush=True)
@@ -528,7 +586,7 @@ def main(args) -> int:
               f"phase {args.idle_s:g} s, then up to {args.train_s:g} s of training", flush=True)
         _, state.interrupted = run_interruptible(run_tenants(
             state, stack, keys, plan.metrics, args.users, args.idle_s, args.train_s, args.max_tokens,
-            not args.no_stop, args.progress))
+            not args.no_stop, args.progress, args.stop_rating_at_target))
     finally:
         why = stack.stop()
     if why and not state.failed:

@@ -46,6 +46,15 @@ def test_brevity_scores_plus_one_when_met_and_grades_the_excess():
     assert "10 words" in pref.describe()
 
 
+def test_an_empty_or_near_empty_answer_is_not_short_but_broken():
+    pref = Brevity(max_words=10, min_words=5)
+    for text in ("", "   ", "Ok.", "one two three four"):
+        assert not pref.matched(text) and pref.score(text) == -1.0
+    five = "one two three four five"
+    assert pref.matched(five) and pref.score(five) == 1.0
+    assert "5 to 10 words" in pref.describe()
+
+
 def test_prompts_are_short_varied_questions():
     assert len(PROMPTS) >= 30 and len(set(PROMPTS)) == len(PROMPTS)
     assert all(0 < word_count(p) <= 15 for p in PROMPTS)

@@ -1,13 +1,18 @@
 """`hotloop demo-tenants`: the preferences and the report's bookkeeping directly, and a short real
-run on the tiny model through the CLI (three tenants, one engine, a trainer per tenant), checked
-for its report, for each tenant's feedback training its own lineage only, and for leaving no
-process behind."""
+run on the tiny model through the CLI (three tenants, one engine, one shared trainer with a lane
+per tenant), stopped by SIGTERM once every tenant has a trained version, checked for its
+interrupted report, for each tenant's feedback training its own lane only, and for leaving no
+process behind. The SIGTERM check is demo-online's too: both stop through
+`apps.online_demo.Stack.stop`."""
 
 from __future__ import annotations
 
 import json
+import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -19,11 +24,14 @@ from apps.tenant_demo import TENANTS, TenantRun, key_id, make_keys, tenant_overr
 REPO = Path(__file__).resolve().parents[2]
 
 
-def test_bullets_count_list_lines_and_score_a_step_toward_a_list():
-    assert list_items("Sure:\n- one\n* two\n1. three\n2) four\n  - nested\nnot - this") == 5
-    b = Bullets(2)
-    assert b.matched("- a\n- b") and not b.matched("- a only")
-    assert (b.score("- a\n- b"), b.score("1. a"), b.score("no list")) == (1.0, -0.5, -1.0)
+def test_bullets_count_list_lines_of_enough_words_and_score_a_step_toward_a_list():
+    assert list_items("Sure:\n- one\n* two\n1. three\n2) four\n  - nested\nnot - this\n-\n- ") == 5
+    assert list_items("- one two three four\n- Excuse.\n1. a b c d e", min_words=4) == 2
+    b = Bullets(2, min_item_words=2)
+    assert b.matched("- a b\n- c d") and not b.matched("- a b only") and not b.matched("- a\n- b")
+    assert (b.score("- a b\n- c d"), b.score("1. a b"), b.score("- a\n- b"), b.score("no list")) == \
+        (1.0, -0.5, -1.0, -1.0)
+    assert "at least 4 words" in Bullets().describe()
 
 
 def test_a_question_ends_the_answer_within_its_tail():
@@ -48,6 +56,24 @@ def test_keys_and_tenants_config_give_each_tenant_its_own_key(tmp_path):
 
     mesh = config.load_mesh(config.raw_config(None, tenant_overrides(tmp_path / "keys", list(TENANTS))))
     assert {t: c.keys for t, c in mesh.tenants.items()} == {t: [key_id(t)] for t in TENANTS}
+
+
+def test_the_shared_trainer_plan_is_the_default_and_reads_each_lanes_metrics(tmp_path):
+    from apps.online_demo import TRAINER_RUN
+    from services.trainer.recipes.lanes import lane_dir
+
+    plan = trainer_plan("auto", ["a", "b"], tmp_path)
+    assert plan.mode == "shared" and plan.trainers is None  # the mesh's trainer role
+    assert plan.overrides == ['online.tenants=["a", "b"]']
+    from hotloop import config
+    from services.trainer.config import OnlineConfig
+
+    section = config.raw_config(None, [*plan.overrides, f"online.out_dir={tmp_path}",
+                                       f"online.run_id={TRAINER_RUN}"])["online"]
+    job = OnlineConfig(**section)
+    assert job.lanes and job.lane_tenants == ["a", "b"]
+    for t in ("a", "b"):  # where start_stack's trainer writes each lane's step records
+        assert plan.metrics[t] == lane_dir(Path(job.out_dir) / job.run_id, t) / "metrics.jsonl"
 
 
 def test_the_trainer_plan_gives_each_tenant_its_own_run_and_subject(tmp_path):
@@ -81,8 +107,8 @@ def test_the_report_pools_the_base_rates_and_measures_the_other_preferences_rise
     from apps.simulate import VersionClock
     from apps.tenant_demo import TenantsState, preferences, write_tenants_report
 
-    prefs = preferences(max_words=3)
-    long_list, short_q, plain = "- a b c d\n- e f g h", "Dog? Yes.", "one two three four five"
+    prefs = preferences(max_words=6)  # 5 to 6 words; lists of items of >= 4 words
+    long_list, short_q, plain = "- a b c d\n- e f g h", "What kind of dog? Yes.", "one two three four five six seven"
 
     class Sim:  # what the report reads of a Simulation
         def __init__(self, idle: list[str], training: list[str]):
@@ -101,6 +127,12 @@ def test_the_report_pools_the_base_rates_and_measures_the_other_preferences_rise
         run = TenantRun(name, prefs[name], Sim(idle, training), LoopTracker("nats://unused", tmp_path, name))
         run.base, run.target = 0.1, 0.3
         state.runs[name] = run
+    from apps.online_demo import Update
+
+    state.runs["short"].tracker.updates = [  # its lane's step records: two turns, 30 tokens
+        Update(1, 6.0, 2, 0.5, tokens=10, stages={"turn_wait": 1.0, "train": 2.0}),
+        Update(2, 8.0, 1, 0.5, tokens=20, stages={"turn_wait": 3.0, "train": 2.5})]
+    state.runs["bullets"].tracker.updates = [Update(1, 7.0, 2, 0.5, tokens=10, stages={"train": 1.0})]
     report = write_tenants_report(state)
     short, bullets, question = report["tenants"]
     # every tenant's idle answers together: 6 answers, 1 short, 1 list, 1 question
@@ -110,6 +142,11 @@ def test_the_report_pools_the_base_rates_and_measures_the_other_preferences_rise
     assert short["cross_delta_max"] == pytest.approx(5 / 6)
     assert bullets["cross_delta_max"] == pytest.approx(-1 / 6)  # the others fell
     assert question["share"]["final"] == 0.25
+    assert short["turns"] == {"updates": 2, "feedback": 3, "tokens": 30, "tokens_share": 0.75, "train_s": 4.5,
+                              "turn_wait_s": 4.0, "turn_wait_p50_s": 2.0, "turn_wait_max_s": 3.0}
+    assert (bullets["turns"]["updates"], bullets["turns"]["tokens_share"]) == (1, 0.25)
+    assert question["turns"]["updates"] == 0 and question["turns"]["turn_wait_max_s"] is None
+    assert "| short | 2 | 3 | 30 (75%) |" in (tmp_path / "tenants-report.md").read_text()
     assert report["acceptance"] == {"targets_reached": False, "cross_delta_max_le_0_1": False,
                                     "no_wrong_adapter_answers": False}  # training answers said no tenant
     on_disk = json.loads((tmp_path / "tenants-report.json").read_text())
@@ -150,39 +187,83 @@ checkpoint_interval = 2
     return cfg
 
 
+def _left_behind(marker: str) -> list[str]:
+    out = subprocess.run(["pgrep", "-af", marker], capture_output=True, text=True).stdout
+    return [line for line in out.splitlines() if "pgrep" not in line]
+
+
+def _trained(log: str) -> dict[str, int]:
+    """Each tenant's announced version, from the demo's last status line."""
+    lines = [line for line in log.splitlines() if "(trained v" in line]
+    return {m[0]: int(m[1]) for m in re.findall(r"(\w+) v\d+ \(trained v(\d+)\)", lines[-1])} if lines else {}
+
+
 @pytest.mark.slow
-def test_demo_tenants_trains_each_lineage_on_its_own_feedback(tiny_model, tmp_path):
+def test_demo_tenants_trains_each_lane_on_its_own_feedback_and_stops_on_sigterm(tiny_model, tmp_path):
+    """One shared trainer (the default) with a lane per tenant: once every tenant has a trained
+    version the demo gets SIGTERM (the stop path `apps.online_demo.Stack.stop` is demo-online's
+    too), exits 130, still writes its whole report, and leaves nothing running."""
     out = tmp_path / "runs"
     cmd = [sys.executable, "-m", "apps.cli", "demo-tenants", "--config", str(_config(tmp_path, tiny_model)),
-           "--idle-s", "5", "--train-s", "20", "--no-stop", "--users", "1", "--max-tokens", "16",
-           "--window", "8", "--progress", "5", "--out-dir", str(out), "--run-id", "t", "--quiet",
-           "--trainers", "per-tenant"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400, cwd=REPO)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "idle phase:" in proc.stdout and "report:" in proc.stdout
-    report = json.loads((out / "t" / "tenants-report.json").read_text())
-    assert report["trainers"] == "per-tenant" and not report["failed"]
+           "--idle-s", "2", "--train-s", "600", "--users", "1", "--max-tokens", "16", "--window", "8",
+           "--progress", "1", "--out-dir", str(out), "--run-id", "t", "--quiet"]
+    log_path = tmp_path / "demo.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True, cwd=REPO)
+    try:
+        deadline = time.monotonic() + 400
+        while not (len(trained := _trained(log_path.read_text())) == len(TENANTS)
+                   and min(trained.values()) >= 1):
+            assert proc.poll() is None, log_path.read_text()[-3000:]
+            assert time.monotonic() < deadline, log_path.read_text()[-3000:]
+            time.sleep(0.5)
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=90)
+        stopped_in = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = log_path.read_text()
+    assert proc.returncode == 130, text[-3000:]
+    assert stopped_in < 60
+    assert "idle phase:" in text and "report:" in text
+    run = out / "t"
+    report = json.loads((run / "tenants-report.json").read_text())
+    assert report["interrupted"] is True and not report["failed"]  # and it reports what it saw
+    assert report["trainers"] == "shared"
+    assert set(report) == {"run_id", "interrupted", "failed", "trainers", "tenants", "wrong_adapter_answers",
+                           "gateway_wrong_tenant", "acceptance", "training_s", "settings"}
     assert [t["name"] for t in report["tenants"]] == list(TENANTS)
     assert report["wrong_adapter_answers"] == 0 and report["gateway_wrong_tenant"] == 0
     assert set(report["acceptance"]) == {"targets_reached", "cross_delta_max_le_0_1", "no_wrong_adapter_answers"}
-    trained_somewhere = 0
+    assert report["acceptance"]["no_wrong_adapter_answers"] is True
+    seqs: dict[str, set[int]] = {}
     for t in report["tenants"]:
         assert set(t["share"]) >= {"base", "final", "target", "reached"} and t["share"]["target"] > 0
         assert set(t["cross"]) == set(TENANTS) - {t["name"]} and "cross_delta_max" in t
         assert {"p50", "p95"} <= set(t["loop_ms"])
         assert t["wrong_adapter_answers"] == 0 and t["answers"]["training"] >= 1
+        assert t["versions"]["trained"] >= 1
         fb = t["feedback"]
-        assert fb["sent"] >= 1
-        # what its trainer trained was this tenant's feedback, on this tenant's answers, only
-        assert set(fb["trained_tenants"]) <= {t["name"]} and fb["trained_not_own"] == 0
+        assert fb["sent"] >= 1 and fb["trained"] >= 1
+        # what its lane trained was this tenant's feedback, on this tenant's answers, only
+        assert set(fb["trained_tenants"]) == {t["name"]} and fb["trained_not_own"] == 0
         assert "other_tenant" not in fb["dropped_by_reason"]
-        trained_somewhere += fb["trained"]
-    assert trained_somewhere >= 1
+        assert t["turns"]["updates"] >= 1 and t["turns"]["tokens"] >= 1 and t["turns"]["tokens_share"] > 0
+        # its lane's files, where the shared trainer keeps them
+        steps = [json.loads(line)["step"] for line in
+                 (run / "trainer" / "tenants" / t["name"] / "metrics.jsonl").read_text().splitlines()
+                 if '"step"' in line]
+        assert len(steps) >= t["turns"]["updates"]
+        seqs[t["name"]] = {q for step in steps for q in step["seqs"]}
+    assert not (seqs["short"] & seqs["bullets"]) and not (seqs["short"] & seqs["question"]) \
+        and not (seqs["bullets"] & seqs["question"])  # no feedback trained in two lanes
+    assert not (run / "trainer" / "metrics.jsonl").exists()  # no default lane
     for name in TENANTS:  # every answer said which lineage served it: the key's own
-        records = [json.loads(line) for line in (out / "t" / f"requests-{name}.jsonl").read_text().splitlines()]
+        records = [json.loads(line) for line in (run / f"requests-{name}.jsonl").read_text().splitlines()]
         assert records and all(r["tenant"] == name for r in records if not r["error"])
         assert all(r["feedback"] == "" for r in records if r["phase"] != "training")
-    assert (out / "t" / "tenants.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert (out / "t" / "tenants-report.md").read_text().startswith("# hotloop many-tenant run")
-    left = subprocess.run(["pgrep", "-af", str(out)], capture_output=True, text=True).stdout
-    assert [line for line in left.splitlines() if "pgrep" not in line] == []
+    assert (run / "tenants.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (run / "tenants-report.md").read_text().startswith("# hotloop many-tenant run `t` (interrupted)")
+    assert _left_behind(str(out)) == []
