@@ -488,6 +488,10 @@ class GatewayCore:
         yield counter("hotloop_gateway_reroutes_total",
                       "Requests a replica failed before their first token, sent to another.",
                       m.rerouted)
+        yield counter("hotloop_gateway_wrong_tenant_total",
+                      "Answers a replica gave from another tenant's lineage than the caller's: "
+                      "refused, never passed to the user (a replica gone wrong; should stay 0).",
+                      m.wrong_tenant)
         yield counter("hotloop_gateway_completion_tokens_total", "Tokens generated for users.",
                       m.completion_tokens)
         yield counter("hotloop_gateway_feedback_total", "Feedback submitted, by outcome.",

@@ -14,6 +14,7 @@ import pytest_asyncio
 
 from hotloop import bus as hbus
 from hotloop.proto.v1 import bus_pb2
+from tests.scrape import scrape
 
 from .conftest import ANON_KEY, KEY, KEYS, OTHER_KEY, start_gateway
 from .fake_rollout import start_fake
@@ -86,6 +87,8 @@ async def test_an_answer_from_another_tenants_lineage_never_reaches_the_user(rig
     finally:
         fake.lineage = None
     assert gw.core.status()["counters"]["wrong_tenant"] >= 1
+    scraped = await scrape(gw.http.port)  # and where an operator's alert would look
+    assert scraped.value("hotloop_gateway_wrong_tenant_total") >= 1
     # marked down at the refusal; serving again once a health poll finds it up
     for _ in range(300):
         if gw.core.servable_replicas():
