@@ -124,7 +124,8 @@ class Run:
             asyncio.to_thread(policy.train_step, samples, self._stop.is_set, critic))
         return await asyncio.shield(self._update)
 
-    async def _halt(self) -> None:
+    async def halt(self) -> None:
+        """Stop the update in flight (if any) before its next micro-batch and wait for it."""
         from ..learner.policy import Interrupted
 
         self._stop.set()
@@ -252,7 +253,7 @@ async def run_recipe(recipe: Recipe, run_dir: Path, *, progress: bool = True,
                 if not saved:
                     await recipe.save()
             except asyncio.CancelledError:
-                await run._halt()
+                await run.halt()
                 if plan.checkpoint_every:
                     if not run._holds(recipe.policy.step):
                         await recipe.save()

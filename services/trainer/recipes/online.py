@@ -608,7 +608,7 @@ class Online(Recipe):
                 try:
                     m = await self.run.train(self.policy, samples)
                 except asyncio.CancelledError:
-                    await self.run._halt()  # the thread stops before the turn passes on
+                    await self.run.halt()  # the thread stops before the turn passes on
                     raise
             secs["train"] = time.perf_counter() - t
             grant.tokens = sum(len(tr.prompt_ids) + len(tr.completion_ids) for _, _, tr in rows)
