@@ -272,8 +272,18 @@ class Bus:
                 return await op()
 
     async def flush(self, timeout_s: float = 2.0) -> None:
-        """Return once everything buffered has reached the server (retried across an outage)."""
-        await self.retrying(lambda: self.nc.flush(timeout_s), "flush")
+        """Return once everything published (acks included) before this call has reached the
+        server (retried across an outage).
+
+        One nats-py `flush` does not promise that: it writes its PING straight to the socket,
+        ahead of commands still in the client's buffer, so its PONG can come back before a
+        buffered publish has left. While the first round trip is on the wire the client's
+        flusher sends the buffer, so the second PING goes out behind it."""
+        async def twice() -> None:
+            await self.nc.flush(timeout_s)
+            await self.nc.flush(timeout_s)
+
+        await self.retrying(twice, "flush")
 
     # ---- publishing -------------------------------------------------------------------
     def _headers(self, msg: Message) -> dict[str, str]:

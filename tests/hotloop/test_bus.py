@@ -160,3 +160,37 @@ async def test_several_urls_connect_to_whichever_answers(nats_server):
     await b.close()
     with pytest.raises(hbus.BusError):
         hbus.servers(" , ")
+
+
+async def test_flush_returns_only_once_what_was_published_before_it_reached_the_server(nats_server):
+    """A message published before `flush` has reached the server when `flush` returns: a
+    subscriber that subscribes afterwards never hears it, only the next one. (nats-py's own
+    flush writes its PING ahead of commands still in its buffer, so its PONG can come back
+    before a buffered publish has left.)"""
+    a = await hbus.Bus.connect(nats_server.url, "a")
+    b = await hbus.Bus.connect(nats_server.url, "b")
+    try:
+        for i in range(300):  # without the fix, a few dozen rounds show it
+            subject = f"hotloop.test.flush.{i}"
+            await a.publish(subject, common_pb2.VersionInfo(version=1))
+            await a.flush()
+            heard: list[int] = []
+
+            async def on(msg, headers, heard=heard) -> None:
+                heard.append(msg.version)
+
+            sub = await b.subscribe(subject, common_pb2.VersionInfo, on)
+            await b.flush()  # the subscription is at the server
+            await a.publish(subject, common_pb2.VersionInfo(version=2))
+            await a.flush()
+            for _ in range(200):
+                if heard:
+                    break
+                await asyncio.sleep(0.01)
+            await b.flush()
+            await asyncio.sleep(0)
+            await sub.unsubscribe()
+            assert heard == [2], f"round {i}: heard {heard} (1 was published before the flush)"
+    finally:
+        await a.close()
+        await b.close()
