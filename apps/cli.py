@@ -366,24 +366,35 @@ def build_parser() -> argparse.ArgumentParser:
     _config_args(dt)
     dt.add_argument("--users", type=int, default=3, help="users per tenant")
     dt.add_argument("--idle-s", type=float, default=60.0, help="users only, no training: base rates")
+    dt.add_argument("--idle-answers", type=int, default=90,
+                    help="and until the tenants' idle answers together number N (the base rates' sample)")
     dt.add_argument("--train-s", type=float, default=900.0, help="longest training phase")
     dt.add_argument("--no-stop", action="store_true",
                     help="train the whole --train-s, also after every tenant reached its target")
-    dt.add_argument("--stop-rating-at-target", action="store_true",
-                    help="a tenant at its target stops rating (its users keep asking); by default "
-                         "it keeps rating and the shared trainer's fair share keeps it from "
-                         "starving the others")
+    dt.add_argument("--keep-rating", action="store_true",
+                    help="a tenant at its target keeps rating (the shared trainer's fair share keeps "
+                         "it from starving the others); by default it stops rating, its users keep "
+                         "asking, and its lineage stays where it met its target")
+    dt.add_argument("--target-factor", type=float, default=2.0,
+                    help="a tenant's target: N x its preference's base rate (at most 0.8)")
+    dt.add_argument("--kl-beta", type=float, default=0.1,
+                    help="the KL penalty to the base model ([trainer.loss] kl_beta; a reference "
+                         "service starts when > 0): it keeps each lineage near the base model "
+                         "beside what its users reward")
     dt.add_argument("--max-tokens", type=int, default=128)
     dt.add_argument("--max-words", type=int, default=60, help="tenant `short`: answers of at most N words")
-    dt.add_argument("--min-words", type=int, default=5,
-                    help="tenant `short`: and at least N words (an empty answer is broken, not short)")
+    dt.add_argument("--min-words", type=int, default=15,
+                    help="tenant `short`: and at least N words (an empty or one-line reply like "
+                         "\"I can help you with that!\" is not a short answer)")
     dt.add_argument("--min-items", type=int, default=2, help="tenant `bullets`: lists of at least N items")
     dt.add_argument("--min-item-words", type=int, default=4,
                     help="tenant `bullets`: items of at least N words (a list of one-word items is "
                          "a short answer too)")
-    dt.add_argument("--max-tail-words", type=int, default=3,
-                    help="tenant `question`: at most N words after the answer's last question mark")
-    dt.add_argument("--window", type=int, default=40, help="a tenant's last answers in its final share")
+    dt.add_argument("--window", type=int, default=40,
+                    help="a tenant's last answers of training that must meet its target")
+    dt.add_argument("--eval-answers", type=int, default=60,
+                    help="after training, users only until every tenant has N answers: the final "
+                         "shares (0: no evaluation; the last --window answers of training)")
     dt.add_argument("--trainers", choices=["auto", "per-tenant", "shared"], default="auto",
                     help="a trainer process per tenant, or one for all (where the trainer has "
                          "[online] tenants); auto: shared where possible")

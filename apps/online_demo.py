@@ -300,9 +300,9 @@ class DemoState:
     settings: dict = field(default_factory=dict)
 
 
-def target_share(base: float | None) -> float:
-    """The demo's aim: 3x the base rate, capped at 0.8 (0.8 when the base rate is 0)."""
-    return 0.8 if not base else min(0.8, 3.0 * base)
+def target_share(base: float | None, factor: float = 3.0) -> float:
+    """The demo's aim: `factor` x the base rate, capped at 0.8 (0.8 when the base rate is 0)."""
+    return 0.8 if not base else min(0.8, factor * base)
 
 
 def training_window(records: list[Record], since: float, window: int) -> SlidingShare:

@@ -1,7 +1,7 @@
 """`hotloop simulate users`: simulated users who chat through the gateway and rate the answers.
 
 Owns:
-- the hidden preferences (`Brevity`, `Bullets`, `Question`; `PREFERENCES` by name): what these
+- the hidden preferences (`Brevity`, `Bullets`, `Question`, `Exclaim`; `PREFERENCES` by name): what these
   users like, which the base model does not do on its own. The simulator scores every answer
   with one; the trainer only ever sees the score;
 - the built-in prompts (short, varied user questions; `TENANT_PROMPTS` for the many-tenant demo);
@@ -86,7 +86,8 @@ PROMPTS: tuple[str, ...] = (
 # answer had fewer than 5 words; 5 to 70: 0.32), a list of at least 2 items of at least 4 words
 # 0.16 (of any items: 0.18), ends with a question with at most 3 words after the last "?" 0.14
 # (0 words: 0.11, 5: 0.16, 10: 0.19). On `PROMPTS` the last two were 0.06 and 0.01: too rare to
-# learn from binary scores. Through the mesh (the demo's idle phase) they come out lower and
+# learn from binary scores. A second sample of 392 (same settings): 0.24, 0.13, 0.13, and the
+# first sentence ends with "!" 0.13. Through the mesh (the demo's idle phase) they come out lower and
 # noisier: ~30 answers per run.
 TENANT_PROMPTS: tuple[str, ...] = (
     "I'm thinking about getting a dog.",
@@ -275,7 +276,46 @@ class Question:
                 f"the last '?')")
 
 
-PREFERENCES: dict[str, type] = {p.name: p for p in (Brevity, Bullets, Question)}
+_MARK = re.compile(r"[.!?]")
+
+
+def first_mark(text: str) -> str | None:
+    """The first sentence-ending mark of `text` ('.', '!' or '?'); None without one."""
+    m = _MARK.search(text)
+    return m.group(0) if m else None
+
+
+@dataclass(frozen=True)
+class Exclaim:
+    """The hidden preference: the answer opens with an exclamation, its first sentence ends
+    with "!" ("That's exciting! ...", "Congratulations! ...").
+
+    Chosen for the many-tenant demo because on the base model it does not co-vary with the
+    other tenants' preferences, so one tenant learning it does not move theirs. Measured
+    (SmolLM2-135M-Instruct, vLLM, `TENANT_PROMPTS` x 8 at temperature 1, 128 new tokens, 392
+    answers, 2026-12-02): met by 0.13; the share of 5-60-word answers among answers that meet
+    it minus among those that do not: +0.09 (bullets -0.01); the other way round, its share
+    among short answers minus among the others +0.05 (among lists -0.01). "Ends with a
+    question", the earlier third preference, co-varies with length (+0.15 both ways), and a
+    lineage rewarded for short answers learned a short reply that asks back. The score is +1
+    when met, -0.5 for an answer that exclaims later, -1 for one that never does.
+    """
+
+    name: ClassVar[str] = "exclaim"
+
+    def matched(self, text: str) -> bool:
+        return first_mark(text) == "!"
+
+    def score(self, text: str) -> float:
+        if self.matched(text):
+            return 1.0
+        return -0.5 if "!" in text else -1.0
+
+    def describe(self) -> str:
+        return "answers that open with an exclamation (the first sentence ends with '!')"
+
+
+PREFERENCES: dict[str, type] = {p.name: p for p in (Brevity, Bullets, Question, Exclaim)}
 """The hidden preferences by name (the many-tenant demo gives one to each tenant)."""
 
 

@@ -1,9 +1,10 @@
 """`hotloop demo-tenants` (`make demo-tenants`): three tenants on one engine, each with users of
 its own who like something different, each tenant's model learning its own users' taste live.
 
-Tenants (`TENANTS`): `short` (answers of 5 to N words: `apps.simulate.Brevity`), `bullets`
-(the answer is a list of items of a few words: `Bullets`), `question` (it ends with a question
-to the user: `Question`).
+Tenants (`TENANTS`): `short` (answers of 15 to N words: `apps.simulate.Brevity`), `bullets`
+(the answer is a list of items of a few words: `Bullets`), `exclaim` (its first sentence ends
+with "!": `Exclaim`). On the base model these three do not co-vary (see `Exclaim`), so a rise
+of one in another tenant's answers is something that tenant's lineage learned beside its own.
 Every tenant's users ask the same prompts (`TENANT_PROMPTS`), so each preference's base rate is
 the same for all of them before training, and a rise of another tenant's preference in a
 tenant's answers (`cross_delta_max`) is a leak, not a different prompt mix.
@@ -15,10 +16,14 @@ Owns:
   trainer with a lane per tenant, `[online] tenants`, whose fair share on trained tokens keeps
   a fast-rating tenant from starving the others; or one `hotloop train online` per tenant);
 - the phases: warm-up, idle (users only: each preference's base rate on the base model, every
-  tenant's answers pooled), training (each tenant's users rate answers by its preference; a
-  tenant that reached its target keeps rating, as real users would, unless
-  `--stop-rating-at-target`; the phase ends once every tenant reached its target, unless
-  `--no-stop`, or after `--train-s`);
+  tenant's answers pooled, at least `--idle-answers` of them), training (each tenant's users
+  rate answers by its preference; a tenant whose last `--window` answers met its target (twice
+  its base rate by default) by more than their sampling noise stops rating, unless
+  `--keep-rating`; the phase ends once every tenant's window met its target, unless
+  `--no-stop`, or after `--train-s`), evaluation (users only again, until every tenant has
+  `--eval-answers` answers of its trained lineage: the final shares);
+- the KL penalty to the base model (`--kl-beta`, a reference service in the mesh): what keeps
+  each lineage near the base model beside what its users reward;
 - the report `runs/<id>/tenants-report.{json,md}` and `tenants.png`: per tenant its share of
   its preference (base, final, target), the other preferences' rise in its answers, the loop
   latency of its lineage (`LoopTracker` on the tenant's subject and its lane's metrics), the
@@ -58,8 +63,8 @@ from apps.simulate import (
     TENANT_PROMPTS,
     Brevity,
     Bullets,
+    Exclaim,
     Preference,
-    Question,
     Record,
     SimConfig,
     Simulation,
@@ -68,16 +73,17 @@ from apps.simulate import (
     percentile,
 )
 
-TENANTS = ("short", "bullets", "question")
+TENANTS = ("short", "bullets", "exclaim")
 CROSS_LIMIT = 0.1  # the issue's bound on another preference's rise in a tenant's answers
+PHASE_MAX_S = 600.0  # the longest the idle and evaluation phases wait for their answers
 log = logging.getLogger(__name__)
 
 
-def preferences(max_words: int = 60, min_items: int = 2, max_tail_words: int = 3, min_words: int = 5,
+def preferences(max_words: int = 60, min_items: int = 2, min_words: int = 15,
                 min_item_words: int = 4) -> dict[str, Preference]:
     """Each tenant's hidden preference. Base rates on `TENANT_PROMPTS`: see there (apps/simulate.py)."""
     return {"short": Brevity(max_words, min_words), "bullets": Bullets(min_items, min_item_words),
-            "question": Question(max_tail_words)}
+            "exclaim": Exclaim()}
 
 
 # ---- keys and trainers ------------------------------------------------------------------------
@@ -102,6 +108,13 @@ def tenant_overrides(keys_file: Path, tenants: list[str]) -> list[str]:
     """The mesh's `[security] user_tokens_file` and `[tenants.<name>] keys`."""
     return [f"security.user_tokens_file={keys_file}",
             *(f'tenants.{t}.keys=["{key_id(t)}"]' for t in tenants)]
+
+
+def kl_overrides(kl_beta: float) -> list[str]:
+    """The KL penalty to the base model (`[trainer.loss] kl_beta`; the mesh then starts a
+    reference service, given one thread: the engine and the trainer hold a core each)."""
+    return [f"trainer.loss.kl_beta={kl_beta:g}", "reference.torch_threads=1"] if kl_beta > 0 else \
+        ["trainer.loss.kl_beta=0"]
 
 
 def shared_trainer_built() -> bool:
@@ -160,6 +173,33 @@ class TenantRun:
     # of every tenant finished by then: the target is set from it)
     target: float | None = None
     reached_at: float | None = None  # unix seconds its window share first met the target
+    # (with a margin: `met_target`)
+
+
+@dataclass
+class Phases:
+    """How long each phase of the demo lasts."""
+
+    idle_s: float = 60.0
+    """Users only, on the base model, at least this long..."""
+    idle_answers: int = 90
+    """... and until every tenant's idle answers together number this many (the base rates'
+    sample; at most `PHASE_MAX_S` more)."""
+    train_s: float = 900.0
+    """The longest training phase."""
+    target_factor: float = 2.0
+    """A tenant's target: this many times its preference's base rate (at most 0.8)."""
+    until_target: bool = True
+    """End training once every tenant's last `window` answers met its target."""
+    stop_rating: bool = True
+    """A tenant at its target stops rating (its users keep asking), so its lineage stays where
+    it met its users' taste while the others catch up. Else it keeps rating, and the shared
+    trainer's fair share keeps its faster feedback from starving the others, but its lineage
+    goes on moving: measured, it drifted along other preferences as well (docs/results.md)."""
+    eval_answers: int = 60
+    """After training, users only again until every tenant has this many answers (the final
+    shares; at most `PHASE_MAX_S`). 0: no evaluation, the final shares are the last `window`
+    answers of training."""
 
 
 @dataclass
@@ -202,6 +242,27 @@ def final_window(run: TenantRun, since: float, window: int) -> list[Record]:
     return ok_records(run.sim.records, "training", since)[-window:]
 
 
+def final_answers(run: TenantRun, since: float, window: int) -> tuple[list[Record], str]:
+    """What the tenant's final shares are measured on, and which: its answers of the
+    evaluation phase, or, without any (no evaluation, or a run stopped before it), the last
+    `window` answers of training."""
+    evaluated = ok_records(run.sim.records, "eval")
+    return (evaluated, "eval") if evaluated else (final_window(run, since, window), "training")
+
+
+def met_target(window: list[Record], pref: Preference, target: float, size: int) -> bool:
+    """Whether a full window of `size` answers meets `target` by more than its sampling noise
+    (one standard error of a share at the target): a window of 40 at a true share of 0.20
+    touches 0.27 by chance, and a lineage frozen on such a lucky window falls back below its
+    target in the evaluation (measured: bullets 0.28 in its window, 0.16 evaluated)."""
+    return len(window) == size and share(window, pref) >= target + standard_error(target, size)
+
+
+def standard_error(p: float | None, n: int) -> float | None:
+    """The standard error of a share `p` of `n` answers (binomial)."""
+    return (p * (1 - p) / n) ** 0.5 if p is not None and n else None
+
+
 def wrong_adapter(run: TenantRun, r: Record) -> bool:
     """An answer to this tenant's key from another lineage than its own: the gateway's
     X-Hotloop-Tenant names another (or none), or it was served by a version its own lineage
@@ -227,17 +288,14 @@ def tenants_status(state: TenantsState, t0: float) -> str:
 
 
 async def run_tenants(state: TenantsState, stack: Stack, keys: dict[str, str], metrics: dict[str, Path],
-                      users: int, idle_s: float, train_s: float, max_tokens: int, until_target: bool,
-                      progress_s: float, stop_rating: bool = False) -> None:
-    """The phases. `until_target`: training ends once every tenant's window met its target
-    (else it runs `train_s`). `stop_rating`: a tenant at its target stops rating (its users keep
-    asking); by default it keeps rating, and the shared trainer's fair share is what keeps its
-    faster feedback from starving the others."""
+                      users: int, phases: Phases, max_tokens: int, progress_s: float) -> None:
+    """The phases (`Phases`): warm-up, idle, training, evaluation."""
     cfgs = []
     for i, (name, pref) in enumerate(state.prefs.items()):
         tracker = LoopTracker(stack.info.nats_url, metrics[name], tenant=name)
         await tracker.start()
-        cfg = SimConfig(users=users, duration_s=WARMUP_MAX_S + idle_s + train_s, max_tokens=max_tokens,
+        cfg = SimConfig(users=users, duration_s=WARMUP_MAX_S + phases.idle_s + phases.train_s + 2 * PHASE_MAX_S,
+                        max_tokens=max_tokens,
                         feedback=False, phase="warmup", window=state.window, progress_s=0, seed=i)
         cfgs.append(cfg)
         sim = Simulation(Target(stack.target.base_url, keys[name]), cfg, pref,
@@ -260,16 +318,22 @@ async def run_tenants(state: TenantsState, stack: Stack, keys: dict[str, str], m
                 any(len(run.sim.records) < users for run in runs):
             await _tick(tasks, stack, state)
         phase("idle", False)
-        idle_until = time.monotonic() + idle_s
-        # ... and until every tenant has an idle answer: the targets are set from them
+        idle_until = time.monotonic() + phases.idle_s
+
+        def idle_answers() -> int:
+            return sum(len(ok_records(run.sim.records, "idle")) for run in runs)
+
+        # ... and until the tenants' idle answers are enough of a sample (the targets are set
+        # from them, and the cross rises measured against them), every tenant's among them
         while running() and (time.monotonic() < idle_until or (
-                time.monotonic() < idle_until + WARMUP_MAX_S
-                and not all(ok_records(run.sim.records, "idle") for run in runs))):
+                time.monotonic() < idle_until + PHASE_MAX_S
+                and (idle_answers() < phases.idle_answers
+                     or not all(ok_records(run.sim.records, "idle") for run in runs)))):
             await _tick(tasks, stack, state)
         base = base_rates(state)
         for run in runs:
             run.base = base[run.name]
-            run.target = target_share(run.base)
+            run.target = target_share(run.base, phases.target_factor)
         if running():
             n = sum(len(ok_records(run.sim.records, "idle")) for run in runs)
             print(f"[demo-tenants] idle phase: {n} answers; base rates "
@@ -279,28 +343,39 @@ async def run_tenants(state: TenantsState, stack: Stack, keys: dict[str, str], m
                   flush=True)
         phase("training", True)
         state.training_started = time.time()
-        train_until = time.monotonic() + train_s
+        train_until = time.monotonic() + phases.train_s
         while running() and time.monotonic() < train_until:
             await _tick(tasks, stack, state)
             for run in runs:
                 last = final_window(run, state.training_started, state.window)
-                if (run.reached_at is None and len(last) == state.window
-                        and share(last, run.preference) >= run.target):
+                if run.reached_at is None and met_target(last, run.preference, run.target, state.window):
                     run.reached_at = time.time()
-                    if stop_rating:
+                    if phases.stop_rating:
                         # its users keep asking (its share stays measured) but stop rating: its
                         # lane goes idle and leaves the trainer to the tenants still learning
                         run.sim.cfg.feedback = False
                     print(f"[demo-tenants] {run.name}: target reached after "
                           f"{run.reached_at - state.training_started:.0f} s of training"
-                          f"{'; its users stop rating' if stop_rating else ''}", flush=True)
-            if until_target and all(run.reached_at is not None for run in runs):
+                          f"{'; its users stop rating' if phases.stop_rating else ''}", flush=True)
+            if phases.until_target and all(run.reached_at is not None for run in runs):
                 break
+        state.training_ended = time.time()
+        if running() and phases.eval_answers:
+            # the final shares: users only, every tenant on what its lineage learned (an update
+            # of feedback still in flight may land early in this phase)
+            phase("eval", False)
+            print(f"[demo-tenants] training over; evaluating each tenant's lineage on "
+                  f"{phases.eval_answers} answers without feedback", flush=True)
+            eval_until = time.monotonic() + PHASE_MAX_S
+            while running() and time.monotonic() < eval_until and any(
+                    len(ok_records(run.sim.records, "eval")) < phases.eval_answers for run in runs):
+                await _tick(tasks, stack, state)
         for run in runs:
             run.sim.stop()
         await asyncio.gather(*tasks)
     finally:
-        state.training_ended = time.time() if state.training_started else None
+        if state.training_started and not state.training_ended:
+            state.training_ended = time.time()
         progress.cancel()
         state.gateway_counters = await _gateway_counters(stack, keys)
         for run, task in zip(runs, tasks):
@@ -348,20 +423,24 @@ async def _gateway_counters(stack: Stack, keys: dict[str, str]) -> dict:
 
 def tenant_record(state: TenantsState, run: TenantRun) -> dict:
     since = state.training_started or float("inf")
-    last = final_window(run, since, state.window)
+    last, measured_on = final_answers(run, since, state.window)
     base = base_rates(state)
+    n_base = sum(len(ok_records(r.sim.records, "idle")) for r in state.runs.values())
     own_idle = ok_records(run.sim.records, "idle")
     cross = {}
     for name, pref in state.prefs.items():
         if name == run.name:
             continue
         b, f = base.get(name), share(last, pref)
-        cross[name] = {"base": b, "final": f, "delta": f - b if b is not None and f is not None else None}
+        se_b, se_f = standard_error(b, n_base), standard_error(f, len(last))
+        cross[name] = {"base": b, "final": f, "delta": f - b if b is not None and f is not None else None,
+                       # the delta's sampling noise (both shares binomial, independent samples)
+                       "se": (se_b ** 2 + se_f ** 2) ** 0.5 if se_b is not None and se_f is not None else None}
     deltas = [c["delta"] for c in cross.values() if c["delta"] is not None]
     tracker, sim = run.tracker, run.sim
     own_ids = {r.response_id for r in sim.records if r.response_id}
     trained = set(tracker.trained_in)
-    records = [r for r in sim.records if r.phase in ("idle", "training")]
+    records = [r for r in sim.records if r.phase in ("idle", "training", "eval")]
     t0 = state.training_started
     return {
         "name": run.name,
@@ -371,9 +450,12 @@ def tenant_record(state: TenantsState, run: TenantRun) -> dict:
         "share": {"base": base[run.name], "base_at_switch": run.base,
                   "base_own": share(own_idle, run.preference),
                   "final": share(last, run.preference), "target": run.target,
-                  "reached": run.reached_at is not None,
+                  # met: the evaluation's share (or, without one, the window's) is at the target
+                  "reached": (share(last, run.preference) or 0.0) >= run.target if measured_on == "eval"
+                  and run.target is not None else run.reached_at is not None,
+                  "window_met": run.reached_at is not None,
                   "time_to_target_s": run.reached_at - t0 if run.reached_at and t0 else None,
-                  "window": len(last)},
+                  "window": len(last), "final_from": measured_on, "base_answers": n_base},
         "cross": cross,
         "cross_delta_max": max(deltas) if deltas else None,
         "loop_ms": loop_summary(tracker.loops(sim.feedback_sent, sim.clock)),
@@ -389,6 +471,7 @@ def tenant_record(state: TenantsState, run: TenantRun) -> dict:
         },
         "turns": training_turns(tracker),
         "answers": {"idle": len(own_idle), "training": len(ok_records(sim.records, "training")),
+                    "eval": len(ok_records(sim.records, "eval")),
                     "errors": sum(bool(r.error) for r in sim.records)},
         "wrong_adapter_answers": sum(wrong_adapter(run, r) for r in sim.records),
         "ttft_ms": {"p50": percentile((r.ttft_ms for r in records if not r.error), 50),
@@ -443,13 +526,13 @@ def write_tenants_report(state: TenantsState) -> dict:
              f"Three tenants on one engine, each with users who rate answers by a preference its "
              f"trainer never sees; trainers: {report['trainers']}; {report['training_s']:.0f} s of training.",
              "",
-             "| tenant | preference | base | final | target | first met after | cross max (rise of others) "
+             "| tenant | preference | base | final | target | window met it after | cross max (rise of others) "
              "| loop p50 / p95 ms | versions | feedback sent / trained | wrong adapter |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for t in report["tenants"]:
         s, lm, fb = t["share"], t["loop_ms"], t["feedback"]
-        reached = f"{s['time_to_target_s']:.0f} s" if s["reached"] else "not reached"
-        cross = ", ".join(f"{k} {_f(c['delta'], '+.2f')}" for k, c in t["cross"].items())
+        reached = f"{s['time_to_target_s']:.0f} s" if s["window_met"] else "not met"
+        cross = ", ".join(f"{k} {_f(c['delta'], '+.2f')} ± {_f(c['se'])}" for k, c in t["cross"].items())
         lines.append(f"| {t['name']} | {t['preference']} | {_f(s['base'])} | {_f(s['final'])} | "
                      f"{_f(s['target'])} | {reached} | {_f(t['cross_delta_max'], '+.2f')} ({cross}) | "
                      f"{_f(lm['p50'], '.0f')} / {_f(lm['p95'], '.0f')} | {t['versions']['served']} | "
@@ -466,9 +549,14 @@ def write_tenants_report(state: TenantsState) -> dict:
     lines += ["", f"- every tenant reached its target: {acc['targets_reached']}; every cross rise <= "
               f"{CROSS_LIMIT}: {acc['cross_delta_max_le_0_1']}; answers from another lineage: "
               f"{report['wrong_adapter_answers']} (the gateway refused {_f(report['gateway_wrong_tenant'], 'd')})",
+              "- reached: the final share is at the target; window met it: the tenant's last `window` "
+              "answers of training met the target by more than one standard error (then its users "
+              "stop rating, unless `--keep-rating`)",
               "- base: the preference's share of every tenant's idle answers (the base model on the same "
-              "prompts); final: of the tenant's last answers (`window`); cross: the same for the other "
-              "tenants' preferences, in this tenant's answers",
+              "prompts); final: of the tenant's answers in the evaluation after training (users only; "
+              "without one, its last `window` answers of training); cross: the same for the other "
+              "tenants' preferences, in this tenant's answers, ± the delta's standard error (binomial "
+              "sampling noise of both shares)",
               "", "![shares and loop latency per tenant](tenants.png)", "",
               "## Settings", "", "```json", json.dumps(state.settings, indent=2), "```"]
     (out / "tenants-report.md").write_text("\n".join(lines) + "\n")
@@ -501,7 +589,9 @@ def _plot(state: TenantsState, path: Path) -> None:
         for v, at in sorted(run.sim.clock.first_seen.items()):
             if v:
                 ax.axvline(at - t0, color="tab:gray", lw=0.5, alpha=0.4)
-        ax.axvline(0, color="black", lw=0.8)
+        ax.axvline(0, color="black", lw=0.8)  # training starts ...
+        if state.training_ended and records and records[-1].phase == "eval":
+            ax.axvline(state.training_ended - t0, color="black", lw=0.8, ls=":")  # ... and ends
         ax.set_ylim(0, 1)
         ax.set_ylabel("share")
         ax.set_title(f"tenant {run.name}: {run.preference.describe()} (grey: a new version served)",
@@ -549,8 +639,11 @@ def main(args) -> int:
              ("max_tokens", args.max_tokens), ("max_words", args.max_words), ("min_items", args.min_items),
              ("min_item_words", args.min_item_words))
              if v < 1] + [f"--{k.replace('_', '-')} {v:g}" for k, v in (("idle_s", args.idle_s),
-                          ("train_s", args.train_s), ("max_tail_words", args.max_tail_words),
-                          ("min_words", args.min_words)) if v < 0]
+                          ("train_s", args.train_s), ("min_words", args.min_words),
+                          ("idle_answers", args.idle_answers), ("eval_answers", args.eval_answers),
+                          ("kl_beta", args.kl_beta)) if v < 0]
+    if args.target_factor <= 1:
+        small.append(f"--target-factor {args.target_factor:g} (a target must be above the base rate)")
     if args.min_words > args.max_words:
         small.append(f"--min-words {args.min_words} above --max-words {args.max_words}")
     if small:
@@ -564,15 +657,21 @@ def main(args) -> int:
     out.mkdir(parents=True, exist_ok=True)
     keys_file = out / "tenant-keys"
     keys = make_keys(keys_file, tenants)
-    prefs = preferences(args.max_words, args.min_items, args.max_tail_words, args.min_words,
-                        args.min_item_words)
+    prefs = preferences(args.max_words, args.min_items, args.min_words, args.min_item_words)
+    phases = Phases(idle_s=args.idle_s, idle_answers=args.idle_answers, train_s=args.train_s,
+                    target_factor=args.target_factor, until_target=not args.no_stop,
+                    stop_rating=not args.keep_rating, eval_answers=args.eval_answers)
     state = TenantsState(run_id, out, prefs, args.window, trainers=plan.mode, settings={
         "config": config_path, "overrides": args.set, "users_per_tenant": args.users,
-        "idle_s": args.idle_s, "train_s": args.train_s, "max_tokens": args.max_tokens,
+        "idle_s": args.idle_s, "idle_answers": args.idle_answers, "train_s": args.train_s,
+        "eval_answers": args.eval_answers, "max_tokens": args.max_tokens,
         "preferences": {k: p.describe() for k, p in prefs.items()}, "window": args.window,
-        "until_target": not args.no_stop, "stop_rating_at_target": args.stop_rating_at_target,
+        "until_target": not args.no_stop, "stop_rating_at_target": not args.keep_rating,
+        "target_factor": args.target_factor, "kl_beta": args.kl_beta,
         "trainers": plan.mode})
-    overrides = [*args.set, *tenant_overrides(keys_file, tenants), *plan.overrides]
+    # the demo's KL first, so that a --set of the user's overrides it
+    overrides = [*kl_overrides(args.kl_beta), *args.set, *tenant_overrides(keys_file, tenants),
+                 *plan.overrides]
     print(f"[demo-tenants] starting the mesh (NATS, rollout with vLLM, gateway) and the trainers "
           f"({plan.mode}) for tenants {', '.join(tenants)}; run files under {out}", flush=True)
     try:
@@ -585,8 +684,7 @@ def main(args) -> int:
         print(f"[demo-tenants] gateway {stack.target.base_url}/v1; {args.users} users per tenant; idle "
               f"phase {args.idle_s:g} s, then up to {args.train_s:g} s of training", flush=True)
         _, state.interrupted = run_interruptible(run_tenants(
-            state, stack, keys, plan.metrics, args.users, args.idle_s, args.train_s, args.max_tokens,
-            not args.no_stop, args.progress, args.stop_rating_at_target))
+            state, stack, keys, plan.metrics, args.users, phases, args.max_tokens, args.progress))
     finally:
         why = stack.stop()
     if why and not state.failed:
@@ -596,7 +694,8 @@ def main(args) -> int:
     for t in report["tenants"]:
         s = t["share"]
         print(f"[demo-tenants] {t['name']}: {_f(s['base'])} -> {_f(s['final'])} (target {_f(s['target'])}, "
-              f"{'reached in %.0f s' % s['time_to_target_s'] if s['reached'] else 'not reached'}); "
+              f"{'reached' if s['reached'] else 'not reached'}"
+              f"{'; its window met it after %.0f s' % s['time_to_target_s'] if s['window_met'] else ''}); "
               f"cross max {_f(t['cross_delta_max'], '+.2f')}; loop p50 {_f(t['loop_ms']['p50'], '.0f')} ms; "
               f"v{t['versions']['served']}; wrong adapter {t['wrong_adapter_answers']}", flush=True)
     print(f"[demo-tenants] report: {out / 'tenants-report.md'}", flush=True)

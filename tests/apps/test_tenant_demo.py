@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from apps.online_demo import LoopTracker
-from apps.simulate import PREFERENCES, TENANT_PROMPTS, Bullets, Question, Record, list_items
+from apps.simulate import PREFERENCES, TENANT_PROMPTS, Bullets, Exclaim, Question, Record, list_items
 from apps.tenant_demo import TENANTS, TenantRun, key_id, make_keys, tenant_overrides, trainer_plan, wrong_adapter
 
 REPO = Path(__file__).resolve().parents[2]
@@ -42,8 +42,15 @@ def test_a_question_ends_the_answer_within_its_tail():
     assert Question(0).matched("ok?  \n") and not Question(0).matched("ok? yes")
 
 
+def test_an_exclamation_opens_the_answer():
+    e = Exclaim()
+    assert e.matched("Wow! A dog. Great.") and e.matched("Congratulations!!")
+    assert not e.matched("A dog. Wow!") and not e.matched("Why? Great!") and not e.matched("no mark")
+    assert (e.score("Great! Yes."), e.score("Yes. Great!"), e.score("Yes.")) == (1.0, -0.5, -1.0)
+
+
 def test_every_tenant_has_a_preference_and_the_prompts_are_distinct():
-    assert set(TENANTS) == set(PREFERENCES)
+    assert set(TENANTS) <= set(PREFERENCES)
     assert len(set(TENANT_PROMPTS)) == len(TENANT_PROMPTS) >= 40
 
 
@@ -107,24 +114,28 @@ def test_the_report_pools_the_base_rates_and_measures_the_other_preferences_rise
     from apps.simulate import VersionClock
     from apps.tenant_demo import TenantsState, preferences, write_tenants_report
 
-    prefs = preferences(max_words=6)  # 5 to 6 words; lists of items of >= 4 words
-    long_list, short_q, plain = "- a b c d\n- e f g h", "What kind of dog? Yes.", "one two three four five six seven"
+    prefs = preferences(max_words=6, min_words=5)  # 5 to 6 words; lists of items of >= 4 words
+    long_list, short_x, plain = "- a b c d\n- e f g h", "Wow! What a nice dog.", "one two three four five six seven"
 
     class Sim:  # what the report reads of a Simulation
-        def __init__(self, idle: list[str], training: list[str]):
+        def __init__(self, idle: list[str], training: list[str], evaluated: list[str] = ()):
             self.records = [Record(ts=1.0, user=0, phase="idle", prompt=0, answer=a, tenant="x")
                             for a in idle]
             self.records += [Record(ts=10.0 + i, user=0, phase="training", prompt=0, answer=a)
                              for i, a in enumerate(training)]
+            self.records += [Record(ts=30.0 + i, user=0, phase="eval", prompt=0, answer=a)
+                             for i, a in enumerate(evaluated)]
             self.clock, self.feedback_sent = VersionClock(), {}
 
     state = TenantsState("r", tmp_path, prefs, window=4, trainers="per-tenant", training_started=5.0,
                          training_ended=20.0)
-    for name, idle, training in (
-            ("short", [plain, short_q], [plain] * 4 + [short_q] * 4),  # the last 4: short and questions
-            ("bullets", [long_list, plain], [long_list] * 4),
-            ("question", [plain, plain], [short_q, plain, plain, plain])):
-        run = TenantRun(name, prefs[name], Sim(idle, training), LoopTracker("nats://unused", tmp_path, name))
+    for name, idle, training, evaluated in (
+            # the last 4 of training: short and exclaiming; the evaluation: the same
+            ("short", [plain, short_x], [plain] * 4 + [short_x] * 4, [short_x] * 5),
+            ("bullets", [long_list, plain], [long_list] * 4, [long_list, long_list, plain]),
+            ("exclaim", [plain, plain], [short_x, plain, plain, plain], [])):  # stopped before its evaluation
+        run = TenantRun(name, prefs[name], Sim(idle, training, evaluated),
+                        LoopTracker("nats://unused", tmp_path, name))
         run.base, run.target = 0.1, 0.3
         state.runs[name] = run
     from apps.online_demo import Update
@@ -134,24 +145,47 @@ def test_the_report_pools_the_base_rates_and_measures_the_other_preferences_rise
         Update(2, 8.0, 1, 0.5, tokens=20, stages={"turn_wait": 3.0, "train": 2.5})]
     state.runs["bullets"].tracker.updates = [Update(1, 7.0, 2, 0.5, tokens=10, stages={"train": 1.0})]
     report = write_tenants_report(state)
-    short, bullets, question = report["tenants"]
-    # every tenant's idle answers together: 6 answers, 1 short, 1 list, 1 question
+    short, bullets, exclaim = report["tenants"]
+    # every tenant's idle answers together: 6 answers, 1 short, 1 list, 1 exclaiming
     assert [t["share"]["base"] for t in report["tenants"]] == pytest.approx([1 / 6] * 3)
-    assert short["share"]["final"] == 1.0 and short["share"]["window"] == 4
-    assert short["cross"]["question"]["delta"] == pytest.approx(1 - 1 / 6)  # a leak: shown, not hidden
+    assert short["share"]["base_answers"] == 6
+    # the final shares: the evaluation's answers where there are some, else the training window
+    assert (short["share"]["final"], short["share"]["window"], short["share"]["final_from"]) == (1.0, 5, "eval")
+    assert short["cross"]["exclaim"]["delta"] == pytest.approx(1 - 1 / 6)  # a leak: shown, not hidden
+    # its noise: the base share 1/6 of 6 answers, the final 1.0 of 5 (no spread)
+    assert short["cross"]["exclaim"]["se"] == pytest.approx(((1 / 6) * (5 / 6) / 6) ** 0.5)
     assert short["cross_delta_max"] == pytest.approx(5 / 6)
+    assert bullets["share"]["final"] == pytest.approx(2 / 3)
     assert bullets["cross_delta_max"] == pytest.approx(-1 / 6)  # the others fell
-    assert question["share"]["final"] == 0.25
+    assert (exclaim["share"]["final"], exclaim["share"]["final_from"]) == (0.25, "training")
+    # reached: the evaluation's share at the target (0.3), else the window's verdict (never met)
+    assert [(t["share"]["reached"], t["share"]["window_met"]) for t in report["tenants"]] == \
+        [(True, False), (True, False), (False, False)]
     assert short["turns"] == {"updates": 2, "feedback": 3, "tokens": 30, "tokens_share": 0.75, "train_s": 4.5,
                               "turn_wait_s": 4.0, "turn_wait_p50_s": 2.0, "turn_wait_max_s": 3.0}
     assert (bullets["turns"]["updates"], bullets["turns"]["tokens_share"]) == (1, 0.25)
-    assert question["turns"]["updates"] == 0 and question["turns"]["turn_wait_max_s"] is None
+    assert exclaim["turns"]["updates"] == 0 and exclaim["turns"]["turn_wait_max_s"] is None
     assert "| short | 2 | 3 | 30 (75%) |" in (tmp_path / "tenants-report.md").read_text()
     assert report["acceptance"] == {"targets_reached": False, "cross_delta_max_le_0_1": False,
                                     "no_wrong_adapter_answers": False}  # training answers said no tenant
     on_disk = json.loads((tmp_path / "tenants-report.json").read_text())
     assert on_disk == json.loads(json.dumps(report))
     assert (tmp_path / "tenants.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_window_meets_its_target_only_beyond_its_sampling_noise():
+    from apps.tenant_demo import met_target
+
+    pref, hit, miss = PREFERENCES["exclaim"](), "Wow! Yes.", "Yes."
+
+    def window(hits: int, size: int = 40) -> list[Record]:
+        return [Record(ts=0.0, user=0, phase="training", prompt=0, answer=hit if i < hits else miss)
+                for i in range(size)]
+
+    # a target of 0.25 over 40 answers: one standard error is 0.068, so 11 hits (0.275) are noise
+    assert not met_target(window(11), pref, 0.25, 40) and not met_target(window(12), pref, 0.25, 40)
+    assert met_target(window(13), pref, 0.25, 40)  # 0.325
+    assert not met_target(window(30, size=39), pref, 0.25, 40)  # not a full window yet
 
 
 def test_a_run_stopped_before_any_answer_still_writes_its_report(tmp_path):
@@ -231,7 +265,7 @@ def test_demo_tenants_trains_each_lane_on_its_own_feedback_and_stops_on_sigterm(
     run = out / "t"
     report = json.loads((run / "tenants-report.json").read_text())
     assert report["interrupted"] is True and not report["failed"]  # and it reports what it saw
-    assert report["trainers"] == "shared"
+    assert report["trainers"] == "shared" and report["settings"]["kl_beta"] == 0.1
     assert set(report) == {"run_id", "interrupted", "failed", "trainers", "tenants", "wrong_adapter_answers",
                            "gateway_wrong_tenant", "acceptance", "training_s", "settings"}
     assert [t["name"] for t in report["tenants"]] == list(TENANTS)
@@ -257,8 +291,10 @@ def test_demo_tenants_trains_each_lane_on_its_own_feedback_and_stops_on_sigterm(
                  if '"step"' in line]
         assert len(steps) >= t["turns"]["updates"]
         seqs[t["name"]] = {q for step in steps for q in step["seqs"]}
-    assert not (seqs["short"] & seqs["bullets"]) and not (seqs["short"] & seqs["question"]) \
-        and not (seqs["bullets"] & seqs["question"])  # no feedback trained in two lanes
+        # the demo's KL to the base model: every step asked the mesh's reference service
+        assert all(step["stage_seconds"]["reference"] > 0 for step in steps)
+    assert not (seqs["short"] & seqs["bullets"]) and not (seqs["short"] & seqs["exclaim"]) \
+        and not (seqs["bullets"] & seqs["exclaim"])  # no feedback trained in two lanes
     assert not (run / "trainer" / "metrics.jsonl").exists()  # no default lane
     for name in TENANTS:  # every answer said which lineage served it: the key's own
         records = [json.loads(line) for line in (run / f"requests-{name}.jsonl").read_text().splitlines()]
