@@ -378,9 +378,11 @@ def build_parser() -> argparse.ArgumentParser:
     dt.add_argument("--target-factor", type=float, default=2.0,
                     help="a tenant's target: N x its preference's base rate (at most 0.8)")
     dt.add_argument("--kl-beta", type=float, default=0.1,
-                    help="the KL penalty to the base model ([trainer.loss] kl_beta; a reference "
-                         "service starts when > 0): it keeps each lineage near the base model "
-                         "beside what its users reward")
+                    help="the KL penalty to the base model (sets [trainer.loss] kl_beta; a "
+                         "reference service starts when > 0): it keeps each lineage near the base "
+                         "model beside what its users reward")
+    dt.add_argument("--lr", type=float, default=2e-3,
+                    help="the LoRA learning rate (sets [trainer.optimizer] lr)")
     dt.add_argument("--max-tokens", type=int, default=128)
     dt.add_argument("--max-words", type=int, default=60, help="tenant `short`: answers of at most N words")
     dt.add_argument("--min-words", type=int, default=15,

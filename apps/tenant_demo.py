@@ -22,8 +22,9 @@ Owns:
   `--keep-rating`; the phase ends once every tenant's window met its target, unless
   `--no-stop`, or after `--train-s`), evaluation (users only again, until every tenant has
   `--eval-answers` answers of its trained lineage: the final shares);
-- the KL penalty to the base model (`--kl-beta`, a reference service in the mesh): what keeps
-  each lineage near the base model beside what its users reward;
+- the learning (`training_overrides`): the KL penalty to the base model (`--kl-beta`, a
+  reference service in the mesh), what keeps each lineage near the base model beside what its
+  users reward, and the learning rate (`--lr`);
 - the report `runs/<id>/tenants-report.{json,md}` and `tenants.png`: per tenant its share of
   its preference (base, final, target), the other preferences' rise in its answers, the loop
   latency of its lineage (`LoopTracker` on the tenant's subject and its lane's metrics), the
@@ -110,11 +111,15 @@ def tenant_overrides(keys_file: Path, tenants: list[str]) -> list[str]:
             *(f'tenants.{t}.keys=["{key_id(t)}"]' for t in tenants)]
 
 
-def kl_overrides(kl_beta: float) -> list[str]:
-    """The KL penalty to the base model (`[trainer.loss] kl_beta`; the mesh then starts a
-    reference service, given one thread: the engine and the trainer hold a core each)."""
-    return [f"trainer.loss.kl_beta={kl_beta:g}", "reference.torch_threads=1"] if kl_beta > 0 else \
+def training_overrides(kl_beta: float, lr: float) -> list[str]:
+    """The demo's learning: the KL penalty to the base model (`[trainer.loss] kl_beta`; when
+    above 0 the mesh starts a reference service, given one thread: the engine and the trainer
+    hold a core each) and the LoRA learning rate (`[trainer.optimizer] lr`). Measured
+    (docs/results.md): without the KL the lineages collapsed onto one reply each; with it, lr
+    1e-3 learned too slowly for a 900 s run and 2e-3 met every target."""
+    kl = [f"trainer.loss.kl_beta={kl_beta:g}", "reference.torch_threads=1"] if kl_beta > 0 else \
         ["trainer.loss.kl_beta=0"]
+    return [*kl, f"trainer.optimizer.lr={lr:g}"]
 
 
 def shared_trainer_built() -> bool:
@@ -642,6 +647,8 @@ def main(args) -> int:
                           ("train_s", args.train_s), ("min_words", args.min_words),
                           ("idle_answers", args.idle_answers), ("eval_answers", args.eval_answers),
                           ("kl_beta", args.kl_beta)) if v < 0]
+    if args.lr <= 0:
+        small.append(f"--lr {args.lr:g}")
     if args.target_factor <= 1:
         small.append(f"--target-factor {args.target_factor:g} (a target must be above the base rate)")
     if args.min_words > args.max_words:
@@ -667,11 +674,11 @@ def main(args) -> int:
         "eval_answers": args.eval_answers, "max_tokens": args.max_tokens,
         "preferences": {k: p.describe() for k, p in prefs.items()}, "window": args.window,
         "until_target": not args.no_stop, "stop_rating_at_target": not args.keep_rating,
-        "target_factor": args.target_factor, "kl_beta": args.kl_beta,
+        "target_factor": args.target_factor, "kl_beta": args.kl_beta, "lr": args.lr,
         "trainers": plan.mode})
-    # the demo's KL first, so that a --set of the user's overrides it
-    overrides = [*kl_overrides(args.kl_beta), *args.set, *tenant_overrides(keys_file, tenants),
-                 *plan.overrides]
+    # the demo's learning first, so that a --set of the user's overrides it
+    overrides = [*training_overrides(args.kl_beta, args.lr), *args.set,
+                 *tenant_overrides(keys_file, tenants), *plan.overrides]
     print(f"[demo-tenants] starting the mesh (NATS, rollout with vLLM, gateway) and the trainers "
           f"({plan.mode}) for tenants {', '.join(tenants)}; run files under {out}", flush=True)
     try:
