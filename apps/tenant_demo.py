@@ -599,8 +599,8 @@ def _plot(state: TenantsState, path: Path) -> None:
             ax.axvline(state.training_ended - t0, color="black", lw=0.8, ls=":")  # ... and ends
         ax.set_ylim(0, 1)
         ax.set_ylabel("share")
-        ax.set_title(f"tenant {run.name}: {run.preference.describe()} (grey: a new version served)",
-                     fontsize=9)
+        ax.set_title(f"tenant {run.name}: {run.preference.describe()}\n(grey: a new version served; "
+                     f"dotted: training ends)", fontsize=9)
         ax.legend(fontsize=7, loc="upper left")
         ax.grid(alpha=0.3)
         loops = sorted(run.tracker.loops(run.sim.feedback_sent, run.sim.clock), key=lambda e: e["sent"])
