@@ -1,9 +1,9 @@
 """`hotloop simulate users`: simulated users who chat through the gateway and rate the answers.
 
 Owns:
-- the hidden preferences (`Brevity`, `Bullets`, `Question`, `Exclaim`; `PREFERENCES` by name): what these
-  users like, which the base model does not do on its own. The simulator scores every answer
-  with one; the trainer only ever sees the score;
+- the hidden preferences (`Brevity`, `Bullets`, `Question`, `Exclaim`; `PREFERENCES` by
+  name): what these users like, which the base model does not do on its own. The simulator
+  scores every answer with one; the trainer only ever sees the score;
 - the built-in prompts (short, varied user questions; `TENANT_PROMPTS` for the many-tenant demo);
 - the user loop: the official `openai` client against the gateway's OpenAI-compatible HTTP
   API, streaming, then `POST /v1/feedback` with the same API key;
@@ -87,8 +87,8 @@ PROMPTS: tuple[str, ...] = (
 # 0.16 (of any items: 0.18), ends with a question with at most 3 words after the last "?" 0.14
 # (0 words: 0.11, 5: 0.16, 10: 0.19). On `PROMPTS` the last two were 0.06 and 0.01: too rare to
 # learn from binary scores. A second sample of 392 (same settings): 0.24, 0.13, 0.13, and the
-# first sentence ends with "!" 0.13. Through the mesh (the demo's idle phase) they come out lower and
-# noisier: ~30 answers per run.
+# first sentence ends with "!" 0.13. Through the mesh (the demo's idle phase, 90-100 answers per
+# run) they vary from run to run: 15 to 60 words 0.16-0.26, lists 0.13-0.20, "!" 0.13-0.21.
 TENANT_PROMPTS: tuple[str, ...] = (
     "I'm thinking about getting a dog.",
     "I'm thinking about getting a cat.",
