@@ -429,6 +429,10 @@ async def _gateway_counters(stack: Stack, keys: dict[str, str]) -> dict:
 def tenant_record(state: TenantsState, run: TenantRun) -> dict:
     since = state.training_started or float("inf")
     last, measured_on = final_answers(run, since, state.window)
+    final = share(last, run.preference)
+    # met: the evaluation's share is at the target; without an evaluation, the window's verdict
+    reached = (final is not None and run.target is not None and final >= run.target
+               if measured_on == "eval" else run.reached_at is not None)
     base = base_rates(state)
     n_base = sum(len(ok_records(r.sim.records, "idle")) for r in state.runs.values())
     own_idle = ok_records(run.sim.records, "idle")
@@ -454,10 +458,7 @@ def tenant_record(state: TenantsState, run: TenantRun) -> dict:
         # base: every idle answer, some finished after the switch (all from the base model)
         "share": {"base": base[run.name], "base_at_switch": run.base,
                   "base_own": share(own_idle, run.preference),
-                  "final": share(last, run.preference), "target": run.target,
-                  # met: the evaluation's share (or, without one, the window's) is at the target
-                  "reached": (share(last, run.preference) or 0.0) >= run.target if measured_on == "eval"
-                  and run.target is not None else run.reached_at is not None,
+                  "final": final, "target": run.target, "reached": reached,
                   "window_met": run.reached_at is not None,
                   "time_to_target_s": run.reached_at - t0 if run.reached_at and t0 else None,
                   "window": len(last), "final_from": measured_on, "base_answers": n_base},
