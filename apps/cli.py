@@ -366,7 +366,7 @@ def build_parser() -> argparse.ArgumentParser:
     _config_args(dt)
     dt.add_argument("--users", type=int, default=3, help="users per tenant")
     dt.add_argument("--idle-s", type=float, default=60.0, help="users only, no training: base rates")
-    dt.add_argument("--idle-answers", type=int, default=90,
+    dt.add_argument("--idle-answers", type=int, default=150,
                     help="and until the tenants' idle answers together number N (the base rates' sample)")
     dt.add_argument("--train-s", type=float, default=900.0, help="longest training phase")
     dt.add_argument("--no-stop", action="store_true",
@@ -395,8 +395,8 @@ def build_parser() -> argparse.ArgumentParser:
     dt.add_argument("--window", type=int, default=40,
                     help="a tenant's last answers of training that must meet its target")
     dt.add_argument("--eval-answers", type=int, default=60,
-                    help="after training, users only until every tenant has N answers: the final "
-                         "shares (0: no evaluation; the last --window answers of training)")
+                    help="after training, users only until every tenant's final version gave N answers "
+                         "since its lineage stopped learning: the final shares (0: no evaluation)")
     dt.add_argument("--trainers", choices=["auto", "per-tenant", "shared"], default="auto",
                     help="a trainer process per tenant, or one for all (where the trainer has "
                          "[online] tenants); auto: shared where possible")

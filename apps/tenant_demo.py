@@ -20,8 +20,9 @@ Owns:
   rate answers by its preference; a tenant whose last `--window` answers met its target (twice
   its base rate by default) by more than their sampling noise stops rating, unless
   `--keep-rating`; the phase ends once every tenant's window met its target, unless
-  `--no-stop`, or after `--train-s`), evaluation (users only again, until every tenant has
-  `--eval-answers` answers of its trained lineage: the final shares);
+  `--no-stop`, or after `--train-s`), evaluation (users only again, until every tenant's
+  final version gave `--eval-answers` answers since its lineage stopped learning: the final
+  shares, `final_answers`);
 - the learning (`training_overrides`): the KL penalty to the base model (`--kl-beta`, a
   reference service in the mesh), what keeps each lineage near the base model beside what its
   users reward, and the learning rate (`--lr`);
@@ -179,6 +180,8 @@ class TenantRun:
     target: float | None = None
     reached_at: float | None = None  # unix seconds its window share first met the target
     # (with a margin: `met_target`)
+    learned_until: float | None = None  # unix seconds its lineage stopped learning: its users
+    # stopped rating at its target, or training ended
 
 
 @dataclass
@@ -187,7 +190,7 @@ class Phases:
 
     idle_s: float = 60.0
     """Users only, on the base model, at least this long..."""
-    idle_answers: int = 90
+    idle_answers: int = 150
     """... and until every tenant's idle answers together number this many (the base rates'
     sample; at most `PHASE_MAX_S` more)."""
     train_s: float = 900.0
@@ -202,9 +205,9 @@ class Phases:
     trainer's fair share keeps its faster feedback from starving the others, but its lineage
     goes on moving: measured, it drifted along other preferences as well (docs/results.md)."""
     eval_answers: int = 60
-    """After training, users only again until every tenant has this many answers (the final
-    shares; at most `PHASE_MAX_S`). 0: no evaluation, the final shares are the last `window`
-    answers of training."""
+    """After training, users only again until every tenant's final version gave this many
+    answers since its lineage stopped learning (the final shares, `final_answers`; at most
+    `PHASE_MAX_S`). 0: no evaluation."""
 
 
 @dataclass
@@ -247,12 +250,29 @@ def final_window(run: TenantRun, since: float, window: int) -> list[Record]:
     return ok_records(run.sim.records, "training", since)[-window:]
 
 
+def final_version(run: TenantRun) -> int:
+    """The newest version of the tenant's lineage: announced, or seen in an answer."""
+    served = (r.last_version or 0 for r in run.sim.records if not r.error)
+    return max(max(run.tracker.published_at, default=0), max(served, default=0))
+
+
 def final_answers(run: TenantRun, since: float, window: int) -> tuple[list[Record], str]:
-    """What the tenant's final shares are measured on, and which: its answers of the
-    evaluation phase, or, without any (no evaluation, or a run stopped before it), the last
-    `window` answers of training."""
-    evaluated = ok_records(run.sim.records, "eval")
-    return (evaluated, "eval") if evaluated else (final_window(run, since, window), "training")
+    """What the tenant's final shares are measured on, and which:
+    - "final_version": every answer its lineage's final version gave, first token to last,
+      to a request sent after the lineage stopped learning (`learned_until`: its users stopped
+      rating at its target, or training ended), in the training phase and the evaluation
+      alike. A lineage frozen at its target early has hundreds of these, a far smaller noise
+      than an evaluation of 60; the answers before the stop are left out, since the stop was
+      decided on them (a window that met its target is a lucky one as often as not);
+    - "training", without any of those (a run stopped before): the last `window` answers of
+      training."""
+    if run.learned_until is not None:
+        v = final_version(run)
+        last = [r for r in run.sim.records if r.phase in ("training", "eval") and not r.error
+                and r.ts >= run.learned_until and r.version == r.last_version == v]
+        if last:
+            return last, "final_version"
+    return final_window(run, since, window), "training"
 
 
 def met_target(window: list[Record], pref: Preference, target: float, size: int) -> bool:
@@ -359,21 +379,30 @@ async def run_tenants(state: TenantsState, stack: Stack, keys: dict[str, str], m
                         # its users keep asking (its share stays measured) but stop rating: its
                         # lane goes idle and leaves the trainer to the tenants still learning
                         run.sim.cfg.feedback = False
+                        run.learned_until = run.reached_at
                     print(f"[demo-tenants] {run.name}: target reached after "
                           f"{run.reached_at - state.training_started:.0f} s of training"
                           f"{'; its users stop rating' if phases.stop_rating else ''}", flush=True)
             if phases.until_target and all(run.reached_at is not None for run in runs):
                 break
         state.training_ended = time.time()
+        for run in runs:
+            run.learned_until = run.learned_until or state.training_ended
+
+        def evaluated(run: TenantRun) -> int:
+            last, measured_on = final_answers(run, state.training_started, state.window)
+            return len(last) if measured_on == "final_version" else 0
+
         if running() and phases.eval_answers:
-            # the final shares: users only, every tenant on what its lineage learned (an update
-            # of feedback still in flight may land early in this phase)
+            # the final shares: users only, until every tenant's final version gave enough
+            # answers since its lineage stopped learning (a lineage frozen at its target early
+            # has them already; an update of feedback still in flight may land in this phase)
             phase("eval", False)
-            print(f"[demo-tenants] training over; evaluating each tenant's lineage on "
-                  f"{phases.eval_answers} answers without feedback", flush=True)
+            print(f"[demo-tenants] training over; evaluating each tenant's final version on at "
+                  f"least {phases.eval_answers} answers without feedback", flush=True)
             eval_until = time.monotonic() + PHASE_MAX_S
             while running() and time.monotonic() < eval_until and any(
-                    len(ok_records(run.sim.records, "eval")) < phases.eval_answers for run in runs):
+                    evaluated(run) < phases.eval_answers for run in runs):
                 await _tick(tasks, stack, state)
         for run in runs:
             run.sim.stop()
@@ -430,9 +459,9 @@ def tenant_record(state: TenantsState, run: TenantRun) -> dict:
     since = state.training_started or float("inf")
     last, measured_on = final_answers(run, since, state.window)
     final = share(last, run.preference)
-    # met: the evaluation's share is at the target; without an evaluation, the window's verdict
+    # met: the final version's share is at the target; without its answers, the window's verdict
     reached = (final is not None and run.target is not None and final >= run.target
-               if measured_on == "eval" else run.reached_at is not None)
+               if measured_on == "final_version" else run.reached_at is not None)
     base = base_rates(state)
     n_base = sum(len(ok_records(r.sim.records, "idle")) for r in state.runs.values())
     own_idle = ok_records(run.sim.records, "idle")
@@ -461,7 +490,9 @@ def tenant_record(state: TenantsState, run: TenantRun) -> dict:
                   "final": final, "target": run.target, "reached": reached,
                   "window_met": run.reached_at is not None,
                   "time_to_target_s": run.reached_at - t0 if run.reached_at and t0 else None,
-                  "window": len(last), "final_from": measured_on, "base_answers": n_base},
+                  "window": len(last), "final_from": measured_on, "final_version": final_version(run),
+                  "learned_s": run.learned_until - t0 if run.learned_until and t0 else None,
+                  "base_answers": n_base},
         "cross": cross,
         "cross_delta_max": max(deltas) if deltas else None,
         "loop_ms": loop_summary(tracker.loops(sim.feedback_sent, sim.clock)),
@@ -559,8 +590,9 @@ def write_tenants_report(state: TenantsState) -> dict:
               "answers of training met the target by more than one standard error (then its users "
               "stop rating, unless `--keep-rating`)",
               "- base: the preference's share of every tenant's idle answers (the base model on the same "
-              "prompts); final: of the tenant's answers in the evaluation after training (users only; "
-              "without one, its last `window` answers of training); cross: the same for the other "
+              "prompts); final: of the answers the tenant's final version gave to requests sent after "
+              "its lineage stopped learning (at its target, or when training ended), the evaluation's "
+              "among them (without any, its last `window` answers of training); cross: the same for the other "
               "tenants' preferences, in this tenant's answers, ± the delta's standard error (binomial "
               "sampling noise of both shares)",
               "", "![shares and loop latency per tenant](tenants.png)", "",

@@ -118,25 +118,34 @@ def test_the_report_pools_the_base_rates_and_measures_the_other_preferences_rise
     long_list, short_x, plain = "- a b c d\n- e f g h", "Wow! What a nice dog.", "one two three four five six seven"
 
     class Sim:  # what the report reads of a Simulation
-        def __init__(self, idle: list[str], training: list[str], evaluated: list[str] = ()):
-            self.records = [Record(ts=1.0, user=0, phase="idle", prompt=0, answer=a, tenant="x")
-                            for a in idle]
-            self.records += [Record(ts=10.0 + i, user=0, phase="training", prompt=0, answer=a)
-                             for i, a in enumerate(training)]
-            self.records += [Record(ts=30.0 + i, user=0, phase="eval", prompt=0, answer=a)
-                             for i, a in enumerate(evaluated)]
+        def __init__(self, idle: list[str], training: list[tuple[str, int, int]],
+                     evaluated: list[str] = (), final: int = 0):
+            self.records = [Record(ts=1.0, user=0, phase="idle", prompt=0, answer=a, tenant="x",
+                                   version=0, last_version=0) for a in idle]
+            self.records += [Record(ts=10.0 + i, user=0, phase="training", prompt=0, answer=a,
+                                    version=v, last_version=lv) for i, (a, v, lv) in enumerate(training)]
+            self.records += [Record(ts=30.0 + i, user=0, phase="eval", prompt=0, answer=a,
+                                    version=final, last_version=final) for i, a in enumerate(evaluated)]
             self.clock, self.feedback_sent = VersionClock(), {}
 
     state = TenantsState("r", tmp_path, prefs, window=4, trainers="per-tenant", training_started=5.0,
                          training_ended=20.0)
-    for name, idle, training, evaluated in (
-            # the last 4 of training: short and exclaiming; the evaluation: the same
-            ("short", [plain, short_x], [plain] * 4 + [short_x] * 4, [short_x] * 5),
-            ("bullets", [long_list, plain], [long_list] * 4, [long_list, long_list, plain]),
-            ("exclaim", [plain, plain], [short_x, plain, plain, plain], [])):  # stopped before its evaluation
-        run = TenantRun(name, prefs[name], Sim(idle, training, evaluated),
+    for name, idle, training, evaluated, learned_until in (
+            # learned to the end of training (20.0): its final version v2 answered 5 times after
+            # that, all short and exclaiming
+            ("short", [plain, short_x], [(plain, 1, 1)] * 4 + [(short_x, 1, 1)] * 4, [short_x] * 5, 20.0),
+            # stopped learning at 11.5 (its users stopped rating): the answers after that which its
+            # final version v2 gave, first token to last, count (2 of training, 3 of evaluation);
+            # one begun on v1 does not, nor one from before the stop
+            ("bullets", [long_list, plain],
+             [(long_list, 2, 2), (plain, 1, 1), (long_list, 2, 2), (plain, 1, 2), (long_list, 2, 2)],
+             [long_list, plain, plain], 11.5),
+            # stopped before it stopped learning: the last 4 of training
+            ("exclaim", [plain, plain], [(short_x, 1, 1), (plain, 1, 1), (plain, 1, 1), (plain, 1, 1)], [],
+             None)):
+        run = TenantRun(name, prefs[name], Sim(idle, training, evaluated, final=2),
                         LoopTracker("nats://unused", tmp_path, name))
-        run.base, run.target = 0.1, 0.3
+        run.base, run.target, run.learned_until = 0.1, 0.3, learned_until
         state.runs[name] = run
     from apps.online_demo import Update
 
@@ -149,13 +158,15 @@ def test_the_report_pools_the_base_rates_and_measures_the_other_preferences_rise
     # every tenant's idle answers together: 6 answers, 1 short, 1 list, 1 exclaiming
     assert [t["share"]["base"] for t in report["tenants"]] == pytest.approx([1 / 6] * 3)
     assert short["share"]["base_answers"] == 6
-    # the final shares: the evaluation's answers where there are some, else the training window
-    assert (short["share"]["final"], short["share"]["window"], short["share"]["final_from"]) == (1.0, 5, "eval")
+    # the final shares: the final version's answers since the lineage stopped learning, where
+    # there are some, else the training window
+    assert (short["share"]["final"], short["share"]["window"], short["share"]["final_from"],
+            short["share"]["final_version"]) == (1.0, 5, "final_version", 2)
     assert short["cross"]["exclaim"]["delta"] == pytest.approx(1 - 1 / 6)  # a leak: shown, not hidden
     # its noise: the base share 1/6 of 6 answers, the final 1.0 of 5 (no spread)
     assert short["cross"]["exclaim"]["se"] == pytest.approx(((1 / 6) * (5 / 6) / 6) ** 0.5)
     assert short["cross_delta_max"] == pytest.approx(5 / 6)
-    assert bullets["share"]["final"] == pytest.approx(2 / 3)
+    assert (bullets["share"]["final"], bullets["share"]["window"]) == (pytest.approx(3 / 5), 5)
     assert bullets["cross_delta_max"] == pytest.approx(-1 / 6)  # the others fell
     assert (exclaim["share"]["final"], exclaim["share"]["final_from"]) == (0.25, "training")
     # reached: the evaluation's share at the target (0.3), else the window's verdict (never met)
