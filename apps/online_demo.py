@@ -111,9 +111,9 @@ class Stack:
 
 def start_stack(config_path: str, overrides: list[str], out: Path, quiet: bool = False,
                 trainers: dict[str, list[str]] | None = None) -> Stack:
-    """Start NATS, the rollout, the gateway, the reference (only with kl_beta > 0) and the
-    online trainer, with the mesh's files under `out/mesh` and the trainer's under
-    `out/trainer` (`online.run_id`). `trainers`: name -> overrides of its own, one `hotloop
+    """Start NATS, the rollout, the gateway, the reference (only with kl_beta > 0 and
+    `[online] reference = "service"`) and the online trainer, with the mesh's files under
+    `out/mesh` and the trainer's under `out/trainer` (`online.run_id`). `trainers`: name -> overrides of its own, one `hotloop
     train online` process each beside the mesh (its run id, its tenant); None: one trainer,
     the mesh's trainer role where it is built, else such a process. Raises if any of them does
     not come up (and stops what did)."""
@@ -126,11 +126,12 @@ def start_stack(config_path: str, overrides: list[str], out: Path, quiet: bool =
     for own in (trainers or {}).values():  # every trainer's sections checked before anything starts
         sections.load(config_path, [*overrides, *own])
     loaded = sections.load(config_path, overrides)
-    kl_beta = loaded["trainer"].loss.kl_beta
+    # the KL's reference: a service of the mesh, unless the trainer computes it itself
+    service_ref = loaded["trainer"].loss.kl_beta > 0 and loaded["online"].reference == "service"
     role = trainers is None and available("trainer")
     if trainers is None and not role:
         trainers = {"trainer": []}
-    services = ["rollout", "gateway"] + (["reference"] if kl_beta > 0 else []) + (["trainer"] if role else [])
+    services = ["rollout", "gateway"] + (["reference"] if service_ref else []) + (["trainer"] if role else [])
     mesh = Mesh(loaded.mesh, config_path, overrides, services, quiet=quiet, up=loaded["up"],
                 rollout=loaded["rollout"])
     mesh.start()

@@ -23,8 +23,8 @@ Owns:
   `--no-stop`, or after `--train-s`), evaluation (users only again, until every tenant's
   final version gave `--eval-answers` answers since its lineage stopped learning: the final
   shares, `final_answers`);
-- the learning (`training_overrides`): the KL penalty to the base model (`--kl-beta`, a
-  reference service in the mesh), what keeps each lineage near the base model beside what its
+- the learning (`training_overrides`): the KL penalty to the base model (`--kl-beta`, its
+  reference computed in the trainer), what keeps each lineage near the base model beside what its
   users reward, and the learning rate (`--lr`);
 - the report `runs/<id>/tenants-report.{json,md}` and `tenants.png`: per tenant its share of
   its preference (base, final, target), the other preferences' rise in its answers, the loop
@@ -113,12 +113,13 @@ def tenant_overrides(keys_file: Path, tenants: list[str]) -> list[str]:
 
 
 def training_overrides(kl_beta: float, lr: float) -> list[str]:
-    """The demo's learning: the KL penalty to the base model (`[trainer.loss] kl_beta`; when
-    above 0 the mesh starts a reference service, given one thread: the engine and the trainer
-    hold a core each) and the LoRA learning rate (`[trainer.optimizer] lr`). Measured
-    (docs/results.md): without the KL the lineages collapsed onto one reply each; with it, lr
-    1e-3 learned too slowly for a 900 s run and 2e-3 met every target."""
-    kl = [f"trainer.loss.kl_beta={kl_beta:g}", "reference.torch_threads=1"] if kl_beta > 0 else \
+    """The demo's learning: the KL penalty to the base model (`[trainer.loss] kl_beta`), its
+    reference logprobs from the trainer's own base with the adapter disabled (`[online]
+    reference = "colocated"`: on 2 cores a reference process slowed the engine and the
+    trainer, docs/results.md), and the LoRA learning rate (`[trainer.optimizer] lr`).
+    Measured: without the KL the lineages collapsed onto one reply each; with it, lr 1e-3
+    learned too slowly for a 900 s run and 2e-3 met every target."""
+    kl = [f"trainer.loss.kl_beta={kl_beta:g}", "online.reference=colocated"] if kl_beta > 0 else \
         ["trainer.loss.kl_beta=0"]
     return [*kl, f"trainer.optimizer.lr={lr:g}"]
 

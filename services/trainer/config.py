@@ -280,6 +280,13 @@ class OnlineConfig(_Strict):
     baseline_ema: float = Field(0.9, ge=0.0, lt=1.0)
     """Decay of the running reward baseline: b <- ema * b + (1 - ema) * mean(batch scores),
     updated after the batch's advantages are taken (a score never baselines itself)."""
+    reference: Literal["service", "colocated"] = "service"
+    """Where the KL term's reference logprobs come from (with `[trainer.loss] kl_beta` > 0).
+    `service`: the mesh's reference service, asked before the update waits for its turn.
+    `colocated`: this process's own base model with the adapter disabled, in the update's
+    turn (no reference process, no second copy of the base weights). On a few shared cores
+    colocated is the faster: a reference process computes beside the engine and the trainer
+    and slows both (docs/results.md, "Many tenants")."""
     tenant: str = ""
     """The tenant whose lineage this loop trains (`[tenants.<name>]`; "": the default tenant).
     It reads only that tenant's feedback subject, and dead-letters (reason `other_tenant`) a

@@ -250,7 +250,7 @@ def test_demo_tenants_trains_each_lane_on_its_own_feedback_and_stops_on_sigterm(
     too), exits 130, still writes its whole report, and leaves nothing running."""
     out = tmp_path / "runs"
     cmd = [sys.executable, "-m", "apps.cli", "demo-tenants", "--config", str(_config(tmp_path, tiny_model)),
-           "--idle-s", "2", "--train-s", "600", "--users", "1", "--max-tokens", "16", "--window", "8",
+           "--idle-s", "2", "--idle-answers", "6", "--train-s", "600", "--users", "1", "--max-tokens", "16", "--window", "8",
            "--progress", "1", "--out-dir", str(out), "--run-id", "t", "--quiet"]
     log_path = tmp_path / "demo.log"
     with open(log_path, "w") as log:
@@ -302,11 +302,14 @@ def test_demo_tenants_trains_each_lane_on_its_own_feedback_and_stops_on_sigterm(
                  if '"step"' in line]
         assert len(steps) >= t["turns"]["updates"]
         seqs[t["name"]] = {q for step in steps for q in step["seqs"]}
-        # the demo's KL to the base model: every step asked the mesh's reference service
+        # the demo's KL to the base model: every step computed the reference logprobs, in the
+        # trainer itself (no reference service was started)
         assert all(step["stage_seconds"]["reference"] > 0 for step in steps)
     assert not (seqs["short"] & seqs["bullets"]) and not (seqs["short"] & seqs["exclaim"]) \
         and not (seqs["bullets"] & seqs["exclaim"])  # no feedback trained in two lanes
     assert not (run / "trainer" / "metrics.jsonl").exists()  # no default lane
+    assert sorted(p.name for p in (run / "mesh" / "logs").iterdir()) == [  # no reference service
+        "gateway.log", "nats.log", "rollout.log", "trainer.log"]
     for name in TENANTS:  # every answer said which lineage served it: the key's own
         records = [json.loads(line) for line in (run / f"requests-{name}.jsonl").read_text().splitlines()]
         assert records and all(r["tenant"] == name for r in records if not r["error"])

@@ -124,6 +124,18 @@ class Run:
             asyncio.to_thread(policy.train_step, samples, self._stop.is_set, critic))
         return await asyncio.shield(self._update)
 
+    async def compute(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """`fn(*args)` on the policy, in a thread (a forward pass without an update). A
+        cancellation waits for the thread to end, as `halt` does for an update: it holds the
+        policy, which a checkpoint or another lane's turn must not touch meanwhile."""
+        work = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+        try:
+            return await asyncio.shield(work)
+        except asyncio.CancelledError:
+            with contextlib.suppress(Exception):
+                await work
+            raise
+
     async def halt(self) -> None:
         """Stop the update in flight (if any) before its next micro-batch and wait for it."""
         from ..learner.policy import Interrupted

@@ -221,14 +221,15 @@ def replica_counts(mesh: grpo.Mesh) -> dict[str, dict[str, dict]]:
 # ---- the online trainer ------------------------------------------------------------------------
 
 
-def _check_online_mesh(mesh_cfg: MeshConfig, trainer_cfg: TrainerConfig) -> None:
+def _check_online_mesh(mesh_cfg: MeshConfig, trainer_cfg: TrainerConfig, job) -> None:
     ep = mesh_cfg.endpoints
     if not mesh_cfg.nats.url:
         raise SystemExit("the online trainer reads feedback from the bus: no [nats] url configured")
     if not ep.rollout:
         raise SystemExit("no rollout endpoint: start the mesh with `hotloop up` first")
-    if trainer_cfg.loss.kl_beta > 0 and not ep.reference:
-        raise SystemExit("kl_beta > 0 needs the reference service: no endpoint configured")
+    if trainer_cfg.loss.kl_beta > 0 and job.reference == "service" and not ep.reference:
+        raise SystemExit("kl_beta > 0 with [online] reference = 'service' needs the reference "
+                         "service: no endpoint configured (or use reference = 'colocated')")
 
 
 async def open_online(mesh_cfg: MeshConfig, job, trainer_cfg: TrainerConfig,
@@ -238,7 +239,7 @@ async def open_online(mesh_cfg: MeshConfig, job, trainer_cfg: TrainerConfig,
     from . import online
 
     ep = mesh_cfg.endpoints
-    _check_online_mesh(mesh_cfg, trainer_cfg)
+    _check_online_mesh(mesh_cfg, trainer_cfg, job)
     run_dir = Path(job.out_dir) / job.run_id
     from .usersfirst import UsersFirst
 
@@ -281,7 +282,7 @@ async def open_lanes(mesh_cfg: MeshConfig, job, trainer_cfg: TrainerConfig,
     from .usersfirst import UsersFirst
 
     ep = mesh_cfg.endpoints
-    _check_online_mesh(mesh_cfg, trainer_cfg)
+    _check_online_mesh(mesh_cfg, trainer_cfg, job)
     run_dir = Path(job.out_dir) / job.run_id
     UsersFirst(job.users_first).start()  # before the policy loads (see open_online)
     lanes: Lanes | None = None

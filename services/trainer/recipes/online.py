@@ -584,25 +584,30 @@ class Online(Recipe):
         adv = self.baseline.advantages(scores)  # [N], against the baseline before this batch
         self.baseline.update(scores)
 
-        t = time.perf_counter()
-        ref = None
-        if self.cfg.loss.kl_beta > 0:
+        pairs = [(list(tr.prompt_ids), list(tr.completion_ids)) for _, _, tr in rows]
+        kl = self.cfg.loss.kl_beta > 0
+        ref, secs["reference"] = None, 0.0
+        if kl and job.reference == "service":  # asked before the turn: the wait overlaps it
+            t = time.perf_counter()
             with _tracer.start_as_current_span("reference"):
-                ref = await mesh.reference.logprobs(
-                    [(list(tr.prompt_ids), list(tr.completion_ids)) for _, _, tr in rows])
-        secs["reference"] = time.perf_counter() - t
+                ref = await mesh.reference.logprobs(pairs)
+            secs["reference"] = time.perf_counter() - t
 
-        samples = [
-            Sample(prompt_ids=list(tr.prompt_ids), completion_ids=list(tr.completion_ids),
-                   old_logprobs=list(tr.logprobs), advantage=float(adv[i]),
-                   ref_logprobs=None if ref is None else ref[i])
-            for i, (_, _, tr) in enumerate(rows)
-        ]
         t = time.perf_counter()
         adapter = None
         async with self.turn(True) as grant:
             if self.turn is not solo_turn:  # a lane's wait for its fair share (lanes.py)
                 secs["turn_wait"] = time.perf_counter() - t
+            if kl and job.reference == "colocated":  # the shared policy is this lane's in its turn
+                t = time.perf_counter()
+                with _tracer.start_as_current_span("reference"):
+                    ref = await self.run.compute(self.policy.base_logprobs, pairs)
+                secs["reference"] = time.perf_counter() - t
+            samples = [
+                Sample(prompt_ids=p, completion_ids=c, old_logprobs=list(tr.logprobs),
+                       advantage=float(adv[i]), ref_logprobs=None if ref is None else ref[i])
+                for i, ((p, c), (_, _, tr)) in enumerate(zip(pairs, rows))
+            ]
             t = time.perf_counter()
             with _tracer.start_as_current_span("train"):
                 try:

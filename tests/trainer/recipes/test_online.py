@@ -245,8 +245,11 @@ async def test_a_tenants_loop_trains_its_own_lineage_from_its_own_feedback(
     assert acme.num_ack_pending == 0 and acme.num_pending == 0
 
 
+@pytest.mark.parametrize("where", ["service", "colocated"])
 async def test_positive_feedback_raises_the_rewarded_completion_and_negative_lowers(
-        gateway, nats_server, rollout, reference, tmp_path, make_cfg, tiny_model):
+        gateway, nats_server, rollout, reference, tmp_path, make_cfg, tiny_model, where):
+    """With the KL term, its reference from the reference service or, colocated, from the
+    trainer's own base with the adapter disabled (the mesh then has no reference client)."""
     from services.trainer.learner.policy import LoraPolicy
 
     good = await gateway.serve("good", prompt="write add", seed=1)
@@ -258,11 +261,11 @@ async def test_positive_feedback_raises_the_rewarded_completion_and_negative_low
     policy = LoraPolicy(cfg, tiny_model)
     pairs = [(list(e.prompt_ids), list(e.completion_ids)) for e in (good, bad)]
     before = [sum(r) for r in policy.logprobs(pairs)]
-    mesh = await make_mesh(nats_server.url, rollout, tmp_path, reference)
+    mesh = await make_mesh(nats_server.url, rollout, tmp_path, reference if where == "service" else "")
     try:
         summary = await asyncio.wait_for(online.run(
-            job(tmp_path, batch_size=2, batch_window_s=5, max_steps=3), cfg, tiny_model, mesh,
-            tmp_path / "run", policy=policy), 120)
+            job(tmp_path, batch_size=2, batch_window_s=5, max_steps=3, reference=where), cfg, tiny_model,
+            mesh, tmp_path / "run", policy=policy), 120)
     finally:
         await close_mesh(mesh)
     after = [sum(r) for r in policy.logprobs(pairs)]

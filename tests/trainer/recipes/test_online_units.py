@@ -162,3 +162,16 @@ def test_a_stopping_intake_ends_even_when_its_fetch_swallows_the_cancel() -> Non
 
     ended, fetches = asyncio.run(main())
     assert ended and fetches == 1
+
+
+def test_the_kl_needs_a_reference_service_only_where_it_is_asked(make_cfg):
+    from hotloop.config import MeshConfig
+    from services.trainer.recipes.job import _check_online_mesh
+
+    no_reference = MeshConfig.model_validate({"nats": {"url": "nats://127.0.0.1:1"},
+                                              "endpoints": {"rollout": ["127.0.0.1:2"]}})
+    kl = make_cfg(loss={"kl_beta": 0.1})
+    with pytest.raises(SystemExit, match="reference = 'service' needs the reference service"):
+        _check_online_mesh(no_reference, kl, OnlineConfig())
+    _check_online_mesh(no_reference, kl, OnlineConfig(reference="colocated"))  # the trainer's own base
+    _check_online_mesh(no_reference, make_cfg(loss={"kl_beta": 0.0}), OnlineConfig())
