@@ -198,5 +198,9 @@ def test_demo_online_writes_its_report_and_leaves_nothing_running(tiny_model, tm
     hops = ttft_hops(spans, records)
     assert len(hops) >= len(records) // 2, (len(hops), len(records))
     for h in hops.values():
-        assert h["to_replica"] >= 0 and h["replica"] > 0 and h["to_client"] >= 0
+        # to_client is the client's TTFT (a monotonic duration from just before the send) less
+        # a wall-clock span (the record's send time to the replica's first token): the two
+        # clocks and the two instants taken for "sent" differ by up to a millisecond or so, so
+        # a hop of ~0 can read slightly negative (CI: -0.2 ms). The bound is the invariant.
+        assert h["to_replica"] >= 0 and h["replica"] > 0 and h["to_client"] >= -5.0, h
     assert _left_behind(str(out)) == []
