@@ -113,10 +113,10 @@ def start_stack(config_path: str, overrides: list[str], out: Path, quiet: bool =
                 trainers: dict[str, list[str]] | None = None) -> Stack:
     """Start NATS, the rollout, the gateway, the reference (only with kl_beta > 0 and
     `[online] reference = "service"`) and the online trainer, with the mesh's files under
-    `out/mesh` and the trainer's under `out/trainer` (`online.run_id`). `trainers`: name -> overrides of its own, one `hotloop
-    train online` process each beside the mesh (its run id, its tenant); None: one trainer,
-    the mesh's trainer role where it is built, else such a process. Raises if any of them does
-    not come up (and stops what did)."""
+    `out/mesh` and the trainer's under `out/trainer` (`online.run_id`). `trainers`: name ->
+    overrides of its own, one `hotloop train online` process each beside the mesh (its run
+    id, its tenant); None: one trainer, the mesh's trainer role where it is built, else such
+    a process. Raises if any of them does not come up (and stops what did)."""
     from apps import sections
     from apps.launcher import Mesh, available
 

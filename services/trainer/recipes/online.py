@@ -60,9 +60,9 @@ they are written to metrics.jsonl) and observes each update's seconds, per stage
 each trained feedback's loop: from its arrival at the gateway to its version serving.
 
 Many tenants: one loop trains one lineage. A multi-tenant trainer runs a loop per tenant on one
-shared policy (lanes.py); every use of the policy here (restore, pack, train, checkpoint) is
-inside the injected `turn`, where that tenant's adapter is swapped in and the fair share
-decides whose update runs. Alone, the turn is a no-op (`solo_turn`).
+shared policy (lanes.py); every use of the policy here (restore, the colocated reference, train,
+pack, checkpoint) is inside the injected `turn`, where that tenant's adapter is swapped in and
+the fair share decides whose update runs. Alone, the turn is a no-op (`solo_turn`).
 
 Does not own: the services it talks to, the policy's update math (policy.py, algorithms.py),
 the loop around its steps and the stop handling (base.py), the tenants' turns (lanes.py), or
