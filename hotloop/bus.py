@@ -190,6 +190,7 @@ class Bus:
         """Copies of each stream and KV bucket `ensure_streams` (and a first `kv()`) asks for."""
         self._kv = None
         self._tenants_kv = None
+        self._buckets: dict[str, Any] = {}  # `bucket`'s
         self._pulls: list = []  # pull subscriptions, unsubscribed (not drained) at close
         self._reconnect_listeners = [] if reconnect_listeners is None else reconnect_listeners
 
@@ -367,7 +368,15 @@ class Bus:
             raise BusError(f"stream {name} with {self.replicas} replica(s) ([nats] replicas): "
                            f"{e.description or e}") from e
 
-    async def _bucket(self, bucket: str, history: int):
+    async def bucket(self, bucket: str, history: int, ttl_s: float = 0.0):
+        """KV bucket `bucket` (looked up once), created with `replicas` copies, `history` and
+        `ttl_s` (entries expire that long after their last write; 0: never) if it does not
+        exist yet."""
+        if bucket not in self._buckets:
+            self._buckets[bucket] = await self._bucket(bucket, history, ttl_s)
+        return self._buckets[bucket]
+
+    async def _bucket(self, bucket: str, history: int, ttl_s: float = 0.0):
         """KV bucket `bucket`, created with `replicas` copies if it does not exist yet."""
         from nats.js.errors import APIError, BucketNotFoundError
 
@@ -376,7 +385,8 @@ class Bus:
         except BucketNotFoundError:
             try:
                 return await self.retrying(lambda: self.js.create_key_value(
-                    bucket=bucket, history=history, replicas=self.replicas), f"KV {bucket} create")
+                    bucket=bucket, history=history, replicas=self.replicas, ttl=ttl_s or None),
+                    f"KV {bucket} create")
             except APIError as e:  # created meanwhile by another process (other replicas)
                 if e.err_code != STREAM_NAME_IN_USE:
                     raise

@@ -297,15 +297,17 @@ class OnlineConfig(_Strict):
     consumer (`<durable>-<tenant>`), checkpoints and store under `<run_id>/tenants/<tenant>/`
     (the default tenant "" keeps `<run_id>/` itself), time-shared by a fair rule on trained
     tokens. Empty (the default): the one lineage of `tenant`, exactly as before. When set,
-    leave `tenant` at its default. Two processes must not list the same tenant (they would
-    share its durable consumer): split the tenants between them by config."""
+    leave `tenant` at its default. Split the tenants between processes by config: a process
+    that lists a tenant another live trainer learns is refused at start (`hotloop.leases`:
+    two would share its durable consumer and publish competing versions)."""
     follow_registry: bool = False
     """Also train every tenant created through the admin API (the tenant registry,
     `hotloop.tenants.Registry`): a lane starts when a tenant is created, starts over from the
     base when it is reset, and stops when it is deleted (recipes/follow.py). Beside them it
     trains the lanes of `tenants`, or the default lineage's when `tenants` is empty. A reset of
-    a config tenant resets its lane where this process trains it. One trainer process of a
-    mesh follows the registry; the others list their tenants in `tenants`."""
+    a config tenant resets its lane where this process trains it. Several processes may follow
+    the registry: each created tenant is learned by the first that claims its lineage
+    (`hotloop.leases`), and the others leave it alone."""
     durable: str = Field("hotloop-online-trainer", min_length=1, pattern=r"^[A-Za-z0-9_-]+$")
     """Name of the durable JetStream consumer on FEEDBACK: its position survives restarts.
     A tenant's loop uses `<durable>-<tenant>` (`consumer_name`), so that each tenant's

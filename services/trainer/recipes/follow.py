@@ -6,7 +6,9 @@ this follows its watch and calls the lanes' lifecycle (lanes.py):
 - a record for a name with no lane here: `add_tenant` (a created tenant; or, at start-up, one
   created earlier, whose lane resumes from its checkpoint). A config tenant's record (it only
   carries a reset's generation) starts no lane: config tenants are trained where
-  `[online] tenants` lists them.
+  `[online] tenants` lists them. Several trainers that follow the registry split its tenants
+  first come, first served: the first to claim a tenant's lineage (`hotloop.leases`) learns it,
+  and the others, refused, leave it alone.
 - a record whose generation is above the one this process last applied: `reset_tenant`.
 - a deleted name with a lane here: the lane is reset first (so every replica's newest version
   of that lineage is the base model, and nothing routes a user to the deleted tenant's
@@ -28,6 +30,8 @@ import json
 import logging
 import os
 from pathlib import Path
+
+from hotloop.leases import LineageTaken
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +79,11 @@ class RegistryFollower:
         if name not in lanes.lanes:
             if record.config:
                 return  # trained where [online] tenants lists it
-            await lanes.add_tenant(name)
+            try:
+                await lanes.add_tenant(name)
+            except LineageTaken as e:  # another trainer following the registry took it first
+                log.info("tenant %r: not trained here: %s", name, e)
+                return
             added = True
             log.info("tenant %r: a lane for the registry's tenant", name)
         known = self.applied.get(name)

@@ -30,6 +30,10 @@ Delivery: nothing lost, nothing trained twice.
   only once the publish returned; the next publish, every checkpoint and the end of the run
   wait for it, so versions go out in order and a checkpoint never holds an unpublished update.
   A publish that fails stops the loop at its next step or while it waits for feedback.
+- One trainer per lineage: `setup` claims the lineage's lease (`hotloop.leases`) before it
+  restores or publishes anything, and is refused while another live trainer holds it; a
+  restart of the same run takes its own lease over at once. Each publish first checks that
+  the lease is still this run's.
 
 Rejected feedback is settled at once (it can never train, so acking it loses nothing) and
 written to metrics.jsonl with its reason: malformed feedback (score unset, NaN or outside
@@ -94,6 +98,7 @@ from hotloop.aio import raise_if_cancelled
 from hotloop.bus import Bus, BusError, PullConsumer, Received, feedback_subject
 from hotloop.clients import ReferenceClient, RolloutClient
 from hotloop.errors import Unavailable
+from hotloop.leases import Holder, LineageLease
 from hotloop.metrics import STEP_BUCKETS, StateCollector, counter, gauge
 from hotloop.proto.v1 import bus_pb2, common_pb2
 
@@ -485,6 +490,7 @@ class Online(Recipe):
         self.updates = 0
         self.intake: asyncio.Task | None = None
         self.publishing: asyncio.Task | None = None  # the latest update's publish, in flight
+        self.lease: LineageLease | None = None  # this run's hold on its lineage (`setup`)
 
     async def setup(self, run: Run) -> Schedule:
         from ..learner.algorithms import EmaBaseline, make_online_algorithm
@@ -492,6 +498,8 @@ class Online(Recipe):
 
         job, mesh = self.job, self.mesh
         self.run = run
+        # one trainer per lineage: refused (LineageTaken) while another live one learns it
+        self.lease = await LineageLease.claim(mesh.bus, job.tenant, Holder.here(str(run.dir)))
         if self.policy is None:
             self.policy = self.owned = make_policy(self.cfg, self.model_dir)
         self.policy.algorithm = make_online_algorithm(self.policy.cfg, is_cap=job.is_cap)
@@ -664,6 +672,7 @@ class Online(Recipe):
         """Make `version` the mesh's; only then do its feedback count as trained (for the next
         checkpoint, then the ack)."""
         t = time.perf_counter()
+        self.lease.check()  # another trainer took the lineage over while this one stalled
         await publish_tolerant(self.mesh, version, adapter)  # opens the "publish" span
         served_at = time.time()  # the version serves on the replicas that took it
         shutil.rmtree(adapter)  # the publisher's store keeps the archive
@@ -796,6 +805,9 @@ class Online(Recipe):
                 await self.consumer.close()
         if self.owned is not None:  # a policy it built: stop its other data-parallel ranks
             self.owned.close()
+        if self.lease is not None:  # last: nothing of this run publishes after it
+            await self.lease.release()
+            self.lease = None
 
     def summary(self, records: list[OnlineStepRecord]) -> dict:
         return {"steps": self.steps, "updates": self.updates, "version": self.version,

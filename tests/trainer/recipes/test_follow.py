@@ -112,3 +112,43 @@ async def test_a_reset_made_while_the_trainer_was_down_is_applied_once(
                              "the missed reset is applied at start")
     third = await run_until(lambda lanes: True, "a start with nothing missed")
     assert third == second  # applied once: no second reset on the next start
+
+
+async def test_two_trainers_following_the_registry_split_its_tenants_first_come(
+        mesh, tmp_path, make_cfg, tiny_model, caplog):
+    """Each created tenant is learned by one trainer: the first to claim its lineage. The other,
+    refused (`hotloop.leases`), leaves it alone and goes on with its own lanes."""
+    from services.trainer.learner.policy import LoraPolicy
+
+    caplog.set_level("INFO", logger="services.trainer.recipes.follow")
+    registry = Registry(mesh.bus)
+    runs = []
+    for name, own in (("t1", "own1"), ("t2", "own2")):
+        lanes = mesh.lanes(tmp_path / name, [own], LoraPolicy(make_cfg()), make_cfg(), tiny_model,
+                           follow_registry=True)
+        ready = asyncio.Event()
+        lanes.follow = lambda lanes, ready=ready, name=name: RegistryFollower(
+            lanes, Registry(mesh.trainer_bus), mesh.trainer_bus,
+            tmp_path / name / "registry.json").run(ready)
+        runs.append((lanes, ready, asyncio.create_task(lanes.run())))
+    try:
+        for lanes, ready, task in runs:
+            await until(lambda: ready.is_set() and len(lanes.lanes) == 1, "each trainer's own lane",
+                        task=task)
+        await registry.create("acme")
+        await until(lambda: sum("acme" in lanes.lanes for lanes, _, _ in runs) == 1
+                    and all(lanes.lanes.get("acme") is None or lanes.lanes["acme"].online.started.is_set()
+                            for lanes, _, _ in runs), "one trainer learns acme", task=runs[0][2])
+        # the other's claim sees the holder renew its lease (every 10 s) and gives up
+        await until(lambda: "tenant 'acme': not trained here: lineage 'acme' is learned by another "
+                    "trainer" in caplog.text, "the other trainer is refused", timeout_s=60, task=runs[1][2])
+        assert sum("acme" in lanes.lanes for lanes, _, _ in runs) == 1
+        assert not any(task.done() for _, _, task in runs)  # the refusal stopped neither
+        holder = next(lanes for lanes, _, _ in runs if "acme" in lanes.lanes)
+        await mesh.feedback("acme", 1.0)
+        await until(lambda: holder.lanes["acme"].online.version >= 1 and len(steps(
+            holder.run_dir.parent, "acme")) == 1, "acme's feedback trains where its lane is",
+            task=runs[0][2])
+    finally:
+        for _, _, task in runs:
+            await stop(task)

@@ -320,3 +320,56 @@ async def test_a_stop_during_a_checkpoint_still_records_the_step_its_acks_cover(
         await bus.close()
     assert len(recorded) == 2  # both updates of the checkpoint, the second's record included
     assert len(recorded) + waiting == len(seqs), (recorded, info)
+
+
+async def test_a_second_trainer_of_one_lineage_is_refused_until_the_first_stops(
+        nats_server, tmp_path, make_cfg, tiny_model) -> None:
+    """Two runs (two run directories) learning the default lineage: the second is refused at
+    start, before it restored, consumed or published anything, while the first renews its lease;
+    once the first stops, its lease is given up and the lineage is free at once."""
+    from hotloop.leases import Holder, LineageLease, LineageTaken, lease_key, leases_kv
+
+    bus = await Bus.connect(nats_server.url, "gateway")
+    await bus.ensure_streams()
+    await Gateway(bus).answer_and_rate("q0", 8, 1.0)
+    first_pub = Publisher([], "token", tmp_path / "a-store", bus, "tiny")
+    second_pub = Publisher([], "token", tmp_path / "b-store", bus, "tiny")
+    first = asyncio.create_task(online.run(job(tmp_path, batch_size=1, batch_window_s=0), make_cfg(),
+                                           tiny_model, online.OnlineMesh(bus, first_pub), tmp_path / "a"))
+    try:
+        kv = await leases_kv(bus)
+        deadline = time.monotonic() + 120
+        while not await _has_keys(kv):  # the first holds the lineage
+            assert not first.done(), first.exception()
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.2)
+        with pytest.raises(LineageTaken, match=rf"lineage 'default' is learned by another trainer "
+                                               rf"\(pid \d+ on .*, run directory {tmp_path / 'a'}\)"):
+            await asyncio.wait_for(online.run(
+                job(tmp_path, batch_size=1, batch_window_s=0, durable="second"), make_cfg(), tiny_model,
+                online.OnlineMesh(bus, second_pub), tmp_path / "b"), 60)
+        assert not first.done()  # the refusal took nothing from the first
+        assert not [f for f in (tmp_path / "b-store").rglob("*") if f.is_file()]  # no version stored
+        assert not (tmp_path / "b" / "checkpoints").exists()
+        first.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await first
+        # given up at its close: another run holds it without waiting out a lease
+        lease = await asyncio.wait_for(LineageLease.claim(bus, "", Holder.here(str(tmp_path / "b"))), 5)
+        assert Holder.decode((await kv.get(lease_key(""))).value).run_dir == str(tmp_path / "b")
+        await lease.release()
+    finally:
+        first.cancel()
+        await asyncio.gather(first, return_exceptions=True)
+        await first_pub.close()
+        await second_pub.close()
+        await bus.close()
+
+
+async def _has_keys(kv) -> bool:
+    from nats.js.errors import NoKeysError
+
+    try:
+        return bool(await kv.keys())
+    except NoKeysError:
+        return False
