@@ -378,9 +378,9 @@ def build_parser() -> argparse.ArgumentParser:
     dt.add_argument("--target-factor", type=float, default=2.0,
                     help="a tenant's target: N x its preference's base rate (at most 0.8)")
     dt.add_argument("--kl-beta", type=float, default=0.1,
-                    help="the KL penalty to the base model (sets [trainer.loss] kl_beta; a "
-                         "reference service starts when > 0): it keeps each lineage near the base "
-                         "model beside what its users reward")
+                    help="the KL penalty to the base model (sets [trainer.loss] kl_beta; its "
+                         "reference logprobs come from the trainer's own base model): it keeps "
+                         "each lineage near the base model beside what its users reward")
     dt.add_argument("--lr", type=float, default=2e-3,
                     help="the LoRA learning rate (sets [trainer.optimizer] lr)")
     dt.add_argument("--max-tokens", type=int, default=128)
@@ -392,8 +392,12 @@ def build_parser() -> argparse.ArgumentParser:
     dt.add_argument("--min-item-words", type=int, default=4,
                     help="tenant `bullets`: items of at least N words (a list of one-word items is "
                          "a short answer too)")
-    dt.add_argument("--window", type=int, default=40,
-                    help="a tenant's last answers of training that must meet its target")
+    dt.add_argument("--window", type=int, default=30,
+                    help="once a tenant's last N answers of training meet its target, its users "
+                         "pause rating and its version is checked")
+    dt.add_argument("--check-answers", type=int, default=40,
+                    help="a check: N answers of the version a paused tenant serves; at its target "
+                         "by one standard error, its users stop rating; below, they rate again")
     dt.add_argument("--eval-answers", type=int, default=60,
                     help="after training, users only until every tenant's final version gave N answers "
                          "since its lineage stopped learning: the final shares (0: no evaluation)")

@@ -628,7 +628,9 @@ class Simulation:
         rec.matched = self.preference.matched(answer)
         rec.score = round(self.preference.score(answer), 4)
         self.share.add(rec.matched)
-        if rate and rec.response_id:
+        # rated only if the user rates both when asking and when done reading: a user who
+        # stopped rating meanwhile (the end of a phase, a tenant's pause) leaves it unrated
+        if rate and self.cfg.feedback and rec.response_id:
             rec.feedback_ts = time.time()
             rec.feedback = await self.send_feedback(http, rec.response_id, rec.score)
             if rec.feedback in ("accepted", "duplicate"):

@@ -17,10 +17,11 @@ Owns:
   a fast-rating tenant from starving the others; or one `hotloop train online` per tenant);
 - the phases: warm-up, idle (users only: each preference's base rate on the base model, every
   tenant's answers pooled, at least `--idle-answers` of them), training (each tenant's users
-  rate answers by its preference; a tenant whose last `--window` answers met its target (twice
-  its base rate by default) by more than their sampling noise stops rating, unless
-  `--keep-rating`; the phase ends once every tenant's window met its target, unless
-  `--no-stop`, or after `--train-s`), evaluation (users only again, until every tenant's
+  rate answers by its preference; once a tenant's last `--window` answers meet its target
+  (twice its base rate by default) its users pause rating, and `--check-answers` answers of the
+  version it then serves confirm the target, so they stop rating for good, or send them back
+  to rating (`advance`), unless `--keep-rating`; the phase ends once every tenant's target was
+  confirmed, unless `--no-stop`, or after `--train-s`), evaluation (users only again, until every tenant's
   final version gave `--eval-answers` answers since its lineage stopped learning: the final
   shares, `final_answers`);
 - the learning (`training_overrides`): the KL penalty to the base model (`--kl-beta`, its
@@ -42,6 +43,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import os
 import secrets
 import time
@@ -179,10 +181,15 @@ class TenantRun:
     base: float | None = None  # its preference's base rate when training began (idle answers
     # of every tenant finished by then: the target is set from it)
     target: float | None = None
-    reached_at: float | None = None  # unix seconds its window share first met the target
-    # (with a margin: `met_target`)
-    learned_until: float | None = None  # unix seconds its lineage stopped learning: its users
-    # stopped rating at its target, or training ended
+    reached_at: float | None = None  # unix seconds a check confirmed its version at the target
+    # (`--keep-rating`: its window first met the target beyond its noise, `met_target`)
+    learned_until: float | None = None  # unix seconds its lineage stopped learning: a check
+    # confirmed its version at the target (its users stop rating), or training ended
+    rating_since: float | None = None  # unix seconds its users (last) began to rate
+    paused_at: float | None = None  # unix seconds its users stopped rating to check the
+    # lineage's version against the target (None: rating, or done)
+    checks: list[dict] = field(default_factory=list)  # every check: when, which version, on
+    # how many answers, their share, accepted or not
 
 
 @dataclass
@@ -199,12 +206,18 @@ class Phases:
     target_factor: float = 2.0
     """A tenant's target: this many times its preference's base rate (at most 0.8)."""
     until_target: bool = True
-    """End training once every tenant's last `window` answers met its target."""
+    """End training once a check confirmed every tenant's version at its target."""
     stop_rating: bool = True
     """A tenant at its target stops rating (its users keep asking), so its lineage stays where
-    it met its users' taste while the others catch up. Else it keeps rating, and the shared
-    trainer's fair share keeps its faster feedback from starving the others, but its lineage
-    goes on moving: measured, it drifted along other preferences as well (docs/results.md)."""
+    it met its users' taste while the others catch up (`advance`: once its last `window`
+    answers meet the target its users pause, and `check_answers` fresh answers of the version
+    it then serves confirm it or send them back to rating). Else it keeps rating, and the
+    shared trainer's fair share keeps its faster feedback from starving the others, but its
+    lineage goes on moving: measured, it drifted along other preferences as well
+    (docs/results.md)."""
+    check_answers: int = 40
+    """A check's sample: this many answers of the version a paused tenant serves, to requests
+    sent after its users paused."""
     eval_answers: int = 60
     """After training, users only again until every tenant's final version gave this many
     answers since its lineage stopped learning (the final shares, `final_answers`; at most
@@ -257,6 +270,13 @@ def final_version(run: TenantRun) -> int:
     return max(max(run.tracker.published_at, default=0), max(served, default=0))
 
 
+def version_answers(run: TenantRun, since: float, version: int) -> list[Record]:
+    """Every answer `version` gave first token to last, to a request of the training phase or
+    the evaluation sent at or after `since`."""
+    return [r for r in run.sim.records if r.phase in ("training", "eval") and not r.error
+            and r.ts >= since and r.version == r.last_version == version]
+
+
 def final_answers(run: TenantRun, since: float, window: int) -> tuple[list[Record], str]:
     """What the tenant's final shares are measured on, and which:
     - "final_version": every answer its lineage's final version gave, first token to last,
@@ -268,9 +288,7 @@ def final_answers(run: TenantRun, since: float, window: int) -> tuple[list[Recor
     - "training", without any of those (a run stopped before): the last `window` answers of
       training."""
     if run.learned_until is not None:
-        v = final_version(run)
-        last = [r for r in run.sim.records if r.phase in ("training", "eval") and not r.error
-                and r.ts >= run.learned_until and r.version == r.last_version == v]
+        last = version_answers(run, run.learned_until, final_version(run))
         if last:
             return last, "final_version"
     return final_window(run, since, window), "training"
@@ -282,6 +300,49 @@ def met_target(window: list[Record], pref: Preference, target: float, size: int)
     touches 0.27 by chance, and a lineage frozen on such a lucky window falls back below its
     target in the evaluation (measured: bullets 0.28 in its window, 0.16 evaluated)."""
     return len(window) == size and share(window, pref) >= target + standard_error(target, size)
+
+
+def advance(run: TenantRun, now: float, window: int, check_answers: int) -> str | None:
+    """One turn of the stop rule of a tenant still learning (`Phases.stop_rating`); returns
+    what changed: "paused", "accepted", "resumed", or None.
+
+    - Rating: once its last `window` answers since its users began to rate meet the target,
+      they pause (keep asking, stop rating), so its lineage stops moving. A window lags the
+      lineage it measures (a version every few seconds, an answer per tenant every few): stopping on a window's share went
+      on training past the target (a target of 0.30 ended at 0.71), and the further a lineage
+      goes, the more it moves its other styles too.
+    - Paused: once the version it then serves (the newest: feedback sent before the pause may
+      still land) gave `check_answers` answers to requests sent after the pause, their share
+      decides. At or above the target by one standard error: accepted, its lineage is done and
+      its users stay silent. Below: they resume rating, and the next window counts from then.
+      The window that triggered the check is not its evidence: a window that met a target by
+      chance is as likely as one that met it by learning, and a lineage frozen on one falls
+      back below the target (measured: 0.46 targeted, window at it, 0.37 after)."""
+    if run.learned_until is not None or run.target is None:
+        return None
+    if run.paused_at is None:
+        last = ok_records(run.sim.records, "training", run.rating_since or 0.0)[-window:]
+        if len(last) < window or share(last, run.preference) < run.target:
+            return None
+        run.paused_at, run.sim.cfg.feedback = now, False
+        return "paused"
+    version = final_version(run)
+    fresh = version_answers(run, run.paused_at, version)[:check_answers]
+    hits = sum(run.preference.matched(r.answer) for r in fresh)
+    need = math.ceil((run.target + standard_error(run.target, check_answers)) * check_answers - 1e-9)
+    # decided as soon as the rest of the sample cannot change the verdict (the same verdict as
+    # on all `check_answers`, sooner: at ~0.2 answers per tenant per second, 40 took 200 s)
+    if hits < need and hits + check_answers - len(fresh) >= need:
+        return None
+    accepted = hits >= need
+    run.checks.append({"at": now, "paused_at": run.paused_at, "version": version,
+                       "answers": len(fresh), "share": share(fresh, run.preference),
+                       "accepted": accepted})
+    if accepted:
+        run.reached_at = run.learned_until = now
+        return "accepted"
+    run.paused_at, run.rating_since, run.sim.cfg.feedback = None, now, True
+    return "resumed"
 
 
 def standard_error(p: float | None, n: int) -> float | None:
@@ -369,21 +430,24 @@ async def run_tenants(state: TenantsState, stack: Stack, keys: dict[str, str], m
                   flush=True)
         phase("training", True)
         state.training_started = time.time()
+        for run in runs:
+            run.rating_since = state.training_started
         train_until = time.monotonic() + phases.train_s
         while running() and time.monotonic() < train_until:
             await _tick(tasks, stack, state)
             for run in runs:
-                last = final_window(run, state.training_started, state.window)
-                if run.reached_at is None and met_target(last, run.preference, run.target, state.window):
+                if phases.stop_rating:
+                    # a paused or finished tenant's users keep asking (its share stays
+                    # measured) but do not rate: its lane goes idle and leaves the trainer to
+                    # the tenants still learning
+                    _say(run, advance(run, time.time(), state.window, phases.check_answers),
+                         state.training_started)
+                elif run.reached_at is None and met_target(
+                        final_window(run, state.training_started, state.window), run.preference,
+                        run.target, state.window):
                     run.reached_at = time.time()
-                    if phases.stop_rating:
-                        # its users keep asking (its share stays measured) but stop rating: its
-                        # lane goes idle and leaves the trainer to the tenants still learning
-                        run.sim.cfg.feedback = False
-                        run.learned_until = run.reached_at
-                    print(f"[demo-tenants] {run.name}: target reached after "
-                          f"{run.reached_at - state.training_started:.0f} s of training"
-                          f"{'; its users stop rating' if phases.stop_rating else ''}", flush=True)
+                    print(f"[demo-tenants] {run.name}: its window met the target after "
+                          f"{run.reached_at - state.training_started:.0f} s of training", flush=True)
             if phases.until_target and all(run.reached_at is not None for run in runs):
                 break
         state.training_ended = time.time()
@@ -417,6 +481,21 @@ async def run_tenants(state: TenantsState, stack: Stack, keys: dict[str, str], m
             await run.sim.halt(task)
             await run.tracker.poll()
             await run.tracker.close()
+
+
+def _say(run: TenantRun, event: str | None, t0: float) -> None:
+    if event is None:
+        return
+    at = f"after {time.time() - t0:.0f} s of training"
+    if event == "paused":
+        print(f"[demo-tenants] {run.name}: its last answers met the target {at}; its users pause "
+              f"rating while its version is checked", flush=True)
+        return
+    c = run.checks[-1]
+    verdict = "target confirmed; its users stop rating" if event == "accepted" else \
+        "below the target; its users rate again"
+    print(f"[demo-tenants] {run.name}: v{c['version']} met its preference in {c['share']:.2f} of "
+          f"{c['answers']} answers (target {run.target:.2f}): {verdict} ({at})", flush=True)
 
 
 async def _progress(state: TenantsState, t0: float, every_s: float) -> None:
@@ -489,8 +568,12 @@ def tenant_record(state: TenantsState, run: TenantRun) -> dict:
         "share": {"base": base[run.name], "base_at_switch": run.base,
                   "base_own": share(own_idle, run.preference),
                   "final": final, "target": run.target, "reached": reached,
-                  "window_met": run.reached_at is not None,
+                  "confirmed": run.reached_at is not None,
                   "time_to_target_s": run.reached_at - t0 if run.reached_at and t0 else None,
+                  "checks": [{"at_s": c["at"] - t0, "paused_s": c["at"] - c["paused_at"],
+                              "version": c["version"], "answers": c["answers"],
+                              "share": c["share"], "accepted": c["accepted"]}
+                             for c in run.checks] if t0 else [],
                   "window": len(last), "final_from": measured_on, "final_version": final_version(run),
                   "learned_s": run.learned_until - t0 if run.learned_until and t0 else None,
                   "base_answers": n_base},
@@ -564,12 +647,13 @@ def write_tenants_report(state: TenantsState) -> dict:
              f"Three tenants on one engine, each with users who rate answers by a preference its "
              f"trainer never sees; trainers: {report['trainers']}; {report['training_s']:.0f} s of training.",
              "",
-             "| tenant | preference | base | final | target | window met it after | cross max (rise of others) "
+             "| tenant | preference | base | final | target | confirmed after | cross max (rise of others) "
              "| loop p50 / p95 ms | versions | feedback sent / trained | wrong adapter |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for t in report["tenants"]:
         s, lm, fb = t["share"], t["loop_ms"], t["feedback"]
-        reached = f"{s['time_to_target_s']:.0f} s" if s["window_met"] else "not met"
+        checks = f" ({len(s['checks'])} checks)" if len(s["checks"]) > 1 else ""
+        reached = f"{s['time_to_target_s']:.0f} s{checks}" if s["confirmed"] else "no"
         cross = ", ".join(f"{k} {_f(c['delta'], '+.2f')} ± {_f(c['se'])}" for k, c in t["cross"].items())
         lines.append(f"| {t['name']} | {t['preference']} | {_f(s['base'])} | {_f(s['final'])} | "
                      f"{_f(s['target'])} | {reached} | {_f(t['cross_delta_max'], '+.2f')} ({cross}) | "
@@ -587,9 +671,11 @@ def write_tenants_report(state: TenantsState) -> dict:
     lines += ["", f"- every tenant reached its target: {acc['targets_reached']}; every cross rise <= "
               f"{CROSS_LIMIT}: {acc['cross_delta_max_le_0_1']}; answers from another lineage: "
               f"{report['wrong_adapter_answers']} (the gateway refused {_f(report['gateway_wrong_tenant'], 'd')})",
-              "- reached: the final share is at the target; window met it: the tenant's last `window` "
-              "answers of training met the target by more than one standard error (then its users "
-              "stop rating, unless `--keep-rating`)",
+              "- reached: the final share is at the target; confirmed: once the tenant's last `window` "
+              "answers met its target its users paused rating, and the version it then served met "
+              "the target by more than one standard error in `check_answers` fresh answers (then "
+              "its users stop rating; below, they rate again); with `--keep-rating`, its window met "
+              "the target by more than one standard error",
               "- base: the preference's share of every tenant's idle answers (the base model on the same "
               "prompts); final: of the answers the tenant's final version gave to requests sent after "
               "its lineage stopped learning (at its target, or when training ended), the evaluation's "
@@ -675,6 +761,7 @@ def main(args) -> int:
     out = (Path(args.out_dir) / run_id).resolve()
     tenants = list(TENANTS)
     small = [f"--{k.replace('_', '-')} {v}" for k, v in (("users", args.users), ("window", args.window),
+             ("check_answers", args.check_answers),
              ("max_tokens", args.max_tokens), ("max_words", args.max_words), ("min_items", args.min_items),
              ("min_item_words", args.min_item_words))
              if v < 1] + [f"--{k.replace('_', '-')} {v:g}" for k, v in (("idle_s", args.idle_s),
@@ -701,11 +788,12 @@ def main(args) -> int:
     prefs = preferences(args.max_words, args.min_items, args.min_words, args.min_item_words)
     phases = Phases(idle_s=args.idle_s, idle_answers=args.idle_answers, train_s=args.train_s,
                     target_factor=args.target_factor, until_target=not args.no_stop,
-                    stop_rating=not args.keep_rating, eval_answers=args.eval_answers)
+                    stop_rating=not args.keep_rating, check_answers=args.check_answers,
+                    eval_answers=args.eval_answers)
     state = TenantsState(run_id, out, prefs, args.window, trainers=plan.mode, settings={
         "config": config_path, "overrides": args.set, "users_per_tenant": args.users,
         "idle_s": args.idle_s, "idle_answers": args.idle_answers, "train_s": args.train_s,
-        "eval_answers": args.eval_answers, "max_tokens": args.max_tokens,
+        "eval_answers": args.eval_answers, "check_answers": args.check_answers, "max_tokens": args.max_tokens,
         "preferences": {k: p.describe() for k, p in prefs.items()}, "window": args.window,
         "until_target": not args.no_stop, "stop_rating_at_target": not args.keep_rating,
         "target_factor": args.target_factor, "kl_beta": args.kl_beta, "lr": args.lr,
@@ -736,7 +824,7 @@ def main(args) -> int:
         s = t["share"]
         print(f"[demo-tenants] {t['name']}: {_f(s['base'])} -> {_f(s['final'])} (target {_f(s['target'])}, "
               f"{'reached' if s['reached'] else 'not reached'}"
-              f"{'; its window met it after %.0f s' % s['time_to_target_s'] if s['window_met'] else ''}); "
+              f"{'; confirmed after %.0f s' % s['time_to_target_s'] if s['confirmed'] else ''}); "
               f"cross max {_f(t['cross_delta_max'], '+.2f')}; loop p50 {_f(t['loop_ms']['p50'], '.0f')} ms; "
               f"v{t['versions']['served']}; wrong adapter {t['wrong_adapter_answers']}", flush=True)
     print(f"[demo-tenants] report: {out / 'tenants-report.md'}", flush=True)

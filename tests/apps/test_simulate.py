@@ -153,6 +153,17 @@ kv_cache_gib = 1
         bad = Simulation(target, SimConfig(users=1, requests_per_user=2, max_tokens=10**6, progress_s=0),
                          Brevity(8))
         bad_summary = asyncio.run(bad.run())
+
+        class StopsRating(Brevity):  # the user stops rating while it reads its first answer
+            def matched(self, text: str) -> bool:
+                quits.cfg.feedback = False
+                return super().matched(text)
+
+        quits = Simulation(target, SimConfig(users=1, requests_per_user=2, max_tokens=12, progress_s=0),
+                           StopsRating(8))
+        asyncio.run(quits.run())
+    # asked while rating, read after it stopped: not rated; asked after: not rated either
+    assert [(bool(r.response_id), r.feedback) for r in quits.records] == [(True, ""), (True, "")]
     assert bad_summary["requests"] == 2 and bad_summary["errors"] == 2
     assert all(r.error.startswith("HTTP 400") and not r.feedback for r in bad.records)
     lines = [json.loads(line) for line in out.read_text().splitlines()]

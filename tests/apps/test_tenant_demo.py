@@ -170,7 +170,7 @@ def test_the_report_pools_the_base_rates_and_measures_the_other_preferences_rise
     assert bullets["cross_delta_max"] == pytest.approx(-1 / 6)  # the others fell
     assert (exclaim["share"]["final"], exclaim["share"]["final_from"]) == (0.25, "training")
     # reached: the evaluation's share at the target (0.3), else the window's verdict (never met)
-    assert [(t["share"]["reached"], t["share"]["window_met"]) for t in report["tenants"]] == \
+    assert [(t["share"]["reached"], t["share"]["confirmed"]) for t in report["tenants"]] == \
         [(True, False), (True, False), (False, False)]
     assert short["turns"] == {"updates": 2, "feedback": 3, "tokens": 30, "tokens_share": 0.75, "train_s": 4.5,
                               "turn_wait_s": 4.0, "turn_wait_p50_s": 2.0, "turn_wait_max_s": 3.0}
@@ -197,6 +197,69 @@ def test_a_window_meets_its_target_only_beyond_its_sampling_noise():
     assert not met_target(window(11), pref, 0.25, 40) and not met_target(window(12), pref, 0.25, 40)
     assert met_target(window(13), pref, 0.25, 40)  # 0.325
     assert not met_target(window(30, size=39), pref, 0.25, 40)  # not a full window yet
+
+
+def test_a_tenant_pauses_at_its_target_and_a_check_of_fresh_answers_confirms_it_or_resumes_rating(tmp_path):
+    """`advance`: a window at the target pauses the tenant's rating; the version it then serves
+    is judged on answers to requests sent after the pause only, the newest version's only; below
+    the target by its noise the users rate again and the next window counts from then."""
+    from apps.simulate import SimConfig
+    from apps.tenant_demo import advance
+
+    hit, miss = "Wow! Yes.", "Yes."
+
+    class Sim:  # what `advance` reads and sets of a Simulation
+        def __init__(self):
+            self.records: list[Record] = []
+            self.cfg = SimConfig(feedback=True, phase="training")
+
+    run = TenantRun("exclaim", Exclaim(), Sim(), LoopTracker("nats://unused", tmp_path, "exclaim"))
+    run.target, run.rating_since = 0.3, 100.0
+
+    def answer(ts: float, text: str, v: int, last: int | None = None, phase: str = "training") -> None:
+        last = v if last is None else last
+        run.sim.records.append(Record(ts=ts, user=0, phase=phase, prompt=0, answer=text, version=v,
+                                      last_version=last))
+        run.tracker.published_at.setdefault(max(v, last), ts)
+
+    answer(90.0, hit, 0, phase="idle")  # not training: no window counts it
+    for i, text in enumerate([miss, hit, miss, miss]):
+        answer(101.0 + i, text, 1)
+    assert advance(run, 105.0, window=4, check_answers=5) is None  # 0.25 < 0.3
+    answer(106.0, hit, 2)
+    assert advance(run, 107.0, window=4, check_answers=5) == "paused"  # 2 of the last 4
+    assert run.paused_at == 107.0 and run.sim.cfg.feedback is False and run.learned_until is None
+    # sent before the pause, begun on an older version, or from a version since replaced: no evidence
+    answer(106.5, hit, 2)
+    answer(108.0, hit, 2, last=3)
+    for i in range(5):
+        answer(109.0 + i, hit, 2)
+    answer(114.0, miss, 3)  # feedback sent before the pause trained v3: it is what is checked now
+    assert advance(run, 115.0, window=4, check_answers=5) is None and not run.checks
+    answer(116.0, hit, 3)
+    answer(117.0, miss, 3)
+    assert advance(run, 118.0, window=4, check_answers=5) is None  # 1 hit, 2 to come
+    answer(118.5, miss, 3)
+    answer(119.0, miss, 3)
+    assert advance(run, 120.0, window=4, check_answers=5) == "resumed"  # 1 of 5 < 0.3 + 0.2
+    assert run.checks == [{"at": 120.0, "paused_at": 107.0, "version": 3, "answers": 5, "share": 0.2,
+                           "accepted": False}]
+    assert (run.paused_at, run.rating_since, run.sim.cfg.feedback) == (None, 120.0, True)
+    # the window counts from the resumption: the hits before it do not pause the tenant again
+    assert advance(run, 121.0, window=4, check_answers=5) is None
+    for i in range(4):
+        answer(121.0 + i, hit if i % 2 else miss, 4)
+    assert advance(run, 125.0, window=4, check_answers=5) == "paused"
+    answer(126.0, hit, 4)
+    answer(127.0, hit, 4)
+    assert advance(run, 128.0, window=4, check_answers=5) is None  # 2 hits; 3 of 5 are needed
+    answer(128.5, hit, 4)
+    # decided once the rest cannot change the verdict: 3 of 5 (0.6 >= 0.3 + 0.205) whatever follows
+    assert advance(run, 129.0, window=4, check_answers=5) == "accepted"
+    assert (run.reached_at, run.learned_until, run.sim.cfg.feedback) == (129.0, 129.0, False)
+    assert [(c["accepted"], c["answers"], c["share"]) for c in run.checks] == [(False, 5, 0.2), (True, 3, 1.0)]
+    answer(132.0, miss, 4)
+    assert advance(run, 133.0, window=4, check_answers=5) is None  # done: it stays silent
 
 
 def test_a_run_stopped_before_any_answer_still_writes_its_report(tmp_path):
