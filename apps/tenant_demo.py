@@ -307,17 +307,20 @@ def advance(run: TenantRun, now: float, window: int, check_answers: int) -> str 
     what changed: "paused", "accepted", "resumed", or None.
 
     - Rating: once its last `window` answers since its users began to rate meet the target,
-      they pause (keep asking, stop rating), so its lineage stops moving. A window lags the
-      lineage it measures (a version every few seconds, an answer per tenant every few): stopping on a window's share went
-      on training past the target (a target of 0.30 ended at 0.71), and the further a lineage
-      goes, the more it moves its other styles too.
+      they pause (keep asking, stop rating, also what they are reading), so its lineage stops
+      moving. A window lags the lineage it measures (a tenant's 3 users finish 0.2-0.35
+      answers a second while its lineage publishes a version every 3-10 s): stopping on a
+      window's share went on training past the target (a target of 0.30 ended at 0.71), and
+      the further a lineage goes, the more it moves its other styles too.
     - Paused: once the version it then serves (the newest: feedback sent before the pause may
-      still land) gave `check_answers` answers to requests sent after the pause, their share
-      decides. At or above the target by one standard error: accepted, its lineage is done and
-      its users stay silent. Below: they resume rating, and the next window counts from then.
-      The window that triggered the check is not its evidence: a window that met a target by
-      chance is as likely as one that met it by learning, and a lineage frozen on one falls
-      back below the target (measured: 0.46 targeted, window at it, 0.37 after)."""
+      still land) gave enough answers to requests sent after the pause, their share decides:
+      at or above the target by one standard error of `check_answers` answers, accepted, its
+      lineage is done and its users stay silent; below, they resume rating, and the next
+      window counts from then. Decided as soon as the rest of `check_answers` cannot change
+      the verdict (the same verdict, sooner: a check of 40 took 200 s). The window that
+      triggered the check is not its evidence: a window that met a target by chance is as
+      likely as one that met it by learning, and a lineage frozen on one falls back below
+      the target (measured: 0.46 targeted, window at it, 0.37 after)."""
     if run.learned_until is not None or run.target is None:
         return None
     if run.paused_at is None:
