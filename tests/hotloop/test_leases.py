@@ -35,7 +35,7 @@ async def test_a_second_trainer_is_refused_a_lineage_a_live_one_holds(nats_serve
             await claim(b, "acme", holder("/runs/b", host="h2"))
         # given up: the next trainer gets it at once
         await first.release()
-        taken = await asyncio.wait_for(claim(b, "acme", holder("/runs/b", pid=2)), timeout=1.0)
+        taken = await asyncio.wait_for(claim(b, "acme", holder("/runs/b", pid=2)), timeout=5.0)
         await taken.release()
         await other.release()
     finally:
@@ -49,7 +49,7 @@ async def test_a_restarted_run_takes_its_lease_over_and_a_dead_holders_lease_exp
         dead = await claim(b, "", holder("/runs/a"))  # the default lineage
         dead._task.cancel()  # killed: it renews no more and releases nothing
         # the same run restarted (another pid): its own lease, taken over without a wait
-        again = await asyncio.wait_for(claim(b, "", holder("/runs/a", pid=7)), timeout=1.0)
+        again = await asyncio.wait_for(claim(b, "", holder("/runs/a", pid=7)), timeout=5.0)
         assert Holder.decode((await kv.get(lease_key(""))).value).pid == 7
         again._task.cancel()
         # another trainer waits while the dead holder's lease may still expire, then holds it
@@ -67,10 +67,11 @@ async def test_a_holder_whose_lease_was_taken_while_it_stalled_fails_its_check(n
     marks its lease lost: its next publish is refused (`check`)."""
     b = await hbus.Bus.connect(nats_server.url, "test")
     try:
-        stalled = await LineageLease.claim(b, "acme", holder("/runs/a"), ttl_s=TTL, renew_s=TTL + 1.0,
+        # it renews only after twice the TTL: the other's claim lands well before that
+        stalled = await LineageLease.claim(b, "acme", holder("/runs/a"), ttl_s=TTL, renew_s=2 * TTL + 2.0,
                                            poll_s=POLL)
         other = await claim(b, "acme", holder("/runs/b"))  # waited for the lapse, then took it
-        for _ in range(100):  # until the stalled one's renewal comes around (at TTL + 1 s)
+        for _ in range(200):  # until the stalled one's renewal comes around
             if stalled.lost:
                 break
             await asyncio.sleep(0.1)
