@@ -21,9 +21,9 @@ Owns:
   (twice its base rate by default) its users pause rating, and `--check-answers` answers of the
   version it then serves confirm the target, so they stop rating for good, or send them back
   to rating (`advance`), unless `--keep-rating`; the phase ends once every tenant's target was
-  confirmed, unless `--no-stop`, or after `--train-s`), evaluation (users only again, until every tenant's
-  final version gave `--eval-answers` answers since its lineage stopped learning: the final
-  shares, `final_answers`);
+  confirmed, unless `--no-stop`, or after `--train-s`), evaluation (users only again, until
+  every tenant's final version gave `--eval-answers` answers since its lineage stopped
+  learning: the final shares, `final_answers`);
 - the learning (`training_overrides`): the KL penalty to the base model (`--kl-beta`, its
   reference computed in the trainer), what keeps each lineage near the base model beside what its
   users reward, and the learning rate (`--lr`);
