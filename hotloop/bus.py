@@ -188,9 +188,7 @@ class Bus:
         self.outage_s = outage_s
         self.replicas = replicas
         """Copies of each stream and KV bucket `ensure_streams` (and a first `kv()`) asks for."""
-        self._kv = None
-        self._tenants_kv = None
-        self._buckets: dict[str, Any] = {}  # `bucket`'s
+        self._buckets: dict[str, Any] = {}  # KV buckets looked up (`bucket`)
         self._pulls: list = []  # pull subscriptions, unsubscribed (not drained) at close
         self._reconnect_listeners = [] if reconnect_listeners is None else reconnect_listeners
 
@@ -373,11 +371,10 @@ class Bus:
         `ttl_s` (entries expire that long after their last write; 0: never) if it does not
         exist yet."""
         if bucket not in self._buckets:
-            self._buckets[bucket] = await self._bucket(bucket, history, ttl_s)
+            self._buckets[bucket] = await self._lookup_or_create(bucket, history, ttl_s)
         return self._buckets[bucket]
 
-    async def _bucket(self, bucket: str, history: int, ttl_s: float = 0.0):
-        """KV bucket `bucket`, created with `replicas` copies if it does not exist yet."""
+    async def _lookup_or_create(self, bucket: str, history: int, ttl_s: float):
         from nats.js.errors import APIError, BucketNotFoundError
 
         try:
@@ -394,16 +391,12 @@ class Bus:
 
     async def kv(self):
         """The versions KV bucket, created with `replicas` copies if it does not exist yet."""
-        if self._kv is None:
-            self._kv = await self._bucket(VERSIONS_BUCKET, 16)
-        return self._kv
+        return await self.bucket(VERSIONS_BUCKET, 16)
 
     async def tenants_kv(self):
         """The tenant registry's KV bucket (`hotloop.tenants.Registry` reads and writes it),
         created with `replicas` copies if it does not exist yet."""
-        if self._tenants_kv is None:
-            self._tenants_kv = await self._bucket(TENANTS_BUCKET, 8)
-        return self._tenants_kv
+        return await self.bucket(TENANTS_BUCKET, 8)
 
     async def kv_put(self, key: str, msg: Message) -> None:
         kv, data = await self.kv(), msg.SerializeToString()
