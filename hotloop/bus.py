@@ -60,6 +60,9 @@ TENANTS_BUCKET = "hotloop-tenants"
 """KV bucket of the tenant registry: key = a tenant's name, value = a `bus_pb2.TenantRecord`."""
 LATEST_KEY = "latest"
 """KV key (in `VERSIONS_BUCKET`) of the newest announced version (a `common_pb2.VersionInfo`)."""
+ANNOUNCED_KEY = "announced"
+"""KV key (in `VERSIONS_BUCKET`) of the default lineage's last announcement (a
+`bus_pb2.WeightsUpdated`: the version and the address of the trainer that announced it)."""
 KV_STREAM_PREFIX = "KV_"  # JetStream keeps a KV bucket in the stream KV_<bucket>
 STREAM_NAME_IN_USE = 10058  # JetStream's error code: a stream of that name exists, configured otherwise
 TYPE_HEADER = "hotloop-type"
@@ -115,6 +118,15 @@ def latest_key(tenant: str = "") -> str:
     from hotloop.tenants import DEFAULT, check_tenant
 
     return LATEST_KEY if check_tenant(tenant) == DEFAULT else f"{LATEST_KEY}.tenant.{tenant}"
+
+
+def announced_key(tenant: str = "") -> str:
+    """The KV key (in `VERSIONS_BUCKET`) of a lineage's last announcement, written with its
+    `latest_key`: `announced`, or `announced.tenant.<name>`. A replica that starts after the
+    announcement finds there where to fetch the version, without a configured trainer."""
+    from hotloop.tenants import DEFAULT, check_tenant
+
+    return ANNOUNCED_KEY if check_tenant(tenant) == DEFAULT else f"{ANNOUNCED_KEY}.tenant.{tenant}"
 
 
 WEIGHTS_TENANTS = f"{WEIGHTS_UPDATED}.tenant.*"

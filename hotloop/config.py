@@ -165,7 +165,8 @@ class TenantConfig(Section):
     """The FetchAdapter address (`host:port`) of the trainer of this tenant's lineage (its
     `[online] tenant` process): where a rollout replica that restarted fetches the tenant's
     latest version, asked before `[endpoints] trainer`. Empty: `[endpoints] trainer`, then the
-    address the tenant's next announcement names (a trainer announces again when it starts)."""
+    address the tenant's last announcement named, heard or recorded in the versions KV with
+    the version (a trainer announces again when it starts)."""
 
 
 def _tenants(tenants: dict[str, TenantConfig]) -> dict[str, TenantConfig]:

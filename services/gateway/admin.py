@@ -295,7 +295,11 @@ class TenantAdmin:
         info = await self.bus.kv_get(hbus.latest_key(name), common_pb2.VersionInfo)
         if info is None or info.version == 0:
             raise NotFound(f"tenant {name!r} has no adapter version yet (it is served the base model)")
-        addresses = list(dict.fromkeys(a for a in (self.fetch_from.get(name), self.trainer) if a))
+        said = await self.bus.kv_get(hbus.announced_key(name), bus_pb2.WeightsUpdated)
+        recorded = said.fetch_from if said is not None and \
+            (said.info.version, said.info.sha256) == (info.version, info.sha256) else ""
+        addresses = list(dict.fromkeys(
+            a for a in (self.fetch_from.get(name), recorded, self.trainer) if a))
         if not addresses:
             raise Unavailable(f"no trainer address known for tenant {name!r}: set [endpoints] "
                               "trainer, or wait for its trainer to announce a version")

@@ -30,9 +30,11 @@ at-most-once); and every `poll_s` as the backstop for anything else the subscrip
 Where it fetches from, in order: the configured trainers (a tenant's `[tenants.<name>]
 trainer`, then `[endpoints] trainer`; a trainer that does not train the lineage answers
 NOT_FOUND and the next is asked), then the `fetch_from` of the lineage's last announcement
-heard. With none, nothing can be fetched, so the start-up wait ends at once instead of running
-out its bound; an announcement will name a trainer (a trainer announces its latest version
-again when it starts).
+heard, then the one the KV recorded with the latest version (`announced_key`: a replica that
+starts after the announcement, in a mesh whose trainers are not all configured, say one per
+tenant, still knows where to go). With none, nothing can be fetched, so the start-up wait
+ends at once instead of running out its bound; an announcement will name a trainer (a trainer
+announces its latest version again when it starts).
 
 A tenant's versions are stored, not loaded into an engine slot: `RolloutCore.push` with a
 tenant keeps the verified archive on disk and a slot is filled when a request first runs on
@@ -50,6 +52,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 from hotloop.adapters import Version, version_from_proto
@@ -79,14 +82,13 @@ class Replica(Protocol):
                    tenant: str = ""): ...
 
 
-def _read_kv(bus, key: str):
-    """The VersionInfo under `key`, or None; a bus that cannot answer is `Unavailable`."""
+def _read_kv(bus, key: str, message):
+    """A reader of the `message` under `key`, or None; a bus that cannot answer is `Unavailable`."""
     from hotloop.bus import transient
-    from hotloop.proto.v1 import common_pb2
 
     async def read():
         try:
-            return await bus.kv_get(key, common_pb2.VersionInfo)
+            return await bus.kv_get(key, message)
         except Exception as e:
             if transient(e):
                 raise Unavailable(f"the bus did not say the latest version: {e!r}") from e
@@ -95,17 +97,33 @@ def _read_kv(bus, key: str):
     return read
 
 
-def bus_latest(bus, tenant: str = "") -> Callable[[], Awaitable[Version | None]]:
-    """A reader of the lineage's KV key (`latest`, or `latest.tenant.<name>`) on `bus` (a
-    `hotloop.bus.Bus`); None when nothing was announced. A bus that cannot answer is
-    `Unavailable` (catch-up retries), anything else propagates."""
-    from hotloop.bus import latest_key
+@dataclass(frozen=True)
+class Latest:
+    """A lineage's newest announced version, and the FetchAdapter address of the trainer that
+    announced it, as the KV recorded it ("": none recorded for this version)."""
 
-    read_kv = _read_kv(bus, latest_key(tenant))
+    version: Version
+    fetch_from: str = ""
 
-    async def read() -> Version | None:
-        msg = await read_kv()
-        return None if msg is None else version_from_proto(msg)
+
+def bus_latest(bus, tenant: str = "") -> Callable[[], Awaitable[Latest | None]]:
+    """A reader of the lineage's KV keys on `bus` (a `hotloop.bus.Bus`): its newest version
+    (`latest_key`) and the address its announcement recorded (`announced_key`, used only when
+    it announced that very version); None when nothing was announced. A bus that cannot answer
+    is `Unavailable` (catch-up retries), anything else propagates."""
+    from hotloop.bus import announced_key, latest_key
+    from hotloop.proto.v1 import bus_pb2, common_pb2
+
+    read_latest = _read_kv(bus, latest_key(tenant), common_pb2.VersionInfo)
+    read_announced = _read_kv(bus, announced_key(tenant), bus_pb2.WeightsUpdated)
+
+    async def read() -> Latest | None:
+        msg = await read_latest()
+        if msg is None:
+            return None
+        said = await read_announced()
+        same = said is not None and (said.info.version, said.info.sha256) == (msg.version, msg.sha256)
+        return Latest(version_from_proto(msg), said.fetch_from if same else "")
 
     return read
 
@@ -184,7 +202,7 @@ def lineage_name(tenant: str) -> str:
 class CatchUp:
     """Catch-up of one lineage (`tenant`, "" the default)."""
 
-    def __init__(self, replica: Replica, read_latest: Callable[[], Awaitable[Version | None]],
+    def __init__(self, replica: Replica, read_latest: Callable[[], Awaitable[Latest | None]],
                  fetch: Fetch, trainer: str | Sequence[str] = "", *, tenant: str = "",
                  poll_s: float = 30.0, retry_max_s: float = 30.0):
         """`trainer`: the configured FetchAdapter address(es), asked first, in order ("" for
@@ -195,6 +213,7 @@ class CatchUp:
         self._fetch = fetch
         self._trainers = [trainer] if isinstance(trainer, str) else list(trainer)
         self._announced_from = ""
+        self._recorded_from = ""  # what the KV recorded with the latest version
         self._poll_s = poll_s
         self._retry_max_s = retry_max_s
         self._known: Version | None = None
@@ -220,8 +239,10 @@ class CatchUp:
         return self.known_latest > self.held
 
     def sources(self) -> list[str]:
-        """Trainer addresses to fetch from, the configured ones first."""
-        return list(dict.fromkeys(a for a in (*self._trainers, self._announced_from) if a))
+        """Trainer addresses to fetch from: the configured ones, the last announcement's, the
+        one the KV recorded."""
+        return list(dict.fromkeys(
+            a for a in (*self._trainers, self._announced_from, self._recorded_from) if a))
 
     def _note(self, v: Version) -> None:
         if self._known is None or v.version > self._known.version:
@@ -258,7 +279,8 @@ class CatchUp:
         else:
             why_not = ""
         if latest is not None:
-            self._note(latest)
+            self._note(latest.version)
+            self._recorded_from = latest.fetch_from
         target = self._known
         if target is None or target.version <= self.held:
             self.error = why_not if target is None else ""  # unread, or nothing to fetch
@@ -268,7 +290,7 @@ class CatchUp:
             where = ("[tenants.<name>] trainer and [endpoints] trainer are unset"
                      if self.tenant else "[endpoints] trainer is unset")
             self.error = (f"v{target.version} is announced but no trainer address is known "
-                          f"({where} and no announcement was heard)")
+                          f"({where}, no announcement was heard and the KV recorded none)")
             return False
         errors = [why_not] if why_not else []
         for address in sources:

@@ -18,7 +18,7 @@ import pytest_asyncio
 
 from hotloop import adapters
 from hotloop import bus as hbus
-from hotloop.proto.v1 import common_pb2
+from hotloop.proto.v1 import bus_pb2, common_pb2
 from hotloop.tenants import Registry
 
 from .conftest import ANON_KEY, KEY, start_gateway
@@ -281,15 +281,24 @@ async def test_export_streams_the_latest_version_checked_and_only_to_its_tenant(
             assert (await call("GET", one.admin_url + path, KEY)).status_code == 403
             assert (await call("GET", one.admin_url + path, user)).status_code == 403
 
-        # a gateway that never heard the announcement finds the trainer in [endpoints] trainer
-        cold = await start_gateway([], nats_module.url, tenants=TENANTS,
-                                   admin_token=ADMIN, trainer=trainer.address)
-        try:
-            assert "wayne" not in cold.admin.fetch_from
-            r = await call("GET", f"http://127.0.0.1:{cold.http.port}/admin/tenants/wayne/adapter")
-            assert r.status_code == 200 and hashlib.sha256(r.content).hexdigest() == kv.sha256
-        finally:
-            await cold.stop()
+        # a gateway that never heard the announcement finds the trainer where the KV recorded
+        # it with the version; without that record, in [endpoints] trainer
+        said = await one.bus.kv_get(hbus.announced_key("wayne"), bus_pb2.WeightsUpdated)
+        assert said.fetch_from == trainer.address and said.info.sha256 == kv.sha256
+        for recorded, configured in ((True, ""), (False, ""), (False, trainer.address)):
+            if not recorded:
+                await one.bus.kv_delete(hbus.announced_key("wayne"))
+            cold = await start_gateway([], nats_module.url, tenants=TENANTS,
+                                       admin_token=ADMIN, trainer=configured)
+            try:
+                assert "wayne" not in cold.admin.fetch_from
+                r = await call("GET", f"http://127.0.0.1:{cold.http.port}/admin/tenants/wayne/adapter")
+                if recorded or configured:
+                    assert r.status_code == 200 and hashlib.sha256(r.content).hexdigest() == kv.sha256
+                else:
+                    assert r.status_code == 503 and "no trainer address known" in r.text
+            finally:
+                await cold.stop()
 
         # a version that is not the one announced is never sent
         await one.bus.kv_put(hbus.latest_key("wayne"), common_pb2.VersionInfo(

@@ -410,16 +410,54 @@ async def test_a_trainer_that_does_not_train_the_tenant_is_passed_over_for_the_n
         assert await catchup.start(timeout_s=30)
         assert replica.loads == {"acme": [1]} and catchup["acme"].failed == 1
         assert catchup["acme"].error == ""
-        # with only the mesh's trainer, the tenant's version cannot be had, and it says why
+        # with only the mesh's trainer, and acme's own (the one the KV recorded) down, the
+        # tenant's version cannot be had, and it says why
+        await trainer.stop_serving()
         replica = Versions()
         catchup = lineages(replica, bus, fetch, lambda t: other.address, retry_max_s=0.2)
         assert not await catchup.start(timeout_s=1)
         assert replica.loads == {} and catchup["acme"].behind and replica.told == {"acme": 1}
-        assert "does not train tenant 'acme'" in catchup["acme"].error and other.address in catchup["acme"].error
+        error = catchup["acme"].error
+        assert "does not train tenant 'acme'" in error and other.address in error
+        assert f"{trainer.address}: " in error  # the recorded one was asked next
         assert v1.version == catchup["acme"].known_latest
     finally:
         await other.close()
         await mesh_bus.close()
+
+
+async def test_with_no_trainer_configured_each_lineage_is_fetched_where_the_kv_recorded_it(
+        tenant_rig, tmp_path, nats_server):
+    """A replica that starts after the announcements (it heard none) in a mesh with a trainer
+    per lineage and none configured: the KV recorded with each version the address of the
+    trainer that announced it, and only for that version."""
+    trainer, bus, fetch = tenant_rig
+    await trainer.serve()
+    await trainer.publish(1)
+    await trainer.publish(1, "acme")
+    own_bus = await Bus.connect(nats_server.url, "globex-trainer")
+    own = Trainer(tmp_path / "globex", own_bus, ("globex",))  # globex's own trainer
+    await own.serve()
+    try:
+        await own.publish(1, "globex")
+        await own.publish(2, "globex")
+        replica = Versions()
+        catchup = lineages(replica, bus, fetch, lambda t: [])
+        assert await catchup.start(timeout_s=30)
+        assert replica.loads == {"": [1], "acme": [1], "globex": [2]}
+        assert catchup["acme"].sources() == [trainer.address]
+        assert catchup["globex"].sources() == [own.address]
+        # a version announced without an address (or the record of an older one) names none
+        own.publishers["globex"].fetch_from = ""
+        await own.publish(3, "globex")
+        replica = Versions()
+        catchup = lineages(replica, bus, fetch, lambda t: [], retry_max_s=0.2)
+        assert not await catchup.start(timeout_s=5)
+        assert replica.loads == {"": [1], "acme": [1]} and catchup["globex"].known_latest == 3
+        assert "no trainer address is known" in catchup["globex"].error
+    finally:
+        await own.close()
+        await own_bus.close()
 
 
 async def test_metrics_are_per_lineage(tenant_rig):

@@ -60,7 +60,7 @@ class RegistryFollower:
         """One registry item. `replay`: part of the state at the start (not a change seen
         live): a lane with no generation on record takes the record's as applied, so that a
         first start with `follow_registry` does not reset a config tenant reset long ago."""
-        from hotloop.bus import latest_key
+        from hotloop.bus import announced_key, latest_key
 
         lanes = self.lanes
         if record is None:
@@ -71,6 +71,7 @@ class RegistryFollower:
             await lanes.reset_tenant(name)  # the lineage's newest version is the base model
             await lanes.remove_tenant(name)
             await self.bus.kv_delete(latest_key(name))
+            await self.bus.kv_delete(announced_key(name))
             self.applied.pop(name, None)
             self._save()
             log.info("tenant %r deleted: its lane is removed and its lineage reset to the base", name)

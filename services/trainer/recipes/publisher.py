@@ -5,8 +5,9 @@ Owns: `VersionStore`, the trainer's durable, immutable copies of published versi
 that missed a push; and `Publisher`, which after a training step packs an adapter directory,
 stores it, pushes it concurrently to every replica (`RolloutClient.push_adapter`, the one
 rollout client: header, chunks, admin bearer token), retrying only UNAVAILABLE a bounded
-number of times, then announces it on the bus (`WeightsUpdated` + KV key "latest"). A
-tenant's publisher does all of it in the tenant's lineage: pushes into it, stores the KV key
+number of times, then announces it on the bus (`WeightsUpdated`, and in the KV the version
+under "latest" and the whole announcement, with this trainer's address, under "announced"). A
+tenant's publisher does all of it in the tenant's lineage: pushes into it, stores the KV keys
 and announces on the subject of that lineage.
 
 Does not own: writing the adapter (`LoraPolicy.save_adapter`), numbering versions or deciding
@@ -42,7 +43,7 @@ from tenacity import (
 
 from hotloop import adapters
 from hotloop.adapters import Version, version_to_proto
-from hotloop.bus import Bus, latest_key, weights_subject
+from hotloop.bus import Bus, announced_key, latest_key, weights_subject
 from hotloop.clients import RolloutClient, direct_channel
 from hotloop.errors import FailedPrecondition, InvalidArgument, NotFound
 from hotloop.proto.v1 import bus_pb2, common_pb2
@@ -361,13 +362,13 @@ class Publisher:
 
     async def _announce(self, info: common_pb2.VersionInfo) -> None:
         assert self._bus is not None
+        msg = bus_pb2.WeightsUpdated(info=info, fetch_from=self.fetch_from, tenant=self.tenant)
         with _tracer.start_as_current_span("announce"):
-            # KV first: whoever reacts to the announcement and reads "latest" sees this version
+            # KV first: whoever reacts to the announcement and reads "latest" sees this version,
+            # and whoever reads "latest" later finds where to fetch it (`announced_key`)
+            await self._bus.kv_put(announced_key(self.tenant), msg)
             await self._bus.kv_put(latest_key(self.tenant), info)
-            await self._bus.publish(
-                weights_subject(self.tenant),
-                bus_pb2.WeightsUpdated(info=info, fetch_from=self.fetch_from, tenant=self.tenant),
-            )
+            await self._bus.publish(weights_subject(self.tenant), msg)
 
     async def reannounce(self) -> Version | None:
         """Announce the store's latest version again (with this trainer's `fetch_from`) if it

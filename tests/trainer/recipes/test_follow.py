@@ -9,6 +9,8 @@ import asyncio
 
 import pytest
 
+from hotloop.bus import announced_key
+from hotloop.proto.v1 import bus_pb2
 from hotloop.tenants import Registry
 from services.trainer.recipes.follow import RegistryFollower
 from tests.trainer.recipes.test_lanes import Mesh, steps, stop, until
@@ -70,6 +72,7 @@ async def test_created_reset_and_deleted_tenants_start_reset_and_stop_lanes(
         await until(lambda: not (tmp_path / "run" / "tenants" / "acme").exists(), "files moved aside",
                     task=task)
         assert await mesh.kv("acme") == 0
+        assert await mesh.bus.kv_get(announced_key("acme"), bus_pb2.WeightsUpdated) is None
         with pytest.raises(Exception, match="consumer not found"):
             await mesh.consumer("acme")
         # what the replica serves for the deleted lineage is the base model (the reset's version)
