@@ -157,8 +157,11 @@ class Brevity:
     twice the limit: a graded signal, so REINFORCE learns "shorter" even while no answer of
     a batch meets the limit yet. Length is what a 135M model can learn quickly from scalar
     feedback; a fixed phrase it never produces unprompted would give no signal to follow.
-    An answer under `min_words` scores -1: an empty or near-empty answer is not short, it is
-    broken (a lineage rewarded for "at most N words" alone collapsed to empty answers).
+    Below `min_words` the score falls the same way with the shortfall, to -1 for an empty
+    answer: a near-empty answer is not short, it is broken (a lineage rewarded for "at most N
+    words" alone collapsed to empty answers). Graded, not a flat -1: with a flat floor a lineage
+    near the lower edge was pushed as hard as it could go toward long answers by one one-liner
+    and swung past the band (docs/results.md, "A confirmed stop", z3).
 
     The default limit sits at the base model's 15th percentile. Measured (SmolLM2-135M-Instruct,
     vLLM, these prompts x 4 at temperature 1, 128 new tokens, 2026-11-29): word-count
@@ -178,7 +181,7 @@ class Brevity:
     def score(self, text: str) -> float:
         words = word_count(text)
         if words < self.min_words:
-            return -1.0
+            return -(self.min_words - words) / self.min_words
         if words <= self.max_words:
             return 1.0
         return -min(1.0, (words - self.max_words) / self.max_words)

@@ -26,7 +26,7 @@ Owns:
   learning: the final shares, `final_answers`);
 - the learning (`training_overrides`): the KL penalty to the base model (`--kl-beta`, its
   reference computed in the trainer), what keeps each lineage near the base model beside what its
-  users reward, and the learning rate (`--lr`);
+  users reward, the learning rate (`--lr`), and each update's baseline (its other feedback);
 - the report `runs/<id>/tenants-report.{json,md}` and `tenants.png`: per tenant its share of
   its preference (base, final, target), the other preferences' rise in its answers, the loop
   latency of its lineage (`LoopTracker` on the tenant's subject and its lane's metrics), the
@@ -118,12 +118,16 @@ def training_overrides(kl_beta: float, lr: float) -> list[str]:
     """The demo's learning: the KL penalty to the base model (`[trainer.loss] kl_beta`), its
     reference logprobs from the trainer's own base with the adapter disabled (`[online]
     reference = "colocated"`: on 2 cores a reference process slowed the engine and the
-    trainer, docs/results.md), and the LoRA learning rate (`[trainer.optimizer] lr`).
+    trainer, docs/results.md), the LoRA learning rate (`[trainer.optimizer] lr`), and each
+    update's feedback baselined by its own other scores (`[online] leave_one_out`).
     Measured: without the KL the lineages collapsed onto one reply each; with it, lr 1e-3
-    learned too slowly for a 900 s run and 2e-3 met every target."""
+    learned too slowly for a 900 s run and 2e-3 met every target in some runs. Against the
+    running baseline, which lags the scores, updates pushed every answer down while a lineage
+    scored below it, and lineages wandered into incoherent text; larger batches (6, gathered
+    for 12 s) did not fix that and doubled the loop (docs/results.md, "Many tenants", b1)."""
     kl = [f"trainer.loss.kl_beta={kl_beta:g}", "online.reference=colocated"] if kl_beta > 0 else \
         ["trainer.loss.kl_beta=0"]
-    return [*kl, f"trainer.optimizer.lr={lr:g}"]
+    return [*kl, f"trainer.optimizer.lr={lr:g}", "online.leave_one_out=true"]
 
 
 def shared_trainer_built() -> bool:

@@ -280,6 +280,12 @@ class OnlineConfig(_Strict):
     baseline_ema: float = Field(0.9, ge=0.0, lt=1.0)
     """Decay of the running reward baseline: b <- ema * b + (1 - ema) * mean(batch scores),
     updated after the batch's advantages are taken (a score never baselines itself)."""
+    leave_one_out: bool = False
+    """Baseline a batch of two or more feedback by its own other scores (RLOO: each score
+    minus the mean of the rest, so the batch's advantages sum to zero); a batch of one by the
+    running baseline. Worth it with batches of 4 or more (`batch_size`, `batch_window_s`):
+    the running baseline lags, and while it sits above the scores every update pushes every
+    answer down, which raises what the model rarely says, incoherent text included."""
     reference: Literal["service", "colocated"] = "service"
     """Where the KL term's reference logprobs come from (with `[trainer.loss] kl_beta` > 0).
     `service`: the mesh's reference service, asked before the update waits for its turn.

@@ -48,8 +48,14 @@ def test_brevity_scores_plus_one_when_met_and_grades_the_excess():
 
 def test_an_empty_or_near_empty_answer_is_not_short_but_broken():
     pref = Brevity(max_words=10, min_words=5)
-    for text in ("", "   ", "Ok.", "one two three four"):
+    for text in ("", "   "):
         assert not pref.matched(text) and pref.score(text) == -1.0
+    # graded by the shortfall, like the excess: a one-liner near the edge is not a cliff
+    assert pref.score("Ok.") == pytest.approx(-0.8)
+    assert not pref.matched("one two three four")
+    assert pref.score("one two three four") == pytest.approx(-0.2)
+    scores = [pref.score(" ".join(["w"] * n)) for n in range(0, 5)]
+    assert scores == sorted(scores) and len(set(scores)) == 5
     five = "one two three four five"
     assert pref.matched(five) and pref.score(five) == 1.0
     assert "5 to 10 words" in pref.describe()

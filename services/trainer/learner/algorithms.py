@@ -239,13 +239,25 @@ def tis_reinforce_loss(
 class EmaBaseline:
     """A running reward baseline for REINFORCE on a stream: advantage = score - value, then
     value <- decay * value + (1 - decay) * mean(scores). Starts at 0 (feedback in [-1, 1] is
-    roughly centred already); its value belongs in the checkpoint."""
+    roughly centred already); its value belongs in the checkpoint.
+
+    `leave_one_out`: a batch of two or more scores is baselined by its own other scores
+    instead (RLOO: score_i - mean of the others), so its advantages sum to zero; a batch of
+    one still by the running value. A running value lags the scores it follows, and while it
+    sits above them every answer of every batch is pushed down: the sampled answers get
+    less likely and the rest, the incoherent included, more (measured: docs/results.md, "Many
+    tenants", b1)."""
 
     decay: float
     value: float = 0.0
+    leave_one_out: bool = False
 
     def advantages(self, scores: Tensor) -> Tensor:
         """scores [N] -> advantages [N], against the baseline before this batch."""
+        n = scores.numel()
+        if self.leave_one_out and n >= 2:
+            scores = scores.float()
+            return scores - (scores.sum() - scores) / (n - 1)
         return reinforce_advantages(scores, baseline=self.value)
 
     def update(self, scores: Tensor) -> None:

@@ -503,7 +503,7 @@ class Online(Recipe):
         if self.policy is None:
             self.policy = self.owned = make_policy(self.cfg, self.model_dir)
         self.policy.algorithm = make_online_algorithm(self.policy.cfg, is_cap=job.is_cap)
-        self.baseline = EmaBaseline(job.baseline_ema)
+        self.baseline = EmaBaseline(job.baseline_ema, leave_one_out=job.leave_one_out)
         # an adapter packed by a run that died before its publish stored it: never published
         shutil.rmtree(run.dir / "adapters", ignore_errors=True)
         async with self.turn(False):

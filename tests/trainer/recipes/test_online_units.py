@@ -76,6 +76,19 @@ def test_ema_baseline_takes_advantages_before_it_moves() -> None:
     torch.testing.assert_close(b.advantages(torch.tensor([1.0])), torch.tensor([0.75]))
 
 
+def test_leave_one_out_baselines_a_batch_by_its_other_scores() -> None:
+    b = EmaBaseline(decay=0.5, value=-0.9, leave_one_out=True)
+    scores = torch.tensor([1.0, -1.0, -1.0, -0.5])
+    adv = b.advantages(scores)
+    # each against the mean of the other three; the running value (-0.9) plays no part
+    torch.testing.assert_close(adv, torch.tensor([1.0 + 2.5 / 3, -1.0 + 0.5 / 3, -1.0 + 0.5 / 3, -0.5 + 1.0 / 3]))
+    assert float(adv.sum()) == pytest.approx(0.0, abs=1e-6)
+    torch.testing.assert_close(b.advantages(torch.tensor([-1.0, -1.0])), torch.zeros(2))  # no signal
+    torch.testing.assert_close(b.advantages(torch.tensor([-0.5])), torch.tensor([0.4]))  # one: the value
+    b.update(scores)  # the running value still follows, for batches of one
+    assert b.value == pytest.approx(0.5 * -0.9 + 0.5 * -1.5 / 4)
+
+
 def fb(**kw) -> bus_pb2.FeedbackEvent:
     return bus_pb2.FeedbackEvent(**{"response_id": "r", "score": 1.0, **kw})
 
