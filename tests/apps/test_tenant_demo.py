@@ -368,6 +368,8 @@ def test_demo_tenants_trains_each_lane_on_its_own_feedback_and_stops_on_sigterm(
         # the demo's KL to the base model: every step computed the reference logprobs, in the
         # trainer itself (no reference service was started)
         assert all(step["stage_seconds"]["reference"] > 0 for step in steps)
+        # each lineage's own KL coefficient, steered from kl_beta toward the demo's target
+        assert steps[0]["kl_coef"] == pytest.approx(0.1) and all(s["kl_coef"] > 0 for s in steps)
     assert not (seqs["short"] & seqs["bullets"]) and not (seqs["short"] & seqs["exclaim"]) \
         and not (seqs["bullets"] & seqs["exclaim"])  # no feedback trained in two lanes
     assert not (run / "trainer" / "metrics.jsonl").exists()  # no default lane

@@ -444,13 +444,14 @@ def make_algorithm(cfg: TrainerConfig) -> Algorithm:
     return Algorithm(name=cfg.algorithm, loss_cfg=lc, _advantages=adv)
 
 
-def make_online_algorithm(cfg: TrainerConfig, *, is_cap: float) -> Algorithm:
+def make_online_algorithm(cfg: TrainerConfig, *, is_cap: float, kl_beta: float | None = None) -> Algorithm:
     """The online loop's objective: truncated-IS REINFORCE (`tis_reinforce_loss`). Its
     advantages come from a stateful `EmaBaseline` the loop keeps, so the advantage function
-    here is the plain one (baseline 0)."""
+    here is the plain one (baseline 0). `kl_beta`: the KL coefficient in place of
+    `[trainer.loss] kl_beta` (the loop's `AdaptiveKl`)."""
     return Algorithm(
         name="reinforce_tis",
-        loss_cfg=cfg.loss,
+        loss_cfg=cfg.loss if kl_beta is None else cfg.loss.model_copy(update={"kl_beta": kl_beta}),
         _advantages=reinforce_advantages,
         _loss=partial(tis_reinforce_loss, is_cap=is_cap),
     )

@@ -227,6 +227,9 @@ def _check_online_mesh(mesh_cfg: MeshConfig, trainer_cfg: TrainerConfig, job) ->
         raise SystemExit("the online trainer reads feedback from the bus: no [nats] url configured")
     if not ep.rollout:
         raise SystemExit("no rollout endpoint: start the mesh with `hotloop up` first")
+    if job.kl_target is not None and trainer_cfg.loss.kl_beta <= 0:
+        raise SystemExit("[online] kl_target steers the KL coefficient from [trainer.loss] "
+                         "kl_beta: set kl_beta > 0 (its starting value)")
     if trainer_cfg.loss.kl_beta > 0 and job.reference == "service" and not ep.reference:
         raise SystemExit("kl_beta > 0 with [online] reference = 'service' needs the reference "
                          "service: no endpoint configured (or use reference = 'colocated')")

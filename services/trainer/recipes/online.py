@@ -240,6 +240,7 @@ class OnlineStepRecord:
     queue_depth: int = 0  # left in the queue after this update took its batch
     shed: int = 0  # shed by this update (waited past max_wait_s)
     queue_wait_s: float = 0.0  # the longest a feedback of this batch waited in the queue
+    kl_coef: float = 0.0  # the KL coefficient this update trained with (`[online] kl_target`)
 
 
 # ---- checks on one feedback ----------------------------------------------------------------
@@ -493,7 +494,7 @@ class Online(Recipe):
         self.lease: LineageLease | None = None  # this run's hold on its lineage (`setup`)
 
     async def setup(self, run: Run) -> Schedule:
-        from ..learner.algorithms import EmaBaseline, make_online_algorithm
+        from ..learner.algorithms import AdaptiveKl, EmaBaseline, make_online_algorithm
         from ..learner.distributed import make_policy
 
         job, mesh = self.job, self.mesh
@@ -504,6 +505,7 @@ class Online(Recipe):
             self.policy = self.owned = make_policy(self.cfg, self.model_dir)
         self.policy.algorithm = make_online_algorithm(self.policy.cfg, is_cap=job.is_cap)
         self.baseline = EmaBaseline(job.baseline_ema, leave_one_out=job.leave_one_out)
+        self.kl = AdaptiveKl(self.cfg.loss.kl_beta, job.kl_target, job.kl_horizon)
         # an adapter packed by a run that died before its publish stored it: never published
         shutil.rmtree(run.dir / "adapters", ignore_errors=True)
         async with self.turn(False):
@@ -511,6 +513,7 @@ class Online(Recipe):
             self.steps = self.policy.step
         if pos is not None:
             self.version, self.baseline.value = pos["version"], pos["baseline"]
+            self.kl.coef = pos.get("kl_coef", self.kl.coef)
             self.trained = set(pos["trained"])
             log.info("resumed at version %d, %d feedback awaiting ack", self.version, len(self.trained))
         if (seen := await mesh_latest(mesh)) > self.version:
@@ -555,6 +558,7 @@ class Online(Recipe):
     async def step(self, step: int) -> OnlineStepRecord | None:
         import torch
 
+        from ..learner.algorithms import make_online_algorithm
         from ..learner.batching import Sample
 
         job, mesh, metrics = self.job, self.mesh, self.metrics
@@ -617,6 +621,9 @@ class Online(Recipe):
                 for i, ((p, c), (_, _, tr)) in enumerate(zip(pairs, rows))
             ]
             t = time.perf_counter()
+            kl_coef = self.kl.coef  # this lineage's (the policy may be shared by lanes)
+            self.policy.algorithm = make_online_algorithm(self.policy.cfg, is_cap=job.is_cap,
+                                                          kl_beta=kl_coef)
             with _tracer.start_as_current_span("train"):
                 try:
                     m = await self.run.train(self.policy, samples)
@@ -638,6 +645,8 @@ class Online(Recipe):
                 await self.settle(p, "not_finite", f"training skipped: {m.skip_reason}", dead=True)
             metrics.steps.labels("skipped").inc()
             return None
+        if "kl" in m.extra:  # kl_target: the next update's coefficient
+            self.kl.update(m.extra["kl"], len(rows))
 
         t = time.perf_counter()
         await self.landed()  # versions go out in order: the previous one first
@@ -660,7 +669,7 @@ class Online(Recipe):
         return OnlineStepRecord(
             step=self.steps, version=self.version, feedback=len(rows),
             seqs=[p.seq for p, _, _ in rows], score_mean=float(scores.mean()),
-            baseline=self.baseline.value, advantage_mean=float(adv.mean()),
+            baseline=self.baseline.value, advantage_mean=float(adv.mean()), kl_coef=kl_coef,
             staleness_versions_max=max(joined_at - served_version(tr) for _, _, tr in rows),
             temperature_mean=statistics.fmean(tr.temperature for _, _, tr in rows),
             stage_seconds=secs, tokens=m.tokens, train=m.as_dict(),
@@ -765,7 +774,7 @@ class Online(Recipe):
             async with self.turn(False):
                 self.policy.save_checkpoint(self.run.checkpoints, data_position={
                     "version": self.version, "baseline": self.baseline.value,
-                    "trained": sorted(self.trained)})
+                    "kl_coef": self.kl.coef, "trained": sorted(self.trained)})
             prune_checkpoints(self.run.checkpoints, self.job.keep_checkpoints)
         with _tracer.start_as_current_span("ack"):
             await ack_all(self.uncommitted, self.mesh.bus)

@@ -89,6 +89,28 @@ def test_leave_one_out_baselines_a_batch_by_its_other_scores() -> None:
     assert b.value == pytest.approx(0.5 * -0.9 + 0.5 * -1.5 / 4)
 
 
+def test_a_lineages_kl_coefficient_is_its_own_and_steers_toward_the_target() -> None:
+    from services.trainer.learner.algorithms import AdaptiveKl
+
+    cfg = TrainerConfig(loss=LossSettings(kl_beta=0.1))
+    logp = torch.zeros(1, 2, requires_grad=True)
+    ref = torch.full((1, 2), -1.0)  # k3 = e^-1 - (-1) - 1 = 0.368 per token
+    args = (logp, logp.detach(), ref, torch.zeros(1), torch.ones(1, 2, dtype=torch.bool))
+    fixed, _ = make_online_algorithm(cfg, is_cap=2.0).loss(*args)
+    steered, m = make_online_algorithm(cfg, is_cap=2.0, kl_beta=0.4).loss(*args)
+    assert float(steered.detach()) == pytest.approx(4 * float(fixed.detach())) and m["kl"] == pytest.approx(math.exp(-1))
+    assert cfg.loss.kl_beta == 0.1  # the section is not changed for the other lanes
+    kl = AdaptiveKl(0.1, target=0.1, horizon=10)
+    kl.update(0.4, samples=2)  # 4x over: +20% of the way, times 2 / 10
+    assert kl.coef == pytest.approx(0.1 * 1.04)
+    for _ in range(40):
+        kl.update(0.4, samples=2)
+    assert kl.coef > 0.4  # a lineage that keeps drifting is held back harder
+    before = kl.coef
+    kl.update(0.0, samples=10)  # back at the base: eased off, by at most 20% per horizon
+    assert kl.coef == pytest.approx(0.8 * before)
+
+
 def fb(**kw) -> bus_pb2.FeedbackEvent:
     return bus_pb2.FeedbackEvent(**{"response_id": "r", "score": 1.0, **kw})
 
@@ -188,3 +210,15 @@ def test_the_kl_needs_a_reference_service_only_where_it_is_asked(make_cfg):
         _check_online_mesh(no_reference, kl, OnlineConfig())
     _check_online_mesh(no_reference, kl, OnlineConfig(reference="colocated"))  # the trainer's own base
     _check_online_mesh(no_reference, make_cfg(loss={"kl_beta": 0.0}), OnlineConfig())
+
+
+def test_kl_target_needs_a_starting_kl_beta() -> None:
+    from hotloop.config import MeshConfig
+    from services.trainer.recipes.job import _check_online_mesh
+
+    mesh = MeshConfig.model_validate({"nats": {"url": "nats://127.0.0.1:1"},
+                                      "endpoints": {"rollout": "127.0.0.1:2"}})
+    with pytest.raises(SystemExit, match="kl_target steers the KL coefficient"):
+        _check_online_mesh(mesh, TrainerConfig(), OnlineConfig(kl_target=0.1))
+    _check_online_mesh(mesh, TrainerConfig(loss=LossSettings(kl_beta=0.1)),
+                       OnlineConfig(kl_target=0.1, reference="colocated"))
