@@ -167,6 +167,8 @@ class Update:
     tokens: int = 0  # completion tokens trained
     stages: dict[str, float] = field(default_factory=dict)  # seconds per stage (turn_wait: a
     # lane of a shared trainer waiting for its turn)
+    kl: float | None = None  # per-token KL of its batch to the base model (with kl_beta > 0)
+    kl_coef: float | None = None  # the KL coefficient it trained with
 
 
 class LoopTracker:
@@ -240,7 +242,8 @@ class LoopTracker:
                 continue
             up = Update(int(step["version"]), time.time(), int(step["feedback"]), float(step["score_mean"]),
                         seconds=sum(step["stage_seconds"].values()), tokens=int(step["tokens"]),
-                        stages=dict(step["stage_seconds"]))
+                        stages=dict(step["stage_seconds"]), kl=step.get("train", {}).get("kl"),
+                        kl_coef=step.get("kl_coef"))
             for seq in step["seqs"]:
                 raw = await self._bus.js.get_msg("FEEDBACK", seq)
                 fb = decode(bus_pb2.FeedbackEvent, raw.data, dict(raw.headers or {}))

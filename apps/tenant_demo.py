@@ -115,6 +115,7 @@ def tenant_overrides(keys_file: Path, tenants: list[str]) -> list[str]:
 
 
 KL_TARGET = 0.1  # per token, to the base model: where coherent lineages met their targets
+KL_LAST = 10  # the report's KL of a lineage: the median of its last this many updates
 
 
 def training_overrides(kl_beta: float, lr: float) -> list[str]:
@@ -618,11 +619,16 @@ def training_turns(tracker: LoopTracker) -> dict:
     trainer (with a shared trainer, granted by its fair share on trained tokens)."""
     ups = tracker.updates
     waits = [u.stages.get("turn_wait", 0.0) for u in ups]
+    kls = [u.kl for u in ups if u.kl is not None]
     return {"updates": len(ups), "feedback": sum(u.feedback for u in ups),
             "tokens": sum(u.tokens for u in ups),
             "train_s": sum(u.stages.get("train", 0.0) for u in ups),
             "turn_wait_s": sum(waits), "turn_wait_p50_s": percentile(waits, 50),
-            "turn_wait_max_s": max(waits, default=None)}
+            "turn_wait_max_s": max(waits, default=None),
+            # how far the lineage moved from the base model: its last updates' per-token KL
+            # (incoherent answers showed at 0.3 and above), and the coefficient that held it
+            "kl_last": percentile(kls[-KL_LAST:], 50) if kls else None,
+            "kl_coef_last": ups[-1].kl_coef if ups else None}
 
 
 def tenants_report(state: TenantsState) -> dict:
@@ -675,12 +681,14 @@ def write_tenants_report(state: TenantsState) -> dict:
     acc = report["acceptance"]
     lines += ["", "Training turns (each lane's step records; one update is one turn on the trainer):", "",
               "| tenant | updates | feedback trained | tokens trained (share) | training s "
-              "| waited for its turn s (p50 / max per update) |", "|---|---|---|---|---|---|"]
+              f"| waited for its turn s (p50 / max per update) | KL to base (last {KL_LAST} updates, "
+              "median) / coefficient |", "|---|---|---|---|---|---|---|"]
     for t in report["tenants"]:
         u = t["turns"]
         lines.append(f"| {t['name']} | {u['updates']} | {u['feedback']} | {u['tokens']} "
                      f"({_f(u['tokens_share'], '.0%')}) | {u['train_s']:.0f} | {u['turn_wait_s']:.0f} "
-                     f"({_f(u['turn_wait_p50_s'], '.1f')} / {_f(u['turn_wait_max_s'], '.1f')}) |")
+                     f"({_f(u['turn_wait_p50_s'], '.1f')} / {_f(u['turn_wait_max_s'], '.1f')}) | "
+                     f"{_f(u['kl_last'], '.3f')} / {_f(u['kl_coef_last'], '.3f')} |")
     lines += ["", f"- every tenant reached its target: {acc['targets_reached']}; every cross rise <= "
               f"{CROSS_LIMIT}: {acc['cross_delta_max_le_0_1']}; answers from another lineage: "
               f"{report['wrong_adapter_answers']} (the gateway refused {_f(report['gateway_wrong_tenant'], 'd')})",

@@ -150,8 +150,8 @@ def test_the_report_pools_the_base_rates_and_measures_the_other_preferences_rise
     from apps.online_demo import Update
 
     state.runs["short"].tracker.updates = [  # its lane's step records: two turns, 30 tokens
-        Update(1, 6.0, 2, 0.5, tokens=10, stages={"turn_wait": 1.0, "train": 2.0}),
-        Update(2, 8.0, 1, 0.5, tokens=20, stages={"turn_wait": 3.0, "train": 2.5})]
+        Update(1, 6.0, 2, 0.5, tokens=10, stages={"turn_wait": 1.0, "train": 2.0}, kl=0.02, kl_coef=0.1),
+        Update(2, 8.0, 1, 0.5, tokens=20, stages={"turn_wait": 3.0, "train": 2.5}, kl=0.3, kl_coef=0.12)]
     state.runs["bullets"].tracker.updates = [Update(1, 7.0, 2, 0.5, tokens=10, stages={"train": 1.0})]
     report = write_tenants_report(state)
     short, bullets, exclaim = report["tenants"]
@@ -173,10 +173,13 @@ def test_the_report_pools_the_base_rates_and_measures_the_other_preferences_rise
     assert [(t["share"]["reached"], t["share"]["confirmed"]) for t in report["tenants"]] == \
         [(True, False), (True, False), (False, False)]
     assert short["turns"] == {"updates": 2, "feedback": 3, "tokens": 30, "tokens_share": 0.75, "train_s": 4.5,
-                              "turn_wait_s": 4.0, "turn_wait_p50_s": 2.0, "turn_wait_max_s": 3.0}
+                              "turn_wait_s": 4.0, "turn_wait_p50_s": 2.0, "turn_wait_max_s": 3.0,
+                              "kl_last": pytest.approx(0.16), "kl_coef_last": 0.12}
+    assert bullets["turns"]["kl_last"] is None  # no KL term: nothing to show
     assert (bullets["turns"]["updates"], bullets["turns"]["tokens_share"]) == (1, 0.25)
     assert exclaim["turns"]["updates"] == 0 and exclaim["turns"]["turn_wait_max_s"] is None
     assert "| short | 2 | 3 | 30 (75%) |" in (tmp_path / "tenants-report.md").read_text()
+    assert "| 0.160 / 0.120 |" in (tmp_path / "tenants-report.md").read_text()
     assert report["acceptance"] == {"targets_reached": False, "cross_delta_max_le_0_1": False,
                                     "no_wrong_adapter_answers": False}  # training answers said no tenant
     on_disk = json.loads((tmp_path / "tenants-report.json").read_text())
@@ -359,6 +362,7 @@ def test_demo_tenants_trains_each_lane_on_its_own_feedback_and_stops_on_sigterm(
         assert set(fb["trained_tenants"]) == {t["name"]} and fb["trained_not_own"] == 0
         assert "other_tenant" not in fb["dropped_by_reason"]
         assert t["turns"]["updates"] >= 1 and t["turns"]["tokens"] >= 1 and t["turns"]["tokens_share"] > 0
+        assert t["turns"]["kl_last"] is not None and t["turns"]["kl_coef_last"] > 0
         # its lane's files, where the shared trainer keeps them
         steps = [json.loads(line)["step"] for line in
                  (run / "trainer" / "tenants" / t["name"] / "metrics.jsonl").read_text().splitlines()
