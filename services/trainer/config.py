@@ -287,17 +287,21 @@ class OnlineConfig(_Strict):
     the running baseline lags, and while it sits above the scores every update pushes every
     answer down, which raises what the model rarely says, incoherent text included."""
     kl_target: float | None = Field(None, gt=0.0)
-    """Adaptive KL per lineage (Ziegler et al. 2019, as PPO's `kl_target`): steer the KL
-    coefficient, starting at `[trainer.loss] kl_beta` (> 0), so the per-token KL of the
-    lineage's updates to the base model stays near this target. None keeps kl_beta fixed. A
+    """Adaptive KL per lineage (Ziegler et al. 2019, as PPO's `kl_target`): raise the KL
+    coefficient above `[trainer.loss] kl_beta` (> 0; never below it) while the per-token KL of
+    the lineage's updates to the base model is above this target, and ease it back while
+    below. None keeps kl_beta fixed. The floor: a lineage starts at the base model, where the
+    KL stays near 0 for tens of updates, and a controller free to go lower had taken the
+    coefficient to 0.013 by the time the KL rose past the target (b5). A
     fixed 0.1 let lineages of the tenant demo drift to a per-token KL of 0.3-0.7 over ~90
     updates, where their answers were incoherent (coherent ones reached their targets at
     0.03-0.1)."""
-    kl_horizon: int = Field(10, ge=1)
+    kl_horizon: int = Field(2, ge=1)
     """Adaptive KL: feedback over which the coefficient may change by a factor of e^0.2 at
     most (each update moves it by its error, clipped to +-20%, times feedback / horizon). A
-    lineage learns from tens to hundreds of feedback, not PPO's thousands of samples: 10
-    lets it double in ~35 feedback of KL over the target."""
+    lineage learns from tens to hundreds of feedback, not PPO's thousands of samples, mostly
+    one per update: at 10 it rose only to 0.1-0.3 while lineages drifted to a KL of 0.3-0.4
+    (b4); 2 moves it by up to 10% per feedback."""
     reference: Literal["service", "colocated"] = "service"
     """Where the KL term's reference logprobs come from (with `[trainer.loss] kl_beta` > 0).
     `service`: the mesh's reference service, asked before the update waits for its turn.

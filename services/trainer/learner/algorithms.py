@@ -344,18 +344,19 @@ def explained_variance(values: Tensor, returns: Tensor, mask: Tensor) -> float:
 @dataclass
 class AdaptiveKl:
     """Ziegler et al.'s proportional controller of the KL coefficient: after each batch,
-    coef *= 1 + clip(kl / target - 1, -0.2, 0.2) * samples / horizon. `target=None` keeps the
-    coefficient fixed. Its `coef` belongs in the checkpoint."""
+    coef *= 1 + clip(kl / target - 1, -0.2, 0.2) * samples / horizon, and never below
+    `floor`. `target=None` keeps the coefficient fixed. Its `coef` belongs in the checkpoint."""
 
     coef: float
     target: float | None = None
     horizon: int = 10_000
+    floor: float = 0.0
 
     def update(self, kl: float, samples: int) -> None:
         if self.target is None or not math.isfinite(kl):
             return
         error = max(-0.2, min(0.2, kl / self.target - 1.0))
-        self.coef *= 1.0 + error * samples / self.horizon
+        self.coef = max(self.floor, self.coef * (1.0 + error * samples / self.horizon))
 
 
 def ppo_targets(samples_in: list[dict], kl_coef: float, cfg: PpoSettings) -> dict:

@@ -505,7 +505,9 @@ class Online(Recipe):
             self.policy = self.owned = make_policy(self.cfg, self.model_dir)
         self.policy.algorithm = make_online_algorithm(self.policy.cfg, is_cap=job.is_cap)
         self.baseline = EmaBaseline(job.baseline_ema, leave_one_out=job.leave_one_out)
-        self.kl = AdaptiveKl(self.cfg.loss.kl_beta, job.kl_target, job.kl_horizon)
+        # kl_beta is the least: a lineage starts at the base, where the KL is ~0 for a while
+        self.kl = AdaptiveKl(self.cfg.loss.kl_beta, job.kl_target, job.kl_horizon,
+                             floor=self.cfg.loss.kl_beta)
         # an adapter packed by a run that died before its publish stored it: never published
         shutil.rmtree(run.dir / "adapters", ignore_errors=True)
         async with self.turn(False):

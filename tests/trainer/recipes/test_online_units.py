@@ -100,7 +100,9 @@ def test_a_lineages_kl_coefficient_is_its_own_and_steers_toward_the_target() -> 
     steered, m = make_online_algorithm(cfg, is_cap=2.0, kl_beta=0.4).loss(*args)
     assert float(steered.detach()) == pytest.approx(4 * float(fixed.detach())) and m["kl"] == pytest.approx(math.exp(-1))
     assert cfg.loss.kl_beta == 0.1  # the section is not changed for the other lanes
-    kl = AdaptiveKl(0.1, target=0.1, horizon=10)
+    kl = AdaptiveKl(0.1, target=0.1, horizon=10, floor=0.1)
+    kl.update(0.0, samples=10)  # at the base: the floor holds
+    assert kl.coef == 0.1
     kl.update(0.4, samples=2)  # 4x over: +20% of the way, times 2 / 10
     assert kl.coef == pytest.approx(0.1 * 1.04)
     for _ in range(40):
