@@ -515,7 +515,8 @@ class Online(Recipe):
             self.steps = self.policy.step
         if pos is not None:
             self.version, self.baseline.value = pos["version"], pos["baseline"]
-            self.kl.coef = pos.get("kl_coef", self.kl.coef)
+            if job.kl_target is not None:  # steered: go on from where it was, never under kl_beta
+                self.kl.coef = max(self.kl.floor, pos.get("kl_coef", self.kl.coef))
             self.trained = set(pos["trained"])
             log.info("resumed at version %d, %d feedback awaiting ack", self.version, len(self.trained))
         if (seen := await mesh_latest(mesh)) > self.version:
