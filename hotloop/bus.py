@@ -129,6 +129,15 @@ def announced_key(tenant: str = "") -> str:
     return ANNOUNCED_KEY if check_tenant(tenant) == DEFAULT else f"{ANNOUNCED_KEY}.tenant.{tenant}"
 
 
+def recorded_address(said: Message | None, info: Message) -> str:
+    """The FetchAdapter address a lineage's last announcement (`said`, the `WeightsUpdated`
+    under its `announced_key`, or None) recorded for the version `info` (a `VersionInfo`):
+    only when it announced that very version (number and sha256), else ""."""
+    if said is None or (said.info.version, said.info.sha256) != (info.version, info.sha256):
+        return ""
+    return said.fetch_from
+
+
 WEIGHTS_TENANTS = f"{WEIGHTS_UPDATED}.tenant.*"
 """Every tenant's `weights_subject` (a wildcard: one subscription hears them all)."""
 _LATEST_TENANT = f"{LATEST_KEY}.tenant."

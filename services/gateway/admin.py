@@ -296,8 +296,7 @@ class TenantAdmin:
         if info is None or info.version == 0:
             raise NotFound(f"tenant {name!r} has no adapter version yet (it is served the base model)")
         said = await self.bus.kv_get(hbus.announced_key(name), bus_pb2.WeightsUpdated)
-        recorded = said.fetch_from if said is not None and \
-            (said.info.version, said.info.sha256) == (info.version, info.sha256) else ""
+        recorded = hbus.recorded_address(said, info)  # a gateway started after the announcement
         addresses = list(dict.fromkeys(
             a for a in (self.fetch_from.get(name), recorded, self.trainer) if a))
         if not addresses:

@@ -22,7 +22,7 @@ async def build(mesh: MeshConfig, cfg: RolloutConfig) -> service.Running:
     from hotloop.adapters import Version, version_to_proto
     from hotloop.errors import FatalError
 
-    from .catchup import CatchUp, Lineages, TrainerFetch, bus_latest, bus_tenants, listen
+    from .catchup import CatchUp, Lineages, TrainerFetch, bus_latest, bus_recorded, bus_tenants, listen
     from .core import RolloutCore
     from .server import serve
 
@@ -65,7 +65,8 @@ async def build(mesh: MeshConfig, cfg: RolloutConfig) -> service.Running:
             # a tenant's own trainer first, if configured, then the mesh's
             own = mesh.tenants[tenant].trainer if tenant in mesh.tenants else ""
             return CatchUp(core, bus_latest(bus, tenant), fetch, [own, mesh.endpoints.trainer],
-                           tenant=tenant, poll_s=cfg.catchup_poll_s,
+                           tenant=tenant, read_recorded=bus_recorded(bus, tenant),
+                           poll_s=cfg.catchup_poll_s,
                            retry_max_s=cfg.catchup_retry_max_s)
 
         catchup = Lineages(lineage, bus_tenants(bus), poll_s=cfg.catchup_poll_s)

@@ -52,10 +52,9 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from dataclasses import dataclass
 from typing import Protocol
 
-from hotloop.adapters import Version, version_from_proto
+from hotloop.adapters import Version, version_from_proto, version_to_proto
 from hotloop.errors import FailedPrecondition, HotloopError, Unavailable
 from hotloop.metrics import counter, gauge
 
@@ -97,33 +96,33 @@ def _read_kv(bus, key: str, message):
     return read
 
 
-@dataclass(frozen=True)
-class Latest:
-    """A lineage's newest announced version, and the FetchAdapter address of the trainer that
-    announced it, as the KV recorded it ("": none recorded for this version)."""
+def bus_latest(bus, tenant: str = "") -> Callable[[], Awaitable[Version | None]]:
+    """A reader of the lineage's KV key (`latest`, or `latest.tenant.<name>`) on `bus` (a
+    `hotloop.bus.Bus`); None when nothing was announced. A bus that cannot answer is
+    `Unavailable` (catch-up retries), anything else propagates."""
+    from hotloop.bus import latest_key
+    from hotloop.proto.v1 import common_pb2
 
-    version: Version
-    fetch_from: str = ""
+    read_kv = _read_kv(bus, latest_key(tenant), common_pb2.VersionInfo)
+
+    async def read() -> Version | None:
+        msg = await read_kv()
+        return None if msg is None else version_from_proto(msg)
+
+    return read
 
 
-def bus_latest(bus, tenant: str = "") -> Callable[[], Awaitable[Latest | None]]:
-    """A reader of the lineage's KV keys on `bus` (a `hotloop.bus.Bus`): its newest version
-    (`latest_key`) and the address its announcement recorded (`announced_key`, used only when
-    it announced that very version); None when nothing was announced. A bus that cannot answer
-    is `Unavailable` (catch-up retries), anything else propagates."""
-    from hotloop.bus import announced_key, latest_key
-    from hotloop.proto.v1 import bus_pb2, common_pb2
+def bus_recorded(bus, tenant: str = "") -> Callable[[Version], Awaitable[str]]:
+    """A reader of the address the lineage's last announcement recorded in the KV
+    (`announced_key`) for a given version ("": none for that version; `recorded_address`). A
+    bus that cannot answer is `Unavailable`."""
+    from hotloop.bus import announced_key, recorded_address
+    from hotloop.proto.v1 import bus_pb2
 
-    read_latest = _read_kv(bus, latest_key(tenant), common_pb2.VersionInfo)
-    read_announced = _read_kv(bus, announced_key(tenant), bus_pb2.WeightsUpdated)
+    read_kv = _read_kv(bus, announced_key(tenant), bus_pb2.WeightsUpdated)
 
-    async def read() -> Latest | None:
-        msg = await read_latest()
-        if msg is None:
-            return None
-        said = await read_announced()
-        same = said is not None and (said.info.version, said.info.sha256) == (msg.version, msg.sha256)
-        return Latest(version_from_proto(msg), said.fetch_from if same else "")
+    async def read(version: Version) -> str:
+        return recorded_address(await read_kv(), version_to_proto(version))
 
     return read
 
@@ -202,14 +201,17 @@ def lineage_name(tenant: str) -> str:
 class CatchUp:
     """Catch-up of one lineage (`tenant`, "" the default)."""
 
-    def __init__(self, replica: Replica, read_latest: Callable[[], Awaitable[Latest | None]],
+    def __init__(self, replica: Replica, read_latest: Callable[[], Awaitable[Version | None]],
                  fetch: Fetch, trainer: str | Sequence[str] = "", *, tenant: str = "",
+                 read_recorded: Callable[[Version], Awaitable[str]] | None = None,
                  poll_s: float = 30.0, retry_max_s: float = 30.0):
         """`trainer`: the configured FetchAdapter address(es), asked first, in order ("" for
-        none)."""
+        none). `read_recorded`: the address the KV recorded with a version (`bus_recorded`),
+        read only when the replica is behind."""
         self.replica = replica
         self.tenant = tenant
         self._read_latest = read_latest
+        self._read_recorded = read_recorded
         self._fetch = fetch
         self._trainers = [trainer] if isinstance(trainer, str) else list(trainer)
         self._announced_from = ""
@@ -279,12 +281,16 @@ class CatchUp:
         else:
             why_not = ""
         if latest is not None:
-            self._note(latest.version)
-            self._recorded_from = latest.fetch_from
+            self._note(latest)
         target = self._known
         if target is None or target.version <= self.held:
             self.error = why_not if target is None else ""  # unread, or nothing to fetch
             return not self.error
+        if self._read_recorded is not None:  # behind: where its trainer said to fetch it
+            try:
+                self._recorded_from = await asyncio.wait_for(self._read_recorded(target), timeout_s)
+            except (Unavailable, TimeoutError):
+                self._recorded_from = ""
         sources = self.sources()
         if not sources:
             where = ("[tenants.<name>] trainer and [endpoints] trainer are unset"

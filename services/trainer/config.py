@@ -283,19 +283,19 @@ class OnlineConfig(_Strict):
     leave_one_out: bool = False
     """Baseline a batch of two or more feedback by its own other scores (RLOO: each score
     minus the mean of the rest, so the batch's advantages sum to zero); a batch of one by the
-    running baseline. Worth it with batches of 4 or more (`batch_size`, `batch_window_s`):
-    the running baseline lags, and while it sits above the scores every update pushes every
-    answer down, which raises what the model rarely says, incoherent text included."""
+    running baseline. The running baseline lags, and while it sits above the scores every
+    update pushes every answer down, which raises what the model rarely says, incoherent text
+    included (with batches of 4-6: docs/results.md, b1). The more updates hold two or more
+    feedback (`batch_size`, `batch_window_s`), the more it does."""
     kl_target: float | None = Field(None, gt=0.0)
     """Adaptive KL per lineage (Ziegler et al. 2019, as PPO's `kl_target`): raise the KL
     coefficient above `[trainer.loss] kl_beta` (> 0; never below it) while the per-token KL of
     the lineage's updates to the base model is above this target, and ease it back while
-    below. None keeps kl_beta fixed. The floor: a lineage starts at the base model, where the
-    KL stays near 0 for tens of updates, and a controller free to go lower had taken the
-    coefficient to 0.013 by the time the KL rose past the target (b5). A
-    fixed 0.1 let lineages of the tenant demo drift to a per-token KL of 0.3-0.7 over ~90
-    updates, where their answers were incoherent (coherent ones reached their targets at
-    0.03-0.1)."""
+    below. None keeps kl_beta fixed. Why: a fixed 0.1 let lineages of the tenant demo drift to
+    a per-token KL of 0.3-0.7 over ~90 updates, where their answers were incoherent (coherent
+    ones reached their targets at 0.03-0.1). Why the floor: a lineage starts at the base model,
+    where the KL stays near 0 for tens of updates, and a controller free to go lower had taken
+    the coefficient to 0.013 by the time the KL rose past the target (docs/results.md, b5)."""
     kl_horizon: int = Field(2, ge=1)
     """Adaptive KL: feedback over which the coefficient may change by a factor of e^0.2 at
     most (each update moves it by its error, clipped to +-20%, times feedback / horizon). A

@@ -23,7 +23,15 @@ from hotloop.bus import LATEST_KEY, Bus, latest_key
 from hotloop.clients import TrainerClient
 from hotloop.errors import FailedPrecondition, InvalidArgument, NotFound, Unauthenticated, Unavailable
 from hotloop.proto.v1 import common_pb2
-from services.rollout.catchup import CatchUp, Lineages, TrainerFetch, bus_latest, bus_tenants, listen
+from services.rollout.catchup import (
+    CatchUp,
+    Lineages,
+    TrainerFetch,
+    bus_latest,
+    bus_recorded,
+    bus_tenants,
+    listen,
+)
 from services.trainer.recipes.publisher import Publisher
 from services.trainer.server import TrainerState, serve
 from tests.trainer.recipes.test_publisher import free_port, make_adapter_dir
@@ -122,7 +130,7 @@ def lineages(replica: Versions, bus: Bus, fetch, trainers, **kw) -> Lineages:
     lineage, each reading its own KV key. `trainers`: tenant -> its configured addresses."""
     def make(tenant: str) -> CatchUp:
         return CatchUp(replica, bus_latest(bus, tenant), fetch, trainers(tenant), tenant=tenant,
-                       **kw)
+                       read_recorded=bus_recorded(bus, tenant), **kw)
 
     return Lineages(make, bus_tenants(bus), poll_s=kw.get("poll_s", 30.0))
 
@@ -447,9 +455,10 @@ async def test_with_no_trainer_configured_each_lineage_is_fetched_where_the_kv_r
         assert replica.loads == {"": [1], "acme": [1], "globex": [2]}
         assert catchup["acme"].sources() == [trainer.address]
         assert catchup["globex"].sources() == [own.address]
-        # a version announced without an address (or the record of an older one) names none
-        own.publishers["globex"].fetch_from = ""
-        await own.publish(3, "globex")
+        # the record of another version than the latest names none: a v3 in the KV whose
+        # announcement (with its address) never came
+        await own_bus.kv_put(latest_key("globex"), common_pb2.VersionInfo(
+            version=3, sha256="f" * 64, bytes=1, base_model=BASE))
         replica = Versions()
         catchup = lineages(replica, bus, fetch, lambda t: [], retry_max_s=0.2)
         assert not await catchup.start(timeout_s=5)

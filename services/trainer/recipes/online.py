@@ -494,7 +494,7 @@ class Online(Recipe):
         self.lease: LineageLease | None = None  # this run's hold on its lineage (`setup`)
 
     async def setup(self, run: Run) -> Schedule:
-        from ..learner.algorithms import AdaptiveKl, EmaBaseline, make_online_algorithm
+        from ..learner.algorithms import AdaptiveKl, EmaBaseline
         from ..learner.distributed import make_policy
 
         job, mesh = self.job, self.mesh
@@ -503,7 +503,6 @@ class Online(Recipe):
         self.lease = await LineageLease.claim(mesh.bus, job.tenant, Holder.here(str(run.dir)))
         if self.policy is None:
             self.policy = self.owned = make_policy(self.cfg, self.model_dir)
-        self.policy.algorithm = make_online_algorithm(self.policy.cfg, is_cap=job.is_cap)
         self.baseline = EmaBaseline(job.baseline_ema, leave_one_out=job.leave_one_out)
         # kl_beta is the least: a lineage starts at the base, where the KL is ~0 for a while
         self.kl = AdaptiveKl(self.cfg.loss.kl_beta, job.kl_target, job.kl_horizon,
@@ -624,7 +623,8 @@ class Online(Recipe):
                 for i, ((p, c), (_, _, tr)) in enumerate(zip(pairs, rows))
             ]
             t = time.perf_counter()
-            kl_coef = self.kl.coef  # this lineage's (the policy may be shared by lanes)
+            # the objective with this lineage's KL coefficient (the policy may be shared by lanes)
+            kl_coef = self.kl.coef
             self.policy.algorithm = make_online_algorithm(self.policy.cfg, is_cap=job.is_cap,
                                                           kl_beta=kl_coef)
             with _tracer.start_as_current_span("train"):
