@@ -118,14 +118,17 @@ KL_TARGET = 0.1  # per token, to the base model: where coherent lineages met the
 KL_LAST = 10  # the report's KL of a lineage: the median of its last this many updates
 
 
-def training_overrides(kl_beta: float, lr: float) -> list[str]:
+def training_overrides(kl_beta: float, lr: float, max_tokens: int) -> list[str]:
     """The demo's learning: the KL penalty to the base model (`[trainer.loss] kl_beta`), its
     reference logprobs from the trainer's own base with the adapter disabled (`[online]
     reference = "colocated"`: on 2 cores a reference process slowed the engine and the
     trainer, docs/results.md), the LoRA learning rate (`[trainer.optimizer] lr`), each
     update's feedback baselined by its own other scores (`[online] leave_one_out`), and each
     lineage's KL coefficient steered toward a per-token KL of `KL_TARGET` (`[online]
-    kl_target`, starting at `kl_beta`).
+    kl_target`, starting at `kl_beta`), and each answer's loss summed over its tokens and
+    divided by the requests' `max_tokens` (`[trainer.loss] aggregation = "constant"`): divided
+    by its own length, as "token" does in an update of one answer, a short rated answer moved
+    its probability up to `max_tokens / length` times as far as a long one.
     Measured: without the KL the lineages collapsed onto one reply each; with it, lr 1e-3
     learned too slowly for a 900 s run and 2e-3 met every target in some runs. Against the
     running baseline, which lags the scores, updates pushed every answer down while a lineage
@@ -135,7 +138,8 @@ def training_overrides(kl_beta: float, lr: float) -> list[str]:
     KL of 0.3-0.7; those that met their targets did at 0.03-0.1 (b2)."""
     kl = [f"trainer.loss.kl_beta={kl_beta:g}", "online.reference=colocated",
           f"online.kl_target={KL_TARGET:g}"] if kl_beta > 0 else ["trainer.loss.kl_beta=0"]
-    return [*kl, f"trainer.optimizer.lr={lr:g}", "online.leave_one_out=true"]
+    return [*kl, f"trainer.optimizer.lr={lr:g}", "online.leave_one_out=true",
+            "trainer.loss.aggregation=constant", f"trainer.loss.norm_tokens={max_tokens}"]
 
 
 def shared_trainer_built() -> bool:
@@ -821,7 +825,7 @@ def main(args) -> int:
         "kl_target": KL_TARGET if args.kl_beta > 0 else None, "lr": args.lr,
         "trainers": plan.mode})
     # the demo's learning first, so that a --set of the user's overrides it
-    overrides = [*training_overrides(args.kl_beta, args.lr), *args.set,
+    overrides = [*training_overrides(args.kl_beta, args.lr, args.max_tokens), *args.set,
                  *tenant_overrides(keys_file, tenants), *plan.overrides]
     print(f"[demo-tenants] starting the mesh (NATS, rollout with vLLM, gateway) and the trainers "
           f"({plan.mode}) for tenants {', '.join(tenants)}; run files under {out}", flush=True)

@@ -75,10 +75,18 @@ class LossSettings(_Strict):
     kl_beta: float = Field(0.0, ge=0.0)
     """Coefficient of the k3 KL estimate to the reference (frozen base) model; 0 turns the KL
     term (and the need for reference logprobs) off."""
-    aggregation: Literal["token", "sequence"] = "token"
+    aggregation: Literal["token", "sequence", "constant"] = "token"
     """How per-token losses become one number: "token" sums over all tokens of the batch and
     divides by their count (long completions weigh more); "sequence" averages each sequence,
-    then averages sequences (GRPO paper)."""
+    then averages sequences (GRPO paper); "constant" sums over all tokens and divides by the
+    batch's sequences times `norm_tokens` (Dr. GRPO), so how far an update moves a
+    sequence's own probability does not depend on its length. "token" and "sequence" divide
+    a batch of one sequence by its own length: a short answer then moves its probability
+    `norm_tokens / length` times as far as a long one with the same advantage, a pull toward
+    short answers in updates of one or two feedback (the online trainer's)."""
+    norm_tokens: int = Field(128, ge=1)
+    """The "constant" aggregation's tokens per sequence: the generation budget (the
+    requests' `max_tokens`), so a full-length sequence weighs as it does under "token"."""
     scale_advantages_by_std: bool = True
     """GRPO: divide group-centred rewards by the group's std. False is Dr.GRPO."""
     reinforce_baseline: float = 0.0

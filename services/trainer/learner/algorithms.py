@@ -1,7 +1,7 @@
 """RL algorithm units: advantages and the policy objective, as small pure tensor functions.
 
 Owns: group-relative advantages (GRPO / Dr.GRPO), the REINFORCE advantage and its running
-(EMA) baseline, the clipped importance-ratio objective with a k3 KL term and two aggregation
+(EMA) baseline, the clipped importance-ratio objective with a k3 KL term and three aggregation
 modes, the truncated-importance-sampling REINFORCE objective of the online loop, and PPO's
 pieces (the KL-penalised per-token reward, GAE, whitening, the clipped value loss, explained
 variance, the adaptive KL controller), and `make_algorithm` / `make_online_algorithm` /
@@ -61,29 +61,34 @@ def k3_kl(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
     return torch.exp(d) - d - 1.0
 
 
-def loss_normalizer(lengths: Sequence[int], aggregation: str) -> float:
-    """The denominator of a whole batch: its token count ("token") or its non-empty sequences
-    ("sequence"). Pass it to every micro-batch's `policy_loss` so that summing micro-batch
-    losses gives the full-batch loss exactly (not a mean of micro-batch means)."""
+def loss_normalizer(lengths: Sequence[int], aggregation: str, norm_tokens: int = 1) -> float:
+    """The denominator of a whole batch: its token count ("token"), its non-empty sequences
+    ("sequence"), or those sequences times `norm_tokens` ("constant"). Pass it to every
+    micro-batch's `policy_loss` so that summing micro-batch losses gives the full-batch loss
+    exactly (not a mean of micro-batch means)."""
     if aggregation == "token":
         return float(max(sum(lengths), 1))
-    return float(max(sum(1 for n in lengths if n > 0), 1))
+    sequences = max(sum(1 for n in lengths if n > 0), 1)
+    return float(sequences * (norm_tokens if aggregation == "constant" else 1))
 
 
 def aggregate(
-    per_token: Tensor, mask: Tensor, aggregation: str, normalizer: float | None = None
+    per_token: Tensor, mask: Tensor, aggregation: str, normalizer: float | None = None,
+    norm_tokens: int = 1,
 ) -> Tensor:
     """per_token, mask: [B, T] -> scalar.
 
     "token": sum over all real tokens / normalizer (default: their count).
     "sequence": sum over sequences of each sequence's token mean / normalizer (default: the
     number of non-empty sequences).
+    "constant": sum over all real tokens / normalizer (default: the non-empty sequences times
+    `norm_tokens`), so a sequence's weight does not depend on its own length or its batch's.
     """
     masked = torch.where(mask, per_token, torch.zeros_like(per_token))  # pads may hold nan
     lengths = mask.sum(dim=1)  # [B]
     if normalizer is None:
-        normalizer = loss_normalizer(lengths.tolist(), aggregation)
-    if aggregation == "token":
+        normalizer = loss_normalizer(lengths.tolist(), aggregation, norm_tokens)
+    if aggregation in ("token", "constant"):
         return masked.sum() / normalizer
     per_seq = masked.sum(dim=1) / lengths.clamp(min=1)  # [B]
     return per_seq.sum() / normalizer
@@ -160,7 +165,7 @@ def policy_loss(
         pg = torch.where(advantages < 0, torch.minimum(pg, -cfg.ratio_cap * advantages), pg)
 
     per_token, kl = _with_kl(pg, logprobs, ref_logprobs, cfg)
-    loss = aggregate(per_token, mask, cfg.aggregation, normalizer)
+    loss = aggregate(per_token, mask, cfg.aggregation, normalizer, cfg.norm_tokens)
 
     with torch.no_grad():
         mean = _token_mean(mask)
@@ -219,7 +224,7 @@ def tis_reinforce_loss(
     w = truncated_is_weights(logprobs, old_logprobs, is_cap)  # [B, T]
     pg = -w * advantages * logprobs  # [B, T]
     per_token, kl = _with_kl(pg, logprobs, ref_logprobs, cfg)
-    loss = aggregate(per_token, mask, cfg.aggregation, normalizer)
+    loss = aggregate(per_token, mask, cfg.aggregation, normalizer, cfg.norm_tokens)
 
     with torch.no_grad():
         mean = _token_mean(mask)

@@ -220,7 +220,7 @@ class LoraPolicy:
         cfg, dp = self.cfg, self.dp
         # The whole batch's, on every rank: the ranks' gradients then sum to the batch's.
         normalizer = loss_normalizer(
-            [len(s.completion_ids) for s in samples], cfg.loss.aggregation
+            [len(s.completion_ids) for s in samples], cfg.loss.aggregation, cfg.loss.norm_tokens
         )
         tokens = sum(len(s.completion_ids) for s in samples)
         mine = dp.shard(samples)

@@ -109,21 +109,41 @@ def test_token_and_sequence_aggregation_on_uneven_lengths() -> None:
     mask = torch.tensor([[1, 0, 0], [1, 1, 1]], dtype=torch.bool)
     assert aggregate(per_token, mask, "token").item() == pytest.approx((1 + 9) / 4)
     assert aggregate(per_token, mask, "sequence").item() == pytest.approx((1 + 3) / 2)
+    assert aggregate(per_token, mask, "constant", norm_tokens=8).item() == pytest.approx((1 + 9) / 16)
     # NaN on padding never leaks into the result.
     assert aggregate(per_token.masked_fill(~mask, math.nan), mask, "token").isfinite()
 
 
-@pytest.mark.parametrize("how", ["token", "sequence"])
+@pytest.mark.parametrize("how", ["token", "sequence", "constant"])
 def test_split_batch_with_a_global_normalizer_sums_to_the_full_loss(how: str) -> None:
     torch.manual_seed(1)
     per_token = torch.randn(4, 6)
     mask = torch.arange(6)[None, :] < torch.tensor([[6], [2], [0], [4]])
-    full = aggregate(per_token, mask, how)
-    norm = loss_normalizer(mask.sum(1).tolist(), how)
+    full = aggregate(per_token, mask, how, norm_tokens=6)
+    norm = loss_normalizer(mask.sum(1).tolist(), how, norm_tokens=6)
     parts = aggregate(per_token[:2], mask[:2], how, norm) + aggregate(
         per_token[2:], mask[2:], how, norm
     )
     torch.testing.assert_close(parts, full)
+
+
+@pytest.mark.parametrize("how", ["token", "constant"])
+def test_a_lone_answer_moves_its_own_probability_by_its_length_only_under_constant(how: str) -> None:
+    """An update of one answer (the online trainer's): the gradient on the answer's
+    log-probability, sum_t logp_t, is -A / length under "token" (a short answer moves as far
+    per token as a long one, so its whole probability moves further) and -A / norm_tokens
+    under "constant", whatever its length."""
+    cfg, grads = _cfg(aggregation=how, norm_tokens=8), {}
+    for length in (2, 8):
+        old = torch.full((1, length), -1.0)
+        logp = old.clone().requires_grad_(True)
+        loss, _ = policy_loss(logp, old, None, torch.tensor([1.0]), torch.ones(1, length, dtype=torch.bool), cfg)
+        loss.backward()
+        grads[length] = logp.grad[0, 0].item()  # d loss / d logp_t, the same at every t
+    if how == "constant":
+        assert grads[2] == grads[8] == pytest.approx(-1 / 8)
+    else:
+        assert grads[2] == pytest.approx(-1 / 2) and grads[8] == pytest.approx(-1 / 8)
 
 
 def test_gae_with_gamma_lambda_one_is_returns_to_go_minus_values() -> None:

@@ -70,7 +70,7 @@ def test_a_micro_batch_of_empty_completions_is_skipped(make_cfg) -> None:
     assert m.tokens == 71
 
 
-@pytest.mark.parametrize("aggregation", ["token", "sequence"])
+@pytest.mark.parametrize("aggregation", ["token", "sequence", "constant"])
 def test_micro_batches_give_the_full_batch_gradient(make_cfg, random_pairs, aggregation) -> None:
     kw = {
         "loss": {"aggregation": aggregation, "kl_beta": 0.1},
