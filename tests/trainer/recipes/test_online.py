@@ -459,6 +459,39 @@ async def test_killed_trainer_resumes_with_nothing_lost_and_nothing_trained_twic
     assert (await gateway.client.status()).latest_version == summary["version"]
 
 
+async def test_a_restart_goes_on_with_the_steered_kl_coefficient_only_while_steering(
+        gateway, nats_server, rollout, tmp_path, make_cfg, tiny_model):
+    """`[online] kl_target`: the lineage's coefficient is in its checkpoint, and a restarted
+    trainer trains its next update with it; without a target the configured kl_beta holds."""
+    from services.trainer.learner.policy import LoraPolicy
+
+    beta = 0.05
+    cfg = make_cfg(optimizer={"lr": 1e-2}, loss={"kl_beta": beta})
+    # a target no KL stays under: every update after the first (at the base, KL 0) raises it
+    steered = job(tmp_path, reference="colocated", kl_target=1e-12, kl_horizon=1)
+
+    async def train(run_job, n: int, tag: str) -> list[dict]:
+        for i in range(n):
+            await gateway.serve(f"{tag}{i}", seed=20 + i)
+            await gateway.feedback(f"{tag}{i}", 1.0 if i % 2 == 0 else -1.0)
+        mesh = await make_mesh(nats_server.url, rollout, tmp_path)
+        try:
+            await asyncio.wait_for(online.run(run_job.model_copy(update={"max_steps": n}), cfg, tiny_model,
+                                              mesh, tmp_path / "run", policy=LoraPolicy(cfg, tiny_model)), 120)
+        finally:
+            await close_mesh(mesh)
+        return records(tmp_path)[-n:]
+
+    first = await train(steered, 2, "k")
+    assert [r["kl_coef"] for r in first] == pytest.approx([beta, beta])  # KL 0 at the base: the floor
+    assert first[1]["train"]["kl"] > 0
+    raised = beta * 1.2  # the second update's KL, far above the target: +20% per feedback at most
+    (again,) = await train(steered, 1, "r")  # a new process: a fresh policy, the same run dir
+    assert again["kl_coef"] == pytest.approx(raised)
+    (fixed,) = await train(job(tmp_path, reference="colocated"), 1, "f")
+    assert fixed["kl_coef"] == pytest.approx(beta)
+
+
 async def test_a_stop_that_a_library_swallows_mid_step_still_ends_the_loop(
         gateway, nats_server, rollout, tmp_path, make_cfg, tiny_model):
     """Python 3.11's wait_for (under nats-py's requests) returns its reply when the reply and a
