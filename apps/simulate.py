@@ -163,6 +163,13 @@ class Brevity:
     near the lower edge was pushed as hard as it could go toward long answers by one one-liner
     and swung past the band (docs/results.md, "A confirmed stop", z3).
 
+    `complete`: only answers the model ended itself count; one cut off at the token limit
+    never matches and scores -1. Without it, "short" counts words in a fixed token budget, so
+    any style with more tokens per word (exclamations, emoji, broken words) is "short" too: the
+    `exclaim` lineage of the many-tenant demo's run b7 gave 0.42 of its answers in 15-60 words
+    against 0.23 at the base, and half of those were cut off; complete ones only, 0.21 against
+    0.18 (docs/results.md). A user who likes short answers does not like cut-off ones.
+
     The default limit sits at the base model's 15th percentile. Measured (SmolLM2-135M-Instruct,
     vLLM, these prompts x 4 at temperature 1, 128 new tokens, 2026-11-29): word-count
     quantiles 5%: 40, 10%: 63, 15%: 70, 25%: 82, 50%: 98; 71% of the answers hit the token
@@ -173,12 +180,15 @@ class Brevity:
 
     max_words: int = 70
     min_words: int = 5
+    complete: bool = False
     name: ClassVar[str] = "short"
 
-    def matched(self, text: str) -> bool:
-        return self.min_words <= word_count(text) <= self.max_words
+    def matched(self, text: str, cut_off: bool = False) -> bool:
+        return not (self.complete and cut_off) and self.min_words <= word_count(text) <= self.max_words
 
-    def score(self, text: str) -> float:
+    def score(self, text: str, cut_off: bool = False) -> float:
+        if self.complete and cut_off:
+            return -1.0
         words = word_count(text)
         if words < self.min_words:
             return -(self.min_words - words) / self.min_words
@@ -187,18 +197,20 @@ class Brevity:
         return -min(1.0, (words - self.max_words) / self.max_words)
 
     def describe(self) -> str:
-        return f"answers of {self.min_words} to {self.max_words} words"
+        whole = "complete answers (not cut off)" if self.complete else "answers"
+        return f"{whole} of {self.min_words} to {self.max_words} words"
 
 
 class Preference(Protocol):
     """What a hidden preference is to the simulator: a name, whether an answer meets it, the
-    score a user gives (in [-1, 1], +1 when met) and a line saying what it is."""
+    score a user gives (in [-1, 1], +1 when met) and a line saying what it is. `cut_off`: the
+    token limit ended the answer (finish_reason "length"), as the user sees it."""
 
     name: ClassVar[str]
 
-    def matched(self, text: str) -> bool: ...
+    def matched(self, text: str, cut_off: bool = False) -> bool: ...
 
-    def score(self, text: str) -> float: ...
+    def score(self, text: str, cut_off: bool = False) -> float: ...
 
     def describe(self) -> str: ...
 
@@ -230,10 +242,10 @@ class Bullets:
     min_item_words: int = 4
     name: ClassVar[str] = "bullets"
 
-    def matched(self, text: str) -> bool:
+    def matched(self, text: str, cut_off: bool = False) -> bool:
         return list_items(text, self.min_item_words) >= self.min_items
 
-    def score(self, text: str) -> float:
+    def score(self, text: str, cut_off: bool = False) -> float:
         items = list_items(text, self.min_item_words)
         return 1.0 if items >= self.min_items else -1.0 + items / self.min_items
 
@@ -265,11 +277,11 @@ class Question:
     max_tail_words: int = 3
     name: ClassVar[str] = "question"
 
-    def matched(self, text: str) -> bool:
+    def matched(self, text: str, cut_off: bool = False) -> bool:
         tail = words_after_question(text)
         return tail is not None and tail <= self.max_tail_words
 
-    def score(self, text: str) -> float:
+    def score(self, text: str, cut_off: bool = False) -> float:
         if self.matched(text):
             return 1.0
         return -1.0 if words_after_question(text) is None else -0.5
@@ -306,10 +318,10 @@ class Exclaim:
 
     name: ClassVar[str] = "exclaim"
 
-    def matched(self, text: str) -> bool:
+    def matched(self, text: str, cut_off: bool = False) -> bool:
         return first_mark(text) == "!"
 
-    def score(self, text: str) -> float:
+    def score(self, text: str, cut_off: bool = False) -> float:
         if self.matched(text):
             return 1.0
         return -0.5 if "!" in text else -1.0
@@ -398,6 +410,16 @@ class Record:
     error: str = ""
     answer: str = ""  # the text, to see what the users rewarded
     tenant: str | None = None  # whose lineage served it (X-Hotloop-Tenant); None: not said
+
+    @property
+    def cut_off(self) -> bool:
+        """The token limit ended the answer, not the model."""
+        return self.finish_reason == "length"
+
+    def meets(self, pref: Preference) -> bool:
+        """Whether this answer meets `pref` (judged again, as a tenant's report does for the
+        other tenants' preferences)."""
+        return pref.matched(self.answer, cut_off=self.cut_off)
 
 
 def itl_summary(gaps_ms: list[float]) -> dict[str, float | None]:
@@ -628,8 +650,8 @@ class Simulation:
         answer = rec.answer = "".join(text)
         rec.itl_ms = itl_summary(gaps)
         rec.words = word_count(answer)
-        rec.matched = self.preference.matched(answer)
-        rec.score = round(self.preference.score(answer), 4)
+        rec.matched = rec.meets(self.preference)
+        rec.score = round(self.preference.score(answer, cut_off=rec.cut_off), 4)
         self.share.add(rec.matched)
         # rated only if the user rates both when asking and when done reading: a user who
         # stopped rating meanwhile (the end of a phase, a tenant's pause) leaves it unrated

@@ -1,7 +1,7 @@
 """`hotloop demo-tenants` (`make demo-tenants`): three tenants on one engine, each with users of
 its own who like something different, each tenant's model learning its own users' taste live.
 
-Tenants (`TENANTS`): `short` (answers of 15 to N words: `apps.simulate.Brevity`), `bullets`
+Tenants (`TENANTS`): `short` (complete answers of 15 to N words: `apps.simulate.Brevity`), `bullets`
 (the answer is a list of items of a few words: `Bullets`), `exclaim` (its first sentence ends
 with "!": `Exclaim`). On the base model these three do not co-vary (see `Exclaim`), so a rise
 of one in another tenant's answers is something that tenant's lineage learned beside its own.
@@ -85,9 +85,11 @@ log = logging.getLogger(__name__)
 
 def preferences(max_words: int = 60, min_items: int = 2, min_words: int = 15,
                 min_item_words: int = 4) -> dict[str, Preference]:
-    """Each tenant's hidden preference. Base rates on `TENANT_PROMPTS`: see there (apps/simulate.py)."""
-    return {"short": Brevity(max_words, min_words), "bullets": Bullets(min_items, min_item_words),
-            "exclaim": Exclaim()}
+    """Each tenant's hidden preference. Base rates on `TENANT_PROMPTS`: see there (apps/simulate.py).
+    `short` counts complete answers only (`Brevity.complete`): counted in words within the token
+    limit, it rose in any lineage that learned a style of more tokens per word."""
+    return {"short": Brevity(max_words, min_words, complete=True),
+            "bullets": Bullets(min_items, min_item_words), "exclaim": Exclaim()}
 
 
 # ---- keys and trainers ------------------------------------------------------------------------
@@ -265,7 +267,7 @@ def ok_records(records: list[Record], phase: str, since: float = 0.0) -> list[Re
 
 def share(records: list[Record], pref: Preference) -> float | None:
     """The share of `records` meeting `pref`, judged on their text."""
-    return sum(pref.matched(r.answer) for r in records) / len(records) if records else None
+    return sum(r.meets(pref) for r in records) / len(records) if records else None
 
 
 def base_rates(state: TenantsState) -> dict[str, float | None]:
@@ -347,7 +349,7 @@ def advance(run: TenantRun, now: float, window: int, check_answers: int) -> str 
         return "paused"
     version = final_version(run)
     fresh = version_answers(run, run.paused_at, version)[:check_answers]
-    hits = sum(run.preference.matched(r.answer) for r in fresh)
+    hits = sum(r.meets(run.preference) for r in fresh)
     need = math.ceil((run.target + standard_error(run.target, check_answers)) * check_answers - 1e-9)
     # decided as soon as the rest of the sample cannot change the verdict
     if hits < need and hits + check_answers - len(fresh) >= need:
@@ -384,7 +386,7 @@ def tenants_status(state: TenantsState, t0: float) -> str:
         recent = SlidingShare(state.window)
         for r in run.sim.records:
             if not r.error:
-                recent.add(run.preference.matched(r.answer))
+                recent.add(r.meets(run.preference))
         v = recent.value
         target = f"/{run.target:.2f}" if run.target is not None else ""
         parts.append(f"{run.name} v{run.sim.clock.latest} (trained v{run.tracker.trained_version}) "
@@ -728,7 +730,7 @@ def _plot(state: TenantsState, path: Path) -> None:
         for name, pref in state.prefs.items():
             window, xs, ys = SlidingShare(state.window), [], []
             for r in records:
-                window.add(pref.matched(r.answer))
+                window.add(r.meets(pref))
                 xs.append(r.ts - t0)
                 ys.append(window.value)
             own = name == run.name

@@ -46,6 +46,22 @@ def test_brevity_scores_plus_one_when_met_and_grades_the_excess():
     assert "10 words" in pref.describe()
 
 
+def test_a_cut_off_answer_is_not_short_when_only_complete_answers_count():
+    from apps.simulate import Record
+
+    text = " ".join(["w!"] * 8)  # few words in many tokens, ended by the token limit
+    cut = Record(ts=0, user=0, phase="train", prompt=0, answer=text, finish_reason="length")
+    done = Record(ts=0, user=0, phase="train", prompt=0, answer=text, finish_reason="stop")
+    assert cut.cut_off and not done.cut_off
+    whole, words = Brevity(max_words=10, min_words=5, complete=True), Brevity(max_words=10, min_words=5)
+    assert not cut.meets(whole) and whole.score(text, cut_off=True) == -1.0
+    assert done.meets(whole) and whole.score(text) == 1.0
+    assert cut.meets(words) and words.score(text, cut_off=True) == 1.0  # words in the budget only
+    # a complete answer above the limit still scores above a cut-off one: ending it is the step
+    assert -1.0 < whole.score(" ".join(["w"] * 15)) < 0
+    assert "complete answers" in whole.describe() and "complete" not in words.describe()
+
+
 def test_an_empty_or_near_empty_answer_is_not_short_but_broken():
     pref = Brevity(max_words=10, min_words=5)
     for text in ("", "   "):
@@ -161,9 +177,9 @@ kv_cache_gib = 1
         bad_summary = asyncio.run(bad.run())
 
         class StopsRating(Brevity):  # the user stops rating while it reads its first answer
-            def matched(self, text: str) -> bool:
+            def matched(self, text: str, cut_off: bool = False) -> bool:
                 quits.cfg.feedback = False
-                return super().matched(text)
+                return super().matched(text, cut_off)
 
         quits = Simulation(target, SimConfig(users=1, requests_per_user=2, max_tokens=12, progress_s=0),
                            StopsRating(8))
