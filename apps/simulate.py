@@ -89,6 +89,8 @@ PROMPTS: tuple[str, ...] = (
 # learn from binary scores. A second sample of 392 (same settings): 0.24, 0.13, 0.13, and the
 # first sentence ends with "!" 0.13. Through the mesh (the demo's idle phase, 90-100 answers per
 # run) they vary from run to run: 15 to 60 words 0.16-0.26, lists 0.13-0.20, "!" 0.13-0.21.
+# Complete answers (not cut off) of 15 to 60 words, the demo's `short` since run b8: 0.18 and
+# 0.14 of 159 and 152 idle answers (b7, b8).
 TENANT_PROMPTS: tuple[str, ...] = (
     "I'm thinking about getting a dog.",
     "I'm thinking about getting a cat.",
