@@ -266,7 +266,7 @@ def ok_records(records: list[Record], phase: str, since: float = 0.0) -> list[Re
 
 
 def share(records: list[Record], pref: Preference) -> float | None:
-    """The share of `records` meeting `pref`, judged on their text."""
+    """The share of `records` meeting `pref`, judged on their text (and whether it was cut off)."""
     return sum(r.meets(pref) for r in records) / len(records) if records else None
 
 
