@@ -439,14 +439,42 @@ class Bus:
         await self.retrying(lambda: kv.delete(key), f"KV delete {key}")
 
     async def kv_keys(self) -> list[str]:
-        """Every key of the versions bucket that holds a value (deleted ones left out)."""
-        from nats.js.errors import NoKeysError
+        """Every key of the versions bucket that holds a value, sorted (deleted ones left out)."""
+        return list(await self.entries(await self.kv(), VERSIONS_BUCKET))
 
-        kv = await self.kv()
-        try:
-            return await self.retrying(lambda: kv.keys(), "KV keys")
-        except NoKeysError:
-            return []
+    async def entries(self, kv, bucket: str) -> dict[str, Any]:
+        """key -> its current entry (nats-py `KeyValue.Entry`), by key, of every key of KV
+        `bucket` (`kv`, its handle) that holds a value (deleted ones left out).
+
+        Not nats-py's `KeyValue.keys()`: that watches the bucket and ends at a marker which
+        races the delivery (a key delivered before the consumer's info comes back but not yet
+        read is missed), so it answers an empty list for a bucket that holds keys, about one
+        call in a hundred here. The keys come from the stream's per-subject state instead,
+        and each is read back (one request per key)."""
+        from nats.js.errors import KeyNotFoundError
+
+        prefix = f"$KV.{bucket}."
+        info = await self.retrying(
+            lambda: self.js.stream_info(f"KV_{bucket}", subjects_filter=prefix + ">"),
+            f"KV {bucket} keys")
+        out = {}
+        for subject in sorted(info.state.subjects or {}):
+            key = subject[len(prefix):]
+            try:
+                out[key] = await self.retrying(lambda: kv.get(key), f"KV get {key}")
+            except KeyNotFoundError:  # deleted (its tombstone is the subject's last message)
+                pass
+        return out
+
+    async def replay_end(self, bucket: str) -> int:
+        """The revision of the last entry a watch of KV `bucket` started now replays (0: the
+        bucket holds nothing): the stream's last sequence. A watcher knows its replay is out
+        when it has seen that revision, or an entry with nothing pending after it (`delta`
+        0), whichever comes first; nats-py's own end marker (a None entry) races the
+        delivery like `entries`' listing does."""
+        info = await self.retrying(lambda: self.js.stream_info(f"KV_{bucket}"),
+                                   f"KV {bucket} info")
+        return info.state.last_seq if info.state.messages else 0
 
     async def lineages(self) -> dict[str, Message]:
         """Every lineage the mesh announced: tenant ("" the default) -> its newest version
@@ -454,12 +482,10 @@ class Bus:
         from hotloop.proto.v1 import common_pb2
 
         out = {}
-        for key in await self.kv_keys():
+        for key, entry in (await self.entries(await self.kv(), VERSIONS_BUCKET)).items():
             tenant = lineage_of_key(key)
             if tenant is not None:
-                info = await self.kv_get(key, common_pb2.VersionInfo)
-                if info is not None:  # deleted since the listing
-                    out[tenant] = info
+                out[tenant] = common_pb2.VersionInfo.FromString(entry.value)
         return dict(sorted(out.items()))
 
     # ---- consuming ------------------------------------------------------------------------

@@ -234,15 +234,10 @@ class Registry:
 
     async def list(self) -> list[TenantRecord]:
         """Every record, by name."""
-        from nats.js.errors import NoKeysError
+        from hotloop.bus import TENANTS_BUCKET
 
-        kv = await self._kv()
-        try:
-            names = await self.bus.retrying(kv.keys, "tenant list")
-        except NoKeysError:
-            return []
-        records = [await self._entry(n) for n in sorted(names)]
-        return [r for r in records if r is not None]
+        entries = await self.bus.entries(await self._kv(), TENANTS_BUCKET)
+        return [TenantRecord.from_bytes(e.value, e.revision) for e in entries.values()]
 
     async def create(self, name: str, keys: Sequence[TenantKey] = (), *,
                      config: bool = False, generation: int = 0) -> TenantRecord:
@@ -335,23 +330,30 @@ class Registry:
         from google.protobuf.message import DecodeError
         import nats
 
+        from hotloop.bus import TENANTS_BUCKET
+
         kv = await self._kv()
+        ready = ready if ready is not None else asyncio.Event()
+        end = await self.bus.replay_end(TENANTS_BUCKET)  # read before the watch starts
         watcher = await self.bus.retrying(kv.watchall, "tenant watch")
+        if not end:
+            ready.set()  # an empty bucket: nothing to replay
         try:
             async for entry in watcher:
-                if entry is None:  # the initial replay is out
-                    if ready is not None:
-                        ready.set()
+                if entry is None:  # nats-py's end marker races the delivery: `end` says it
                     continue
                 if entry.operation in ("DEL", "PURGE"):
                     yield entry.key, None, entry.revision
-                    continue
-                try:
-                    record = TenantRecord.from_bytes(entry.value, entry.revision)
-                except DecodeError as e:  # a foreign value: say so, skip it
-                    log.warning("tenant registry: undecodable record for %r: %s", entry.key, e)
-                    continue
-                yield entry.key, record, entry.revision
+                else:
+                    try:
+                        record = TenantRecord.from_bytes(entry.value, entry.revision)
+                    except DecodeError as e:  # a foreign value: say so, skip it
+                        log.warning("tenant registry: undecodable record for %r: %s", entry.key, e)
+                    else:
+                        yield entry.key, record, entry.revision
+                # resumed after the item was handled: the replay is out once its last one was
+                if not ready.is_set() and (entry.revision >= end or entry.delta == 0):
+                    ready.set()
         finally:
             try:
                 await watcher.stop()

@@ -14,7 +14,8 @@ Owns, per lineage (`CatchUp`): the newest version this replica knows the mesh an
 trainer, check that it is the announced one, and load it through the core as the lineage's
 latest), the bounded wait at start-up (`start`) and the background loop afterwards (`follow`).
 Across lineages (`Lineages`): which lineages exist (the KV's `latest.tenant.<name>` keys,
-listed at start-up, on each reconnect and every `poll_s`, and any tenant whose announcement
+listed at start-up, on each reconnect and every `poll_s` (a failed listing sooner, with a
+doubling wait), and any tenant whose announcement
 is heard: `listen` subscribes to every tenant's subject with one wildcard), a `CatchUp` for
 each, started together under one bound, and the metrics (`metric_families`: per lineage, label
 `tenant`, "" the default: the announced version, whether the replica is behind, attempts by
@@ -391,11 +392,14 @@ class Lineages:
     `CatchUp` each, made by `make(tenant)` when the lineage is first found."""
 
     def __init__(self, make: Callable[[str], CatchUp],
-                 list_tenants: Callable[[], Awaitable[list[str]]], *, poll_s: float = 30.0):
-        """`list_tenants`: the tenants whose lineage the mesh announced (`bus_tenants`)."""
+                 list_tenants: Callable[[], Awaitable[list[str]]], *, poll_s: float = 30.0,
+                 retry_max_s: float = 30.0):
+        """`list_tenants`: the tenants whose lineage the mesh announced (`bus_tenants`). A
+        listing that fails is retried with a doubling wait up to `retry_max_s` (and `poll_s`)."""
         self._make = make
         self._list = list_tenants
         self._poll_s = poll_s
+        self._retry_max_s = retry_max_s
         self.default = make("")
         self._lineages: dict[str, CatchUp] = {"": self.default}
         self._group: asyncio.TaskGroup | None = None
@@ -475,15 +479,19 @@ class Lineages:
             try:
                 for tenant, c in list(self._lineages.items()):
                     group.create_task(c.follow(), name=f"catch-up {tenant}")
+                delay, wait = FIRST_RETRY_S, self._poll_s
                 while True:
                     try:
-                        await asyncio.wait_for(self._wake.wait(), self._poll_s)
+                        await asyncio.wait_for(self._wake.wait(), wait)
                     except TimeoutError:
                         pass
                     self._wake.clear()
-                    if not await self.discover():
-                        log.warning("catch-up: %s; listing again in %.0f s", self.error,
-                                    self._poll_s)
+                    if await self.discover():
+                        delay, wait = FIRST_RETRY_S, self._poll_s
+                        continue
+                    # a failed listing (the bus still coming back, say) is retried sooner
+                    wait, delay = min(delay, self._poll_s), min(2 * delay, self._retry_max_s)
+                    log.warning("catch-up: %s; listing again in %.1f s", self.error, wait)
             finally:
                 self._group = None
 

@@ -403,6 +403,37 @@ async def test_a_tenant_announced_while_the_bus_was_away_is_found_when_it_comes_
         await stop_task(follower)
 
 
+async def test_a_listing_that_fails_after_a_reconnect_is_retried_before_the_poll():
+    """The bus came back but could not list yet (JetStream still recovering its store): the
+    next listing comes after a short wait, not `poll_s` later."""
+    replica = Versions()
+    answers: list = [Unavailable("no JetStream responder yet"), ["acme"]]
+
+    async def tenants() -> list[str]:
+        answer = answers.pop(0) if answers else ["acme"]
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    async def nothing_announced():
+        return None
+
+    def make(tenant: str) -> CatchUp:
+        return CatchUp(replica, nothing_announced, TrainerFetch(), tenant=tenant, poll_s=3600)
+
+    catchup = Lineages(make, tenants, poll_s=3600)
+    answers.insert(0, [])  # the listing at start: nothing yet
+    assert await catchup.start(timeout_s=5) and catchup.tenants() == []
+    follower = asyncio.create_task(catchup.follow())
+    try:
+        catchup.wake()  # the reconnect: this listing fails, the next one finds acme
+        await wait_for(lambda: catchup.tenants() == ["acme"], "listed again after the failure",
+                       timeout_s=5)
+        assert catchup.error == "" and answers == []
+    finally:
+        await stop_task(follower)
+
+
 async def test_a_trainer_that_does_not_train_the_tenant_is_passed_over_for_the_next(
         tenant_rig, tmp_path, nats_server):
     trainer, bus, fetch = tenant_rig
