@@ -1,7 +1,7 @@
 """`scripts/gpu-check.sh`: the prepared check of a CUDA host, in one run under a time budget.
 
 Owns: the stages of the check (the machine, the model, the GPU-marked tests, the rollout,
-hot-update and update-loop benchmarks), running each as a subprocess with its own timeout
+hot-update and update-loop benchmarks, the tenant demo), running each as a subprocess with its own timeout
 taken from what is left of the budget, recording each stage's outcome and key figures even
 when it fails or times out, and writing them all to one JSON (rewritten after every stage, so
 a run cut short still leaves what it measured). Does not own any benchmark (each is its
@@ -137,6 +137,22 @@ def hot_update_figures(path: Path) -> dict[str, Any]:
             "stages_ms": {k: v for k, v in r["swap_ms"].items() if v is not None}}
 
 
+def tenants_figures(path: Path) -> dict[str, Any]:
+    """The tenant demo's acceptance and, per tenant, its share (base -> final, target), its
+    cross rise and its loop p50: what the 2-core runs could not all reach in 900 s."""
+    r = json.loads(path.read_text())
+    out: dict[str, Any] = {"training_s": round(r["training_s"] or 0.0, 1),
+                           "wrong_adapter_answers": r["wrong_adapter_answers"],
+                           **{k: v for k, v in r["acceptance"].items()}}
+    for t in r["tenants"]:
+        share = t["share"]
+        out[t["name"]] = {"base": share["base"], "final": share["final"],
+                          "target": share["target"], "reached": share["reached"],
+                          "cross_delta_max": t["cross_delta_max"],
+                          "loop_p50_ms": (t.get("loop_ms") or {}).get("p50")}
+    return out
+
+
 def update_loop_figures(path: Path) -> dict[str, Any]:
     r = json.loads(path.read_text())
     return {"p50_ms": r["loop_ms"]["p50"], "p95_ms": r["loop_ms"]["p95"], "loops": r["loops"],
@@ -156,6 +172,11 @@ def stages(model: str, work: Path, dry_run: bool, python: str = sys.executable) 
     hot = ["--pushes", "2", "--rank", "4", "--swap", "inflight"] if tiny else ["--pushes", "20"]
     loop = ["--loops", "1", "--max-tokens", "16", "--loop-timeout-s", "120"] if tiny \
         else ["--loops", "20"]
+    # the tenant demo (last: on the 2 CPU cores its targets did not all land in 900 s, docs/
+    # results.md; the aim is that they do here, within its cap)
+    tenants = ["--users", "1", "--idle-s", "2", "--idle-answers", "3", "--train-s", "10",
+               "--eval-answers", "0", "--max-tokens", "16", "--window", "4",
+               "--check-answers", "4"] if tiny else ["--idle-s", "20", "--train-s", "300"]
     config = work / "online.toml"
     return [
         Stage("model", [*cli, "models", "pull", model], 120),
@@ -174,6 +195,9 @@ def stages(model: str, work: Path, dry_run: bool, python: str = sys.executable) 
                               "--out-dir", str(work / "update-loop"),
                               "--json", str(work / "update-loop.json")], 180,
               lambda w: update_loop_figures(w / "update-loop.json")),
+        Stage("tenants", [*cli, "demo-tenants", "--config", str(config), *tenants, "--quiet",
+                          "--out-dir", str(work / "tenants"), "--run-id", "check"], 480,
+              lambda w: tenants_figures(w / "tenants" / "check" / "tenants-report.json")),
     ]
 
 
@@ -183,8 +207,8 @@ def online_config(model: str, dry_run: bool) -> str:
     by the engine and the trainer."""
     base = (REPO / "configs" / "online.toml").read_text()
     lines = [f'[model]\nname = "{model}"\n']
-    if dry_run:
-        lines.append("[rollout]\nkv_cache_gib = 1\n")
+    if dry_run:  # the tiny model has 4 decoder layers, the shipped file trains the top 8
+        lines.append("[rollout]\nkv_cache_gib = 1\n[trainer.lora]\ntop_layers = 2\n")
     else:
         lines.append('[rollout]\ncpu_omp_threads_bind = "auto"\ngpu_memory_utilization = 0.3\n'
                      '[trainer]\ncpus = ""\n')
@@ -192,12 +216,18 @@ def online_config(model: str, dry_run: bool) -> str:
 
 
 def _merge_toml(base: str, override: str) -> str:
-    """`base` with `override`'s keys set in their sections (both small flat TOML files)."""
+    """`base` with `override`'s keys set in their tables (both small TOML files)."""
     import tomllib
 
+    def merge(into: dict[str, Any], values: dict[str, Any]) -> None:
+        for k, v in values.items():
+            if isinstance(v, dict) and isinstance(into.get(k), dict):
+                merge(into[k], v)  # a nested table ([trainer.lora]) keeps its other keys
+            else:
+                into[k] = v
+
     data = tomllib.loads(base)
-    for section, values in tomllib.loads(override).items():
-        data.setdefault(section, {}).update(values)
+    merge(data, tomllib.loads(override))
     return _dump_toml(data)
 
 
@@ -315,7 +345,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="runs/gpu-check.json", help="the one JSON this writes")
     p.add_argument("--budget-s", type=float, default=DEFAULT_BUDGET_S, help="total time budget")
     p.add_argument("--stages", default="",
-                   help="comma-separated subset of: model, tests, hot_update, rollout, update_loop")
+                   help="comma-separated subset of: model, tests, hot_update, rollout, "
+                        "update_loop, tenants")
     p.add_argument("--dry-run", action="store_true",
                    help="every stage tiny on the CPU with a random tiny model: checks the "
                         "plumbing, not a GPU")

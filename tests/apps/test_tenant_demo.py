@@ -20,6 +20,7 @@ import pytest
 from apps.online_demo import LoopTracker
 from apps.simulate import PREFERENCES, TENANT_PROMPTS, Bullets, Exclaim, Question, Record, list_items
 from apps.tenant_demo import TENANTS, TenantRun, key_id, make_keys, tenant_overrides, trainer_plan, wrong_adapter
+from benchmarks import gpu_check
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -383,6 +384,12 @@ def test_demo_tenants_trains_each_lane_on_its_own_feedback_and_stops_on_sigterm(
         records = [json.loads(line) for line in (run / f"requests-{name}.jsonl").read_text().splitlines()]
         assert records and all(r["tenant"] == name for r in records if not r["error"])
         assert all(r["feedback"] == "" for r in records if r["phase"] != "training")
+    # what the GPU check's tenant stage reads of it (benchmarks/gpu_check.py)
+    figures = gpu_check.tenants_figures(run / "tenants-report.json")
+    assert figures["wrong_adapter_answers"] == 0 and figures["no_wrong_adapter_answers"] is True
+    for t in report["tenants"]:
+        assert figures[t["name"]]["target"] == t["share"]["target"]
+        assert figures[t["name"]]["cross_delta_max"] == t["cross_delta_max"]
     assert (run / "tenants.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (run / "tenants-report.md").read_text().startswith("# hotloop many-tenant run `t` (interrupted)")
     assert _left_behind(str(out)) == []

@@ -87,6 +87,14 @@ def test_counts_come_from_a_real_pytest_run(tmp_path):
     assert junit_counts(junit) == {"tests": 4, "passed": 2, "failed": 1, "errors": 0, "skipped": 1}
 
 
+def test_an_override_of_a_nested_table_keeps_its_other_keys():
+    import tomllib
+
+    merged = gpu_check._merge_toml('x = 1\n[a]\nk = "v"\n[a.b]\np = 1\nq = 2\n',
+                                   '[a.b]\nq = 3\n[c]\nz = true\n')
+    assert tomllib.loads(merged) == {"x": 1, "a": {"k": "v", "b": {"p": 1, "q": 3}}, "c": {"z": True}}
+
+
 @pytest.mark.parametrize("dry_run", [True, False])
 def test_the_update_loop_config_loads_with_the_model_under_test(tmp_path, dry_run):
     from apps import sections
@@ -97,10 +105,26 @@ def test_the_update_loop_config_loads_with_the_model_under_test(tmp_path, dry_ru
     assert loaded.mesh.model.name == "/models/qwen"
     shipped = sections.load(str(REPO / "configs" / "online.toml"))
     assert loaded["online"] == shipped["online"]  # the loop's own settings are the shipped ones
+    assert loaded["trainer"].optimizer == shipped["trainer"].optimizer
     if dry_run:
         assert loaded["trainer"].cpus == shipped["trainer"].cpus
+        assert loaded["trainer"].lora.top_layers == 2  # of the tiny model's 4
     else:  # a GPU host: no pinning to the 2 CPU cores the shipped file splits
         assert loaded["trainer"].cpus == "" and loaded["rollout"].cpu_omp_threads_bind == "auto"
+
+
+@pytest.mark.parametrize("dry_run", [True, False])
+def test_every_stage_of_the_cli_parses_with_the_cli_s_own_parser(tmp_path, dry_run):
+    """A stage whose options the command does not take would fail only on the GPU host."""
+    from apps.cli import build_parser
+
+    names = []
+    for stage in gpu_check.stages("/models/qwen", tmp_path, dry_run):
+        names.append(stage.name)
+        if stage.argv[1:3] == ["-m", "apps.cli"]:
+            args = build_parser().parse_args(stage.argv[3:])  # exits 2 on an unknown option
+            assert args is not None
+    assert names == ["model", "tests", "hot_update", "rollout", "update_loop", "tenants"]
 
 
 def test_a_gpu_check_without_a_gpu_says_so(tmp_path, capsys):
