@@ -295,6 +295,15 @@ class OnlineConfig(_Strict):
     update pushes every answer down, which raises what the model rarely says, incoherent text
     included (with batches of 4-6: docs/results.md, b1). The more updates hold two or more
     feedback (`batch_size`, `batch_window_s`), the more it does."""
+    negative_weight: float = Field(1.0, ge=0.0, le=1.0)
+    """Multiply each negative advantage by this (1: REINFORCE as it is; 0: learn from the
+    answers that beat the baseline only). An answer pushed down moves its probability onto
+    everything else the model could say, the target among it only in proportion; where most
+    ratings are below the baseline (a preference the base model rarely meets), updates of one
+    answer are mostly such pushes (the tenant demo's `bullets`, three ratings in four at -1,
+    wandered for 242 updates: docs/results.md, "Many tenants", b9). AsymRE (Arnal et al. 2025)
+    lowers the baseline for the same reason; this weights the negative side only. Below 1 the
+    advantages of a leave-one-out batch no longer sum to 0."""
     kl_target: float | None = Field(None, gt=0.0)
     """Adaptive KL per lineage (Ziegler et al. 2019, as PPO's `kl_target`): raise the KL
     coefficient above `[trainer.loss] kl_beta` (> 0; never below it) while the per-token KL of

@@ -256,14 +256,21 @@ class EmaBaseline:
     decay: float
     value: float = 0.0
     leave_one_out: bool = False
+    negative_weight: float = 1.0
+    """Each negative advantage is multiplied by this (1: as taken): see `[online]
+    negative_weight`."""
 
     def advantages(self, scores: Tensor) -> Tensor:
         """scores [N] -> advantages [N], against the baseline before this batch."""
         n = scores.numel()
         if self.leave_one_out and n >= 2:
             scores = scores.float()
-            return scores - (scores.sum() - scores) / (n - 1)
-        return reinforce_advantages(scores, baseline=self.value)
+            adv = scores - (scores.sum() - scores) / (n - 1)
+        else:
+            adv = reinforce_advantages(scores, baseline=self.value)
+        if self.negative_weight != 1.0:
+            adv = torch.where(adv < 0, adv * self.negative_weight, adv)
+        return adv
 
     def update(self, scores: Tensor) -> None:
         self.value = self.decay * self.value + (1.0 - self.decay) * float(scores.float().mean())

@@ -503,7 +503,8 @@ class Online(Recipe):
         self.lease = await LineageLease.claim(mesh.bus, job.tenant, Holder.here(str(run.dir)))
         if self.policy is None:
             self.policy = self.owned = make_policy(self.cfg, self.model_dir)
-        self.baseline = EmaBaseline(job.baseline_ema, leave_one_out=job.leave_one_out)
+        self.baseline = EmaBaseline(job.baseline_ema, leave_one_out=job.leave_one_out,
+                                    negative_weight=job.negative_weight)
         # kl_beta is the least: a lineage starts at the base, where the KL is ~0 for a while
         self.kl = AdaptiveKl(self.cfg.loss.kl_beta, job.kl_target, job.kl_horizon,
                              floor=self.cfg.loss.kl_beta)

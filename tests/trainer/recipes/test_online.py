@@ -492,6 +492,25 @@ async def test_a_restart_goes_on_with_the_steered_kl_coefficient_only_while_stee
     assert fixed["kl_coef"] == pytest.approx(beta)
 
 
+async def test_negative_weight_scales_what_a_rating_below_the_baseline_teaches(
+        gateway, nats_server, rollout, tmp_path, make_cfg, tiny_model):
+    """`[online] negative_weight` reaches the update: a -1 at the starting baseline (0) is an
+    advantage of -1, halved."""
+    from services.trainer.learner.policy import LoraPolicy
+
+    cfg = make_cfg()
+    await gateway.serve("n0", seed=5)
+    await gateway.feedback("n0", -1.0)
+    mesh = await make_mesh(nats_server.url, rollout, tmp_path)
+    try:
+        await asyncio.wait_for(online.run(job(tmp_path, negative_weight=0.5), cfg, tiny_model, mesh,
+                                          tmp_path / "run", policy=LoraPolicy(cfg, tiny_model)), 120)
+    finally:
+        await close_mesh(mesh)
+    (rec,) = records(tmp_path)
+    assert (rec["score_mean"], rec["advantage_mean"]) == (-1.0, pytest.approx(-0.5))
+
+
 async def test_a_stop_that_a_library_swallows_mid_step_still_ends_the_loop(
         gateway, nats_server, rollout, tmp_path, make_cfg, tiny_model):
     """Python 3.11's wait_for (under nats-py's requests) returns its reply when the reply and a

@@ -89,6 +89,18 @@ def test_leave_one_out_baselines_a_batch_by_its_other_scores() -> None:
     assert b.value == pytest.approx(0.5 * -0.9 + 0.5 * -1.5 / 4)
 
 
+def test_negative_advantages_are_weighted_and_positive_ones_kept() -> None:
+    b = EmaBaseline(decay=0.5, value=-0.5, negative_weight=0.25)
+    # against the running value: +1 -> +1.5 as it is, -1 -> -0.5 weighted to -0.125
+    torch.testing.assert_close(b.advantages(torch.tensor([1.0, -1.0])), torch.tensor([1.5, -0.125]))
+    loo = EmaBaseline(decay=0.5, leave_one_out=True, negative_weight=0.0)
+    torch.testing.assert_close(loo.advantages(torch.tensor([1.0, -1.0, -1.0])),
+                               torch.tensor([2.0, 0.0, 0.0]))  # 0: only what beat the others
+    assert OnlineConfig().negative_weight == 1.0  # REINFORCE as it is unless asked
+    with pytest.raises(ValidationError):
+        OnlineConfig(negative_weight=1.5)
+
+
 def test_a_lineages_kl_coefficient_is_its_own_and_steers_toward_the_target() -> None:
     from services.trainer.learner.algorithms import AdaptiveKl
 
