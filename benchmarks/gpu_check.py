@@ -1,10 +1,10 @@
 """`scripts/gpu-check.sh`: the prepared check of a CUDA host, in one run under a time budget.
 
 Owns: the stages of the check (the machine, the model, the GPU-marked tests, the rollout,
-hot-update and update-loop benchmarks, the tenant demo), running each as a subprocess with its own timeout
-taken from what is left of the budget, recording each stage's outcome and key figures even
-when it fails or times out, and writing them all to one JSON (rewritten after every stage, so
-a run cut short still leaves what it measured). Does not own any benchmark (each is its
+hot-update and update-loop benchmarks, the tenant demo), running each as a subprocess with
+its own timeout taken from what is left of the budget, recording each stage's outcome and key
+figures even when it fails or times out, and writing them all to one JSON (rewritten after
+every stage, so a run cut short still leaves what it measured). Does not own any benchmark (each is its
 `hotloop bench` command) or the tests.
 
 `--dry-run` runs every stage tiny on the CPU with a random tiny model (no GPU, no network):

@@ -15,11 +15,10 @@ trainer, check that it is the announced one, and load it through the core as the
 latest), the bounded wait at start-up (`start`) and the background loop afterwards (`follow`).
 Across lineages (`Lineages`): which lineages exist (the KV's `latest.tenant.<name>` keys,
 listed at start-up, on each reconnect and every `poll_s` (a failed listing sooner, with a
-doubling wait), and any tenant whose announcement
-is heard: `listen` subscribes to every tenant's subject with one wildcard), a `CatchUp` for
-each, started together under one bound, and the metrics (`metric_families`: per lineage, label
-`tenant`, "" the default: the announced version, whether the replica is behind, attempts by
-result).
+doubling wait), and any tenant whose announcement is heard: `listen` subscribes to every
+tenant's subject with one wildcard), a `CatchUp` for each, started together under one
+bound, and the metrics (`metric_families`: per lineage, label `tenant`, "" the default: the
+announced version, whether the replica is behind, attempts by result).
 
 When it looks: at start-up before the replica serves; on each `WeightsUpdated` (it subscribes:
 reacting at once, and the announcement names a trainer); each time the bus connection comes
