@@ -118,6 +118,7 @@ def tenant_overrides(keys_file: Path, tenants: list[str]) -> list[str]:
 
 KL_TARGET = 0.1  # per token, to the base model: where coherent lineages met their targets
 KL_LAST = 10  # the report's KL of a lineage: the median of its last this many updates
+NEGATIVE_WEIGHT = 0.25  # what a rating below the baseline teaches, against one above it
 
 
 def training_overrides(kl_beta: float, lr: float, max_tokens: int) -> list[str]:
@@ -137,10 +138,14 @@ def training_overrides(kl_beta: float, lr: float, max_tokens: int) -> list[str]:
     scored below it, and lineages wandered into incoherent text; larger batches (6, gathered
     for 12 s) did not fix that and doubled the loop (docs/results.md, "Many tenants", b1).
     With the fixed coefficient the lineages that turned incoherent had drifted to a per-token
-    KL of 0.3-0.7; those that met their targets did at 0.03-0.1 (b2)."""
+    KL of 0.3-0.7; those that met their targets did at 0.03-0.1 (b2). A rating below the
+    baseline weighs `NEGATIVE_WEIGHT` of itself (`[online] negative_weight`): `bullets`, three
+    ratings in four at -1, stayed at its base over 242 updates without it (b9) and met its
+    target with it (b10)."""
     kl = [f"trainer.loss.kl_beta={kl_beta:g}", "online.reference=colocated",
           f"online.kl_target={KL_TARGET:g}"] if kl_beta > 0 else ["trainer.loss.kl_beta=0"]
     return [*kl, f"trainer.optimizer.lr={lr:g}", "online.leave_one_out=true",
+            f"online.negative_weight={NEGATIVE_WEIGHT:g}",
             "trainer.loss.aggregation=constant", f"trainer.loss.norm_tokens={max_tokens}"]
 
 
