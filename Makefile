@@ -44,7 +44,7 @@ $(MODEL_STAMP): $(STAMP)
 model: $(MODEL_STAMP)
 
 test: $(MODEL_STAMP)
-	$(BIN)/python -m pytest -p no:cacheprovider --durations=15 $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -p no:cacheprovider --durations=40 $(PYTEST_ARGS)
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -m "not slow and not real_model" $(PYTEST_ARGS)
