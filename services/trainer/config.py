@@ -304,6 +304,17 @@ class OnlineConfig(_Strict):
     wandered for 242 updates: docs/results.md, "Many tenants", b9). AsymRE (Arnal et al. 2025)
     lowers the baseline for the same reason; this weights the negative side only. Below 1 the
     advantages of a leave-one-out batch no longer sum to 0."""
+    serve_average: float = Field(0.0, ge=0.0, lt=1.0)
+    """Publish a running average of the lineage's adapter instead of the adapter as trained:
+    after each update s <- serve_average * s + (1 - serve_average) * theta (Polyak averaging,
+    learner/averaging.py), and each version is s. 0: each version is the trained adapter.
+    Updates of one or two rated answers move every parameter by about the learning rate, so
+    adjacent versions can differ as much as distant ones (the tenant demo: a window of 30
+    answers held 0.47 of its preference, the next version 0.04; docs/results.md, "Many
+    tenants"). At 0.8 a version moves a fifth of an update and follows the trained adapter
+    ~4 updates behind. Users are served s, and the trainer learns from answers sampled from s
+    (the truncated importance weight, `is_cap`, corrects for the difference). The average is
+    checkpointed with the lineage; a reset starts it over at the base."""
     kl_target: float | None = Field(None, gt=0.0)
     """Adaptive KL per lineage (Ziegler et al. 2019, as PPO's `kl_target`): raise the KL
     coefficient above `[trainer.loss] kl_beta` (> 0; never below it) while the per-token KL of

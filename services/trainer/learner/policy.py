@@ -375,10 +375,12 @@ class LoraPolicy:
 
     # ------------------------------------------------------------------------ persistence
 
-    def save_adapter(self, directory: Path) -> Path:
+    def save_adapter(self, directory: Path, weights: Sequence[torch.Tensor] | None = None) -> Path:
         """Write the adapter (adapter_config.json + adapter_model.safetensors) to `directory`,
         which must not exist yet; written under a temporary name and renamed, so a reader
-        never sees a half-written adapter. Returns the directory."""
+        never sees a half-written adapter. Returns the directory. `weights`: tensors in
+        `trainable_tensors` order to write in place of the trained ones (a lineage's served
+        average, averaging.py); the policy's own are back when this returns."""
         directory = Path(directory)
         if directory.exists():
             raise FileExistsError(f"{directory} exists; adapter versions are immutable")
@@ -386,11 +388,33 @@ class LoraPolicy:
         tmp = directory.with_name(f".tmp-{directory.name}-{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)
         try:
-            self.model.save_pretrained(tmp, selected_adapters=["default"])  # not a critic's
+            with self._weights(weights):
+                self.model.save_pretrained(tmp, selected_adapters=["default"])  # not a critic's
             tmp.rename(directory)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
         return directory
+
+    @contextlib.contextmanager
+    def _weights(self, weights: Sequence[torch.Tensor] | None) -> Iterator[None]:
+        """The adapter's parameters hold `weights` (None: their own) inside the block."""
+        if weights is None:
+            yield
+            return
+        params = self.trainable_tensors()
+        if len(weights) != len(params):
+            raise ValueError(f"{len(weights)} tensors for an adapter of {len(params)}")
+        own = [p.data for p in params]
+        try:
+            for p, w in zip(params, weights):
+                if w.shape != p.shape:
+                    raise ValueError(f"a tensor of shape {tuple(w.shape)} for a parameter of "
+                                     f"{tuple(p.shape)}")
+                p.data = w.to(device=p.device, dtype=p.dtype)
+            yield
+        finally:
+            for p, t in zip(params, own):
+                p.data = t
 
     def save_checkpoint(self, root: Path, data_position: dict[str, Any] | None = None,
                         extras: dict[str, Callable[[Path], None]] | None = None) -> Path:

@@ -63,6 +63,10 @@ Metrics: `OnlineMetrics` holds the loop's `Counters` (read into Prometheus when 
 they are written to metrics.jsonl) and observes each update's seconds, per stage and whole, and
 each trained feedback's loop: from its arrival at the gateway to its version serving.
 
+Served weights: with `serve_average` > 0 a version is a running average of the trained adapter
+(learner/averaging.py), updated in the update's turn before it is packed and checkpointed with
+it; 0 publishes the adapter as trained.
+
 Many tenants: one loop trains one lineage. A multi-tenant trainer runs a loop per tenant on one
 shared policy (lanes.py); every use of the policy here (restore, the colocated reference, train,
 pack, checkpoint) is inside the injected `turn`, where that tenant's adapter is swapped in and
@@ -85,7 +89,7 @@ import time
 from collections import deque
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from opentelemetry import trace
 from opentelemetry.context import Context
@@ -106,8 +110,12 @@ from ..config import OnlineConfig, TrainerConfig
 from .base import Recipe, Run, Schedule, run_recipe
 from .usersfirst import UsersFirst
 
+if TYPE_CHECKING:
+    from ..learner.averaging import PolyakAverage
+
 log = logging.getLogger(__name__)
 _tracer = trace.get_tracer(__name__)
+AVERAGE = "average"  # a checkpoint's subdirectory holding the served average (`serve_average`)
 STAGES = ("consume", "join", "reference", "train", "pack", "publish", "checkpoint", "ack")
 
 
@@ -492,9 +500,11 @@ class Online(Recipe):
         self.intake: asyncio.Task | None = None
         self.publishing: asyncio.Task | None = None  # the latest update's publish, in flight
         self.lease: LineageLease | None = None  # this run's hold on its lineage (`setup`)
+        self.average: PolyakAverage | None = None  # what versions publish (`serve_average`)
 
     async def setup(self, run: Run) -> Schedule:
         from ..learner.algorithms import AdaptiveKl, EmaBaseline
+        from ..learner.averaging import PolyakAverage
         from ..learner.distributed import make_policy
 
         job, mesh = self.job, self.mesh
@@ -510,9 +520,14 @@ class Online(Recipe):
                              floor=self.cfg.loss.kl_beta)
         # an adapter packed by a run that died before its publish stored it: never published
         shutil.rmtree(run.dir / "adapters", ignore_errors=True)
+        saved: list[Path] = []  # where the checkpoint keeps the served average, if it does
         async with self.turn(False):
-            pos = run.restore(self.policy)
+            pos = run.restore(self.policy, extras={AVERAGE: saved.append})
             self.steps = self.policy.step
+            if job.serve_average > 0:  # from the restored adapter, unless the checkpoint has one
+                self.average = PolyakAverage(job.serve_average, self.policy.trainable_tensors())
+                if saved and self.average.load(saved[0]):
+                    log.info("resumed the served average (%g)", job.serve_average)
         if pos is not None:
             self.version, self.baseline.value = pos["version"], pos["baseline"]
             if job.kl_target is not None:  # steered: go on from where it was, never under kl_beta
@@ -524,7 +539,7 @@ class Online(Recipe):
             # run): publish this policy above them, so serving and staleness refer to it.
             self.version = seen + 1
             async with self.turn(False):
-                adapter = self.policy.save_adapter(run.dir / "adapters" / f"v{self.version}")
+                adapter = self.pack(run.dir / "adapters" / f"v{self.version}")
             await publish_tolerant(mesh, self.version, adapter)
             shutil.rmtree(adapter)
             self.metrics.published.inc()
@@ -640,8 +655,9 @@ class Online(Recipe):
             if not m.skipped:  # packed in the same turn: the adapter is this update's
                 t = time.perf_counter()
                 with _tracer.start_as_current_span("pack"):
-                    adapter = self.policy.save_adapter(
-                        self.run.dir / "adapters" / f"v{self.version + 1}")
+                    if self.average is not None:
+                        self.average.update(self.policy.trainable_tensors())
+                    adapter = self.pack(self.run.dir / "adapters" / f"v{self.version + 1}")
                 secs["pack"] = time.perf_counter() - t
         if m.skipped:
             log.warning("update skipped (%s): its %d feedback are dead-lettered", m.skip_reason, len(rows))
@@ -680,6 +696,12 @@ class Online(Recipe):
             counters=asdict(self.counters), queue_depth=self.queue.qsize(), shed=len(shed),
             queue_wait_s=max(waited),
         )
+
+    def pack(self, directory: Path) -> Path:
+        """Write the version this lineage serves next: the served average (`serve_average`),
+        else the adapter as trained. In the policy's turn."""
+        return self.policy.save_adapter(
+            directory, None if self.average is None else self.average.tensors)
 
     async def publish(self, version: int, adapter: Path, rows: list[tuple[Pending, Any, Any]]) -> None:
         """Make `version` the mesh's; only then do its feedback count as trained (for the next
@@ -778,7 +800,8 @@ class Online(Recipe):
             async with self.turn(False):
                 self.policy.save_checkpoint(self.run.checkpoints, data_position={
                     "version": self.version, "baseline": self.baseline.value,
-                    "kl_coef": self.kl.coef, "trained": sorted(self.trained)})
+                    "kl_coef": self.kl.coef, "trained": sorted(self.trained)},
+                    extras=None if self.average is None else {AVERAGE: self.average.save})
             prune_checkpoints(self.run.checkpoints, self.job.keep_checkpoints)
         with _tracer.start_as_current_span("ack"):
             await ack_all(self.uncommitted, self.mesh.bus)

@@ -156,6 +156,32 @@ def test_saved_adapter_reloads_to_the_same_logprobs(
         assert a == pytest.approx(b, abs=1e-6)
 
 
+def test_an_adapter_saved_with_other_weights_holds_them_and_the_policy_keeps_its_own(
+    make_cfg, random_pairs, tmp_path
+) -> None:
+    """`save_adapter(weights=...)`: what a lineage serving an average publishes."""
+    from safetensors.torch import load_file
+
+    policy = LoraPolicy(make_cfg())
+    _perturb_adapter(policy, seed=1)
+    own = _params(policy)
+    pairs = random_pairs(2, seed=5)
+    before = policy.logprobs(pairs)
+    other = [torch.randn_like(t) for t in policy.trainable_tensors()]
+    mine = load_file(str(policy.save_adapter(tmp_path / "own") / "adapter_model.safetensors"))
+    theirs = load_file(str(policy.save_adapter(tmp_path / "other", other) / "adapter_model.safetensors"))
+    # the files name a parameter as peft saves it: without the adapter's name
+    saved = [n.replace(".default", "") for n in own]
+    assert sorted(mine) == sorted(theirs) == sorted(saved)
+    for name, own_t, other_t in zip(saved, own.values(), other):
+        assert torch.equal(mine[name], own_t) and torch.equal(theirs[name], other_t)
+    assert all(torch.equal(p, own[n]) for n, p in policy.trainable_parameters())
+    assert policy.logprobs(pairs) == before
+    with pytest.raises(ValueError, match="tensors for an adapter"):
+        policy.save_adapter(tmp_path / "short", other[:-1])
+    assert not (tmp_path / "short").exists()
+
+
 def test_base_logprobs_ignore_the_adapter(make_cfg, tiny_model, random_pairs) -> None:
     policy = LoraPolicy(make_cfg())
     _perturb_adapter(policy)

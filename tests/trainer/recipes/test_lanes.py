@@ -184,7 +184,9 @@ async def test_tenants_are_added_reset_and_removed_at_runtime(mesh, tmp_path, ma
 
     policy = LoraPolicy(make_cfg())
     initial = [p.detach().clone() for p in policy.trainable_tensors()]
-    lanes = mesh.lanes(tmp_path, ["acme"], policy, make_cfg(), tiny_model)
+    names = [n.replace(".default", "") for n, _ in policy.trainable_parameters()]  # as saved
+    # each version serves a running average of the lane's adapter (`serve_average`)
+    lanes = mesh.lanes(tmp_path, ["acme"], policy, make_cfg(), tiny_model, serve_average=0.5)
     task = asyncio.create_task(lanes.run())
     try:
         await until(lambda: "acme" in lanes.lanes and lanes.lanes["acme"].online.started.is_set(),
@@ -216,6 +218,12 @@ async def test_tenants_are_added_reset_and_removed_at_runtime(mesh, tmp_path, ma
                     task=task)
         rec = steps(tmp_path, "acme")[-1]
         assert rec["seqs"] == [a2] and rec["version"] == v + 1  # a1 was not trained again
+        # the average started over at the base: v + 1 is half the base, half the update
+        published = _adapter(lanes.store("acme").archive(v + 1))
+        trained = lanes.turns.adapters.state("acme").params
+        assert not all(torch.equal(t, i) for t, i in zip(trained, initial))
+        for name, t, i in zip(names, trained, initial):
+            torch.testing.assert_close(published[name], 0.5 * i + 0.5 * t)
 
         # ---- remove beta: its consumer goes, its feedback stays in the stream
         beta_dir = tmp_path / "run" / "tenants" / "beta"
@@ -239,6 +247,15 @@ async def test_tenants_are_added_reset_and_removed_at_runtime(mesh, tmp_path, ma
         await mesh.rollout.close()
     assert b2 > b1
     assert [t for t, _ in mesh.replica.pushes].count("beta") == 1
+
+
+def _adapter(archive: Path) -> dict:
+    """The adapter tensors in a stored version's archive."""
+    from safetensors.torch import load
+
+    from hotloop.adapters import read_archive
+
+    return load(bytes(read_archive(archive)["adapter_model.safetensors"]))
 
 
 async def test_turns_one_at_a_time_short_ones_first_and_a_stopped_waiter_leaves_no_trace(make_cfg):

@@ -14,6 +14,7 @@ import time
 
 import pytest
 import pytest_asyncio
+import torch
 
 from hotloop import grpcutil
 from hotloop.bus import (
@@ -509,6 +510,74 @@ async def test_negative_weight_scales_what_a_rating_below_the_baseline_teaches(
         await close_mesh(mesh)
     (rec,) = records(tmp_path)
     assert (rec["score_mean"], rec["advantage_mean"]) == (-1.0, pytest.approx(-0.5))
+
+
+def _published(tmp_path, version: int) -> dict:
+    """The adapter tensors of `version` as the publisher stored (and pushed) it."""
+    from safetensors.torch import load
+
+    from hotloop.adapters import read_archive
+
+    archive = read_archive(tmp_path / "store" / "versions" / f"v{version}.tar")
+    return load(bytes(archive["adapter_model.safetensors"]))
+
+
+def _checkpointed(tmp_path, step: int) -> dict:
+    """The trained adapter of the run's checkpoint at `step`."""
+    from safetensors.torch import load_file
+
+    return load_file(str(tmp_path / "run" / "checkpoints" / f"step-{step:08d}" / "adapter"
+                         / "adapter_model.safetensors"))
+
+
+def _mix(a: dict, b: dict, decay: float) -> dict:
+    return {k: decay * a[k] + (1 - decay) * b[k] for k in a}
+
+
+def _close(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
+
+
+async def test_serve_average_publishes_the_running_average_and_a_restart_goes_on_from_it(
+        gateway, nats_server, rollout, tmp_path, make_cfg, tiny_model):
+    """`[online] serve_average`: each version is s <- d s + (1 - d) theta of the adapter as
+    trained (its checkpoint), starting from the lineage's start; a restarted trainer takes
+    s from the checkpoint, so its next version goes on from the last one served."""
+    from safetensors.torch import load_file
+
+    from services.trainer.learner.policy import LoraPolicy
+
+    decay = 0.5
+    cfg = make_cfg(optimizer={"lr": 1e-2})
+    averaged = job(tmp_path, serve_average=decay, reference="colocated")
+
+    async def train(n: int, tag: str, policy: LoraPolicy) -> list[dict]:
+        for i in range(n):
+            await gateway.serve(f"{tag}{i}", seed=40 + i)
+            await gateway.feedback(f"{tag}{i}", 1.0 if i % 2 == 0 else -1.0)
+        mesh = await make_mesh(nats_server.url, rollout, tmp_path)
+        try:
+            await asyncio.wait_for(online.run(averaged.model_copy(update={"max_steps": n}), cfg,
+                                              tiny_model, mesh, tmp_path / "run", policy=policy), 120)
+        finally:
+            await close_mesh(mesh)
+        return records(tmp_path)[-n:]
+
+    fresh = LoraPolicy(cfg, tiny_model)
+    start = load_file(str(fresh.save_adapter(tmp_path / "start") / "adapter_model.safetensors"))
+    first = await train(2, "a", fresh)
+    v1, v2 = (r["version"] for r in first)
+    theta1, theta2 = _checkpointed(tmp_path, 1), _checkpointed(tmp_path, 2)
+    assert not _close(theta1, start) and not _close(theta2, theta1)  # the updates moved it
+    assert _close(_published(tmp_path, v1), _mix(start, theta1, decay))
+    assert _close(_published(tmp_path, v2), _mix(_published(tmp_path, v1), theta2, decay))
+    assert not _close(_published(tmp_path, v2), theta2)
+    assert (await gateway.client.status()).latest_version == v2  # what users are served
+
+    (again,) = await train(1, "b", LoraPolicy(cfg, tiny_model))  # a new process, the same run dir
+    assert again["version"] == v2 + 1
+    assert _close(_published(tmp_path, v2 + 1),
+                  _mix(_published(tmp_path, v2), _checkpointed(tmp_path, 3), decay))
 
 
 async def test_a_stop_that_a_library_swallows_mid_step_still_ends_the_loop(

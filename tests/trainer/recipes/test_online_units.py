@@ -101,6 +101,14 @@ def test_negative_advantages_are_weighted_and_positive_ones_kept() -> None:
         OnlineConfig(negative_weight=1.5)
 
 
+def test_serve_average_is_off_unless_asked_and_below_one() -> None:
+    assert OnlineConfig().serve_average == 0.0  # each version the adapter as trained
+    assert OnlineConfig(serve_average=0.8).serve_average == 0.8
+    for bad in (1.0, -0.1):  # at 1 the served weights would never move
+        with pytest.raises(ValidationError):
+            OnlineConfig(serve_average=bad)
+
+
 def test_a_lineages_kl_coefficient_is_its_own_and_steers_toward_the_target() -> None:
     from services.trainer.learner.algorithms import AdaptiveKl
 
