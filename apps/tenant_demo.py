@@ -141,7 +141,9 @@ def training_overrides(kl_beta: float, lr: float, max_tokens: int) -> list[str]:
     KL of 0.3-0.7; those that met their targets did at 0.03-0.1 (b2). A rating below the
     baseline weighs `NEGATIVE_WEIGHT` of itself (`[online] negative_weight`): `bullets`, three
     ratings in four at -1, stayed at its base over 242 updates without it (b9) and met its
-    target with it in 2 of 5 runs (b10-b14), in none of 9 before."""
+    target with it in 2 of 5 runs (b10-b14), in none of 9 before. Serving each lineage's
+    running average (`[online] serve_average` 0.8) did not help and slowed `exclaim` (c1, c2):
+    the demo leaves it off."""
     kl = [f"trainer.loss.kl_beta={kl_beta:g}", "online.reference=colocated",
           f"online.kl_target={KL_TARGET:g}"] if kl_beta > 0 else ["trainer.loss.kl_beta=0"]
     return [*kl, f"trainer.optimizer.lr={lr:g}", "online.leave_one_out=true",
