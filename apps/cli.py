@@ -393,8 +393,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="tenant `bullets`: items of at least N words (a list of one-word items is "
                          "a short answer too)")
     dt.add_argument("--window", type=int, default=30,
-                    help="once a tenant's last N answers of training meet its target, its users "
-                         "pause rating and its version is checked")
+                    help="a tenant's answers of training are read in blocks of N: once one meets "
+                         "its target by one standard error, its users pause rating and its "
+                         "version is checked")
     dt.add_argument("--check-answers", type=int, default=40,
                     help="a check: N answers of the version a paused tenant serves; at its target "
                          "by one standard error, its users stop rating; below, they rate again")

@@ -203,10 +203,12 @@ def test_a_window_meets_its_target_only_beyond_its_sampling_noise():
     assert not met_target(window(30, size=39), pref, 0.25, 40)  # not a full window yet
 
 
-def test_a_tenant_pauses_at_its_target_and_a_check_of_fresh_answers_confirms_it_or_resumes_rating(tmp_path):
-    """`advance`: a window at the target pauses the tenant's rating; the version it then serves
-    is judged on answers to requests sent after the pause only, the newest version's only; below
-    the target by its noise the users rate again and the next window counts from then."""
+def test_a_block_past_the_target_pauses_a_tenant_and_a_check_of_fresh_answers_confirms_or_resumes(tmp_path):
+    """`advance`: a tenant's answers of training are read in blocks of `window`, each once; a
+    block beyond the target by its noise pauses the tenant's rating (a sliding window that met
+    it in between does not); the version it then serves is judged on answers to requests sent
+    after the pause only, the newest version's only; below the target by its noise the users
+    rate again and the blocks count from then."""
     from apps.simulate import SimConfig
     from apps.tenant_demo import advance
 
@@ -226,12 +228,19 @@ def test_a_tenant_pauses_at_its_target_and_a_check_of_fresh_answers_confirms_it_
                                       last_version=last))
         run.tracker.published_at.setdefault(max(v, last), ts)
 
-    answer(90.0, hit, 0, phase="idle")  # not training: no window counts it
-    for i, text in enumerate([miss, hit, miss, miss]):
+    def step(now: float) -> str | None:
+        return advance(run, now, window=4, check_answers=5)
+
+    answer(90.0, hit, 0, phase="idle")  # not training: no block counts it
+    for i, text in enumerate([miss, hit, miss, hit]):
         answer(101.0 + i, text, 1)
-    assert advance(run, 105.0, window=4, check_answers=5) is None  # 0.25 < 0.3
-    answer(106.0, hit, 2)
-    assert advance(run, 107.0, window=4, check_answers=5) == "paused"  # 2 of the last 4
+    assert step(105.0) is None  # block 1: 0.5, not past 0.3 by its noise (0.23 for 4)
+    for i, text in enumerate([hit, hit, miss]):
+        answer(105.1 + i / 10, text, 1)
+    # the last 4 (hit, hit, hit, miss) would meet the bar; block 2 is not complete yet
+    assert step(105.5) is None and run.paused_at is None
+    answer(105.6, hit, 2)
+    assert step(107.0) == "paused"  # block 2: 3 of 4
     assert run.paused_at == 107.0 and run.sim.cfg.feedback is False and run.learned_until is None
     # sent before the pause, begun on an older version, or from a version since replaced: no evidence
     answer(106.5, hit, 2)
@@ -239,31 +248,52 @@ def test_a_tenant_pauses_at_its_target_and_a_check_of_fresh_answers_confirms_it_
     for i in range(5):
         answer(109.0 + i, hit, 2)
     answer(114.0, miss, 3)  # feedback sent before the pause trained v3: it is what is checked now
-    assert advance(run, 115.0, window=4, check_answers=5) is None and not run.checks
+    assert step(115.0) is None and not run.checks
     answer(116.0, hit, 3)
     answer(117.0, miss, 3)
-    assert advance(run, 118.0, window=4, check_answers=5) is None  # 1 hit, 2 to come
+    assert step(118.0) is None  # 1 hit, 2 to come
     answer(118.5, miss, 3)
     answer(119.0, miss, 3)
-    assert advance(run, 120.0, window=4, check_answers=5) == "resumed"  # 1 of 5 < 0.3 + 0.2
+    assert step(120.0) == "resumed"  # 1 of 5 < 0.3 + 0.2
     assert run.checks == [{"at": 120.0, "paused_at": 107.0, "version": 3, "answers": 5, "share": 0.2,
                            "accepted": False}]
     assert (run.paused_at, run.rating_since, run.sim.cfg.feedback) == (None, 120.0, True)
-    # the window counts from the resumption: the hits before it do not pause the tenant again
-    assert advance(run, 121.0, window=4, check_answers=5) is None
+    # the blocks count from the resumption: the answers before it do not pause the tenant again
+    assert step(121.0) is None
     for i in range(4):
-        answer(121.0 + i, hit if i % 2 else miss, 4)
-    assert advance(run, 125.0, window=4, check_answers=5) == "paused"
+        answer(121.0 + i, hit if i else miss, 4)
+    assert step(125.0) == "paused"
     answer(126.0, hit, 4)
     answer(127.0, hit, 4)
-    assert advance(run, 128.0, window=4, check_answers=5) is None  # 2 hits; 3 of 5 are needed
+    assert step(128.0) is None  # 2 hits; 3 of 5 are needed
     answer(128.5, hit, 4)
     # decided once the rest cannot change the verdict: 3 of 5 (0.6 >= 0.3 + 0.205) whatever follows
-    assert advance(run, 129.0, window=4, check_answers=5) == "accepted"
+    assert step(129.0) == "accepted"
     assert (run.reached_at, run.learned_until, run.sim.cfg.feedback) == (129.0, 129.0, False)
     assert [(c["accepted"], c["answers"], c["share"]) for c in run.checks] == [(False, 5, 0.2), (True, 3, 1.0)]
     answer(132.0, miss, 4)
-    assert advance(run, 133.0, window=4, check_answers=5) is None  # done: it stays silent
+    assert step(133.0) is None  # done: it stays silent
+
+
+def test_a_block_is_read_once(tmp_path):
+    """A block below the bar stays below it: read again, later, it does not pause the tenant,
+    and neither do the answers of a block not yet complete."""
+    from apps.simulate import SimConfig
+    from apps.tenant_demo import advance
+
+    class Sim:
+        def __init__(self):
+            self.records: list[Record] = []
+            self.cfg = SimConfig(feedback=True, phase="training")
+
+    run = TenantRun("exclaim", Exclaim(), Sim(), LoopTracker("nats://unused", tmp_path, "exclaim"))
+    run.target, run.rating_since = 0.3, 0.0
+    for i, text in enumerate(["Yes.", "Wow! Yes.", "Wow! Yes.", "Yes."]):  # 0.5: below 0.53
+        run.sim.records.append(Record(ts=1.0 + i, user=0, phase="training", prompt=0, answer=text,
+                                      version=1, last_version=1))
+    assert advance(run, 5.0, window=4, check_answers=5) is None and run.blocks_read == 1
+    run.target = 0.1  # were it read again, it would now meet the bar (0.1 + 0.15)
+    assert advance(run, 6.0, window=4, check_answers=5) is None and run.paused_at is None
 
 
 def test_a_run_stopped_before_any_answer_still_writes_its_report(tmp_path):
