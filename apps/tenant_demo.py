@@ -348,8 +348,8 @@ def advance(run: TenantRun, now: float, window: int, check_answers: int) -> str 
       at or above the target by one standard error of `check_answers` answers, accepted, its
       lineage is done and its users stay silent; below, they resume rating, and the next
       block counts from then. Decided as soon as the rest of `check_answers` cannot change
-      the verdict (the same verdict, sooner: a check of 40 took 200 s). The window that
-      triggered the check is not its evidence: a window that met a target by chance is as
+      the verdict (the same verdict, sooner: a check of 40 took 200 s). The block that
+      triggered the check is not its evidence: a block that met a target by chance is as
       likely as one that met it by learning, and a lineage frozen on one falls back below
       the target (measured: 0.46 targeted, window at it, 0.37 after)."""
     if run.learned_until is not None or run.target is None:
