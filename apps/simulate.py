@@ -91,6 +91,9 @@ PROMPTS: tuple[str, ...] = (
 # run) they vary from run to run: 15 to 60 words 0.16-0.26, lists 0.13-0.20, "!" 0.13-0.21.
 # Complete answers (not cut off) of 15 to 60 words, the demo's `short` since run b8: 0.18 and
 # 0.14 of 159 and 152 idle answers (b7, b8).
+# Lists are met on the requests for one (the 14 from "List three fun facts" on): 0.40 there,
+# 0.02 on the other 35 (796 idle answers of runs c1-c5); the users draw prompts from a deck
+# (`PromptDeck`) so that the mix of the two does not move a base rate from run to run.
 TENANT_PROMPTS: tuple[str, ...] = (
     "I'm thinking about getting a dog.",
     "I'm thinking about getting a cat.",
@@ -366,6 +369,31 @@ class SlidingShare:
         return sum(self._last) / len(self._last) if self._last else None
 
 
+class PromptDeck:
+    """Which prompt a simulation's next request asks: the prompts in a shuffled order, each once
+    before any again (a deck drawn to the end, then shuffled anew), shared by all its users.
+
+    Drawn independently at random, the prompts of a few hundred answers were an uneven mix, and
+    a preference met on some prompts far more than on others moved with the mix, not with the
+    model: the many-tenant demo's lists came 0.40 of the time on its 14 requests for a list and
+    0.02 on the other 35 (637 base-model answers, c1-c4 in docs/results.md), so the base rate
+    of 150 answers, and the target set at twice it, varied by +-0.05 from the draw alone. Drawn
+    from a deck, every run of `len(prompts)` answers asks each prompt about once, and a share
+    varies with what the model says."""
+
+    def __init__(self, n: int, rng: random.Random):
+        if n < 1:
+            raise ValueError("a deck needs at least one prompt")
+        self.n, self._rng = n, rng
+        self._left: list[int] = []
+
+    def draw(self) -> int:
+        if not self._left:
+            self._left = list(range(self.n))
+            self._rng.shuffle(self._left)
+        return self._left.pop()
+
+
 class VersionClock:
     """When a token of each policy version first reached a user (wall-clock seconds).
 
@@ -534,6 +562,7 @@ class Simulation:
         self._stop = asyncio.Event()
         self._limiter = RateLimiter(cfg.rate)
         self._rng = random.Random(cfg.seed)
+        self._deck = PromptDeck(len(self.prompts), self._rng)
         self._model: str | None = None
         self._t0 = time.monotonic()
 
@@ -601,7 +630,7 @@ class Simulation:
         """One request, streamed, scored, rated. Never raises for an HTTP failure."""
         import openai
 
-        pi = self._rng.randrange(len(self.prompts))
+        pi = self._deck.draw()
         # the phase at the start decides: an answer begun in the idle phase is never rated
         rec = Record(ts=time.time(), user=uid, phase=self.cfg.phase, prompt=pi)
         self.in_flight[uid] = rec.phase

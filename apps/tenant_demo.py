@@ -5,8 +5,9 @@ Tenants (`TENANTS`): `short` (complete answers of 15 to N words: `apps.simulate.
 (the answer is a list of items of a few words: `Bullets`), `exclaim` (its first sentence ends
 with "!": `Exclaim`). On the base model these three do not co-vary (see `Exclaim`), so a rise
 of one in another tenant's answers is something that tenant's lineage learned beside its own.
-Every tenant's users ask the same prompts (`TENANT_PROMPTS`), so each preference's base rate is
-the same for all of them before training, and a rise of another tenant's preference in a
+Every tenant's users ask the same prompts (`TENANT_PROMPTS`, each drawn from a deck: every
+prompt once before any again, `PromptDeck`), so each preference's base rate is the same for all
+of them before training, and a rise of another tenant's preference in a
 tenant's answers (`cross_delta_max`) is a leak, not a different prompt mix.
 
 Owns:

@@ -11,6 +11,7 @@ import pytest
 from apps.simulate import (
     PROMPTS,
     Brevity,
+    PromptDeck,
     RateLimiter,
     Record,
     SimConfig,
@@ -23,6 +24,20 @@ from apps.simulate import (
     summarize,
     word_count,
 )
+
+
+def test_the_deck_asks_every_prompt_once_before_any_again():
+    import random
+
+    deck = PromptDeck(7, random.Random(3))
+    drawn = [deck.draw() for _ in range(21)]
+    for cycle in range(3):
+        assert sorted(drawn[7 * cycle:7 * cycle + 7]) == list(range(7))
+    assert drawn[:7] != drawn[7:14] or drawn[7:14] != drawn[14:]  # shuffled anew each cycle
+    other = PromptDeck(7, random.Random(4))
+    assert [other.draw() for _ in range(7)] != drawn[:7]  # the seed decides the order
+    with pytest.raises(ValueError, match="at least one prompt"):
+        PromptDeck(0, random.Random(0))
 
 
 def test_word_count_splits_on_any_whitespace():
