@@ -388,6 +388,10 @@ def build_parser() -> argparse.ArgumentParser:
     dt.add_argument("--min-words", type=int, default=15,
                     help="tenant `short`: and at least N words (an empty or one-line reply like "
                          "\"I can help you with that!\" is not a short answer)")
+    dt.add_argument("--tenants", default="",
+                    help="the tenants, each named after its users' preference, comma-separated "
+                         "(default short,bullets,exclaim; also direct: the first sentence says "
+                         "'you'; question: it ends with a question)")
     dt.add_argument("--min-items", type=int, default=2, help="tenant `bullets`: lists of at least N items")
     dt.add_argument("--min-item-words", type=int, default=4,
                     help="tenant `bullets`: items of at least N words (a list of one-word items is "

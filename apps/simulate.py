@@ -335,7 +335,46 @@ class Exclaim:
         return "answers that open with an exclamation (the first sentence ends with '!')"
 
 
-PREFERENCES: dict[str, type] = {p.name: p for p in (Brevity, Bullets, Question, Exclaim)}
+_YOU = re.compile(r"\byou\b", re.IGNORECASE)
+
+
+def first_sentence(text: str) -> str:
+    """`text` up to its first sentence-ending mark (all of it without one)."""
+    m = _MARK.search(text)
+    return text[:m.end()] if m else text
+
+
+@dataclass(frozen=True)
+class Direct:
+    """The hidden preference: the answer speaks to the user from its first sentence, which
+    says "you" ("You might enjoy ...", "That sounds like fun, and you ...").
+
+    Chosen as a preference the base model meets on every kind of prompt: lists (`Bullets`)
+    come 0.40 of the time on the requests for a list and 0.02 on the other prompts, so twice
+    their base rate asks for a habit on a third of the prompts with nothing to learn from on
+    the rest. Measured on 796 idle answers of the many-tenant demo (runs c1-c5, SmolLM2-135M-
+    Instruct, `TENANT_PROMPTS`, 128 tokens at temperature 1): met by 0.17 (0.11 on the list
+    requests, 0.19 on the others); the share of `short`'s answers among those that meet it
+    minus among the others +0.01 (the other way round +0.01), of `exclaim`'s -0.06 (-0.07).
+    "you" as a word: "your" alone ("Starting your own blog ...") names the user's things, not
+    the user (with it: 0.28). The score is +1 when met, -0.5 for an answer that says "you"
+    later, -1 for one that never does."""
+
+    name: ClassVar[str] = "direct"
+
+    def matched(self, text: str, cut_off: bool = False) -> bool:
+        return bool(_YOU.search(first_sentence(text)))
+
+    def score(self, text: str, cut_off: bool = False) -> float:
+        if self.matched(text):
+            return 1.0
+        return -0.5 if _YOU.search(text) else -1.0
+
+    def describe(self) -> str:
+        return "answers that speak to the user from the first sentence (it says 'you')"
+
+
+PREFERENCES: dict[str, type] = {p.name: p for p in (Brevity, Bullets, Question, Exclaim, Direct)}
 """The hidden preferences by name (the many-tenant demo gives one to each tenant)."""
 
 

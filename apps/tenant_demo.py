@@ -68,8 +68,10 @@ from apps.simulate import (
     TENANT_PROMPTS,
     Brevity,
     Bullets,
+    Direct,
     Exclaim,
     Preference,
+    Question,
     Record,
     SimConfig,
     Simulation,
@@ -84,13 +86,21 @@ PHASE_MAX_S = 600.0  # the longest the idle and evaluation phases wait for their
 log = logging.getLogger(__name__)
 
 
-def preferences(max_words: int = 60, min_items: int = 2, min_words: int = 15,
-                min_item_words: int = 4) -> dict[str, Preference]:
-    """Each tenant's hidden preference. Base rates on `TENANT_PROMPTS`: see there (apps/simulate.py).
-    `short` counts complete answers only (`Brevity.complete`): counted in words within the token
-    limit, it rose in any lineage that learned a style of more tokens per word."""
-    return {"short": Brevity(max_words, min_words, complete=True),
-            "bullets": Bullets(min_items, min_item_words), "exclaim": Exclaim()}
+def preferences(tenants: tuple[str, ...] | list[str] = TENANTS, max_words: int = 60, min_items: int = 2,
+                min_words: int = 15, min_item_words: int = 4) -> dict[str, Preference]:
+    """Each tenant's hidden preference, a tenant named after its users' preference (`--tenants`:
+    any of `short`, `bullets`, `exclaim`, `direct`, `question`). Base rates on `TENANT_PROMPTS`:
+    see there (apps/simulate.py). `short` counts complete answers only (`Brevity.complete`):
+    counted in words within the token limit, it rose in any lineage that learned a style of
+    more tokens per word."""
+    made = {"short": lambda: Brevity(max_words, min_words, complete=True),
+            "bullets": lambda: Bullets(min_items, min_item_words), "exclaim": Exclaim,
+            "direct": Direct, "question": Question}
+    unknown = [t for t in tenants if t not in made]
+    if unknown or len(set(tenants)) != len(tenants) or not tenants:
+        raise ValueError(f"--tenants {','.join(tenants)}: name each tenant once, from "
+                         f"{', '.join(made)}")
+    return {t: made[t]() for t in tenants}
 
 
 # ---- keys and trainers ------------------------------------------------------------------------
@@ -688,7 +698,7 @@ def write_tenants_report(state: TenantsState) -> dict:
     _plot(state, out / "tenants.png")
     lines = [f"# hotloop many-tenant run `{state.run_id}`{' (interrupted)' if state.interrupted else ''}", "",
              *([f"**The run stopped early:** {state.failed.splitlines()[0]}", ""] if state.failed else []),
-             f"Three tenants on one engine, each with users who rate answers by a preference its "
+             f"{len(report['tenants'])} tenants on one engine, each with users who rate answers by a preference its "
              f"trainer never sees; trainers: {report['trainers']}; {report['training_s']:.0f} s of training.",
              "",
              "| tenant | preference | base | final | target | confirmed after | cross max (rise of others) "
@@ -806,7 +816,7 @@ def main(args) -> int:
     config_path = args.config or str(DEFAULT_CONFIG)
     run_id = args.run_id or time.strftime("tenants-%Y%m%d-%H%M%S")
     out = (Path(args.out_dir) / run_id).resolve()
-    tenants = list(TENANTS)
+    tenants = args.tenants.split(",") if args.tenants else list(TENANTS)
     small = [f"--{k.replace('_', '-')} {v}" for k, v in (("users", args.users), ("window", args.window),
              ("check_answers", args.check_answers),
              ("max_tokens", args.max_tokens), ("max_words", args.max_words), ("min_items", args.min_items),
@@ -825,6 +835,8 @@ def main(args) -> int:
         print(f"hotloop demo-tenants: {', '.join(small)}: out of range", flush=True)
         return 2
     try:
+        prefs = preferences(tenants, args.max_words, args.min_items, args.min_words,
+                            args.min_item_words)
         plan = trainer_plan(args.trainers, tenants, out)
     except ValueError as e:
         print(f"hotloop demo-tenants: {e}", flush=True)
@@ -832,7 +844,6 @@ def main(args) -> int:
     out.mkdir(parents=True, exist_ok=True)
     keys_file = out / "tenant-keys"
     keys = make_keys(keys_file, tenants)
-    prefs = preferences(args.max_words, args.min_items, args.min_words, args.min_item_words)
     phases = Phases(idle_s=args.idle_s, idle_answers=args.idle_answers, train_s=args.train_s,
                     target_factor=args.target_factor, until_target=not args.no_stop,
                     stop_rating=not args.keep_rating, check_answers=args.check_answers,

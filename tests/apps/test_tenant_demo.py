@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from apps.online_demo import LoopTracker
-from apps.simulate import PREFERENCES, TENANT_PROMPTS, Bullets, Exclaim, Question, Record, list_items
+from apps.simulate import PREFERENCES, TENANT_PROMPTS, Bullets, Direct, Exclaim, Question, Record, list_items
 from apps.tenant_demo import TENANTS, TenantRun, key_id, make_keys, tenant_overrides, trainer_plan, wrong_adapter
 from benchmarks import gpu_check
 
@@ -48,6 +48,35 @@ def test_an_exclamation_opens_the_answer():
     assert e.matched("Wow! A dog. Great.") and e.matched("Congratulations!!")
     assert not e.matched("A dog. Wow!") and not e.matched("Why? Great!") and not e.matched("no mark")
     assert (e.score("Great! Yes."), e.score("Yes. Great!"), e.score("Yes.")) == (1.0, -0.5, -1.0)
+
+
+def test_direct_answers_say_you_in_their_first_sentence():
+    d = Direct()
+    assert d.matched("You could adopt a dog. Dogs are fun.") and d.matched("Great, you did it! Yes.")
+    assert not d.matched("A dog is fun. You will love it.") and not d.matched("Your dog. Fun.")
+    assert not d.matched("Younger dogs need care.") and d.matched("no mark but you")
+    assert (d.score("You can."), d.score("Dogs. You can."), d.score("Dogs. Cats.")) == (1.0, -0.5, -1.0)
+
+
+def test_tenants_are_named_after_known_preferences_each_once():
+    from apps.tenant_demo import preferences
+
+    prefs = preferences(["direct", "short"], max_words=50)
+    assert list(prefs) == ["direct", "short"] and prefs["short"].max_words == 50
+    assert isinstance(prefs["direct"], Direct) and list(preferences()) == list(TENANTS)
+    for bad in (["short", "short"], ["short", "long"], []):
+        with pytest.raises(ValueError, match="name each tenant once"):
+            preferences(bad)
+
+
+def test_demo_tenants_refuses_an_unknown_tenant_before_starting_anything(tmp_path):
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "apps.cli", "demo-tenants", "--tenants", "short,long",
+                        "--out-dir", str(tmp_path)], capture_output=True, text=True, cwd=REPO)
+    assert r.returncode == 2 and "--tenants short,long: name each tenant once" in r.stdout
+    assert not list(tmp_path.iterdir())  # no run directory, no mesh
 
 
 def test_every_tenant_has_a_preference_and_the_prompts_are_distinct():
