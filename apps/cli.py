@@ -390,8 +390,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "\"I can help you with that!\" is not a short answer)")
     dt.add_argument("--tenants", default="",
                     help="the tenants, each named after its users' preference, comma-separated "
-                         "(default short,bullets,exclaim; also direct: the first sentence says "
-                         "'you'; question: it ends with a question)")
+                         "(default short,direct,exclaim: direct's first sentence says 'you'; "
+                         "also bullets: lists; question: it ends with a question)")
     dt.add_argument("--min-items", type=int, default=2, help="tenant `bullets`: lists of at least N items")
     dt.add_argument("--min-item-words", type=int, default=4,
                     help="tenant `bullets`: items of at least N words (a list of one-word items is "

@@ -1,10 +1,14 @@
 """`hotloop demo-tenants` (`make demo-tenants`): three tenants on one engine, each with users of
 its own who like something different, each tenant's model learning its own users' taste live.
 
-Tenants (`TENANTS`): `short` (complete answers of 15 to N words: `apps.simulate.Brevity`), `bullets`
-(the answer is a list of items of a few words: `Bullets`), `exclaim` (its first sentence ends
-with "!": `Exclaim`). On the base model these three do not co-vary (see `Exclaim`), so a rise
-of one in another tenant's answers is something that tenant's lineage learned beside its own.
+Tenants (`TENANTS`, or `--tenants`): `short` (complete answers of 15 to N words:
+`apps.simulate.Brevity`), `direct` (its first sentence says "you": `Direct`), `exclaim` (its
+first sentence ends with "!": `Exclaim`). On the base model these three do not co-vary (see
+`Direct` and `Exclaim`), so a rise of one in another tenant's answers is something that
+tenant's lineage learned beside its own, and each is met on every kind of prompt. `bullets`
+(lists: `Bullets`), the third until run c7, is met on the requests for a list and almost
+nowhere else, so twice its base rate asked for a habit on a third of the prompts, at a target
+that moved with the few list answers of the idle phase (docs/results.md, c5-c7).
 Every tenant's users ask the same prompts (`TENANT_PROMPTS`, each drawn from a deck: every
 prompt once before any again, `PromptDeck`), so each preference's base rate is the same for all
 of them before training, and a rise of another tenant's preference in a
@@ -80,7 +84,7 @@ from apps.simulate import (
     percentile,
 )
 
-TENANTS = ("short", "bullets", "exclaim")
+TENANTS = ("short", "direct", "exclaim")
 CROSS_LIMIT = 0.1  # the issue's bound on another preference's rise in a tenant's answers
 PHASE_MAX_S = 600.0  # the longest the idle and evaluation phases wait for their answers
 log = logging.getLogger(__name__)
