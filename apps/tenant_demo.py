@@ -69,13 +69,9 @@ from apps.online_demo import (
 )
 from apps.processes import sigterm_interrupts
 from apps.simulate import (
+    PREFERENCES,
     TENANT_PROMPTS,
-    Brevity,
-    Bullets,
-    Direct,
-    Exclaim,
     Preference,
-    Question,
     Record,
     SimConfig,
     Simulation,
@@ -93,18 +89,17 @@ log = logging.getLogger(__name__)
 def preferences(tenants: tuple[str, ...] | list[str] = TENANTS, max_words: int = 60, min_items: int = 2,
                 min_words: int = 15, min_item_words: int = 4) -> dict[str, Preference]:
     """Each tenant's hidden preference, a tenant named after its users' preference (`--tenants`:
-    any of `short`, `bullets`, `exclaim`, `direct`, `question`). Base rates on `TENANT_PROMPTS`:
+    any of `apps.simulate.PREFERENCES`). Base rates on `TENANT_PROMPTS`:
     see there (apps/simulate.py). `short` counts complete answers only (`Brevity.complete`):
     counted in words within the token limit, it rose in any lineage that learned a style of
     more tokens per word."""
-    made = {"short": lambda: Brevity(max_words, min_words, complete=True),
-            "bullets": lambda: Bullets(min_items, min_item_words), "exclaim": Exclaim,
-            "direct": Direct, "question": Question}
-    unknown = [t for t in tenants if t not in made]
+    params = {"short": {"max_words": max_words, "min_words": min_words, "complete": True},
+              "bullets": {"min_items": min_items, "min_item_words": min_item_words}}
+    unknown = [t for t in tenants if t not in PREFERENCES]
     if unknown or len(set(tenants)) != len(tenants) or not tenants:
         raise ValueError(f"--tenants {','.join(tenants)}: name each tenant once, from "
-                         f"{', '.join(made)}")
-    return {t: made[t]() for t in tenants}
+                         f"{', '.join(PREFERENCES)}")
+    return {t: PREFERENCES[t](**params.get(t, {})) for t in tenants}
 
 
 # ---- keys and trainers ------------------------------------------------------------------------
