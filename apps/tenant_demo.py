@@ -129,6 +129,9 @@ def tenant_overrides(keys_file: Path, tenants: list[str]) -> list[str]:
 KL_TARGET = 0.1  # per token, to the base model: where coherent lineages met their targets
 KL_LAST = 10  # the report's KL of a lineage: the median of its last this many updates
 NEGATIVE_WEIGHT = 0.25  # what a rating below the baseline teaches, against one above it
+KL_HORIZON = 20  # feedback over which the KL coefficient may move by e^0.2 (the mesh's: 2)
+BATCH_SIZE = 4  # feedback one update of a lineage takes, newest first (the mesh's: 2)
+MAX_WAIT_S = 30.0  # feedback that waited longer for its lineage's turn is shed (the mesh's: 3)
 
 
 def training_overrides(kl_beta: float, lr: float, max_tokens: int) -> list[str]:
@@ -153,11 +156,19 @@ def training_overrides(kl_beta: float, lr: float, max_tokens: int) -> list[str]:
     ratings in four at -1, stayed at its base over 242 updates without it (b9) and met its
     target with it in 2 of 5 runs (b10-b14), in none of 9 before. Serving each lineage's
     running average (`[online] serve_average` 0.8) did not help and slowed `exclaim` (c1, c2):
-    the demo leaves it off."""
+    the demo leaves it off. The coefficient moves at most e^0.2 per `KL_HORIZON` feedback
+    (`[online] kl_horizon`): at the mesh's 2 it rose to 0.64 in c5 and `short`, met, fell back
+    to 0.00; at 20 it stayed at 0.11-0.16 (c6, c7). Three lanes take turns on one trainer core
+    at ~2 s of trainer time per feedback, so a rating waits for its lineage's turn: at the
+    mesh's `max_wait_s` of 3 s a fifth of them were shed unused (c7), and each update held one.
+    The demo takes up to `BATCH_SIZE` per update and sheds only past `MAX_WAIT_S`: more of
+    each tenant's ratings teach, most updates hold two or more (so `leave_one_out` baselines
+    them), for a longer loop (d1: p50 14-23 s, p95 ~42 s, against 13-14 s and 20-26 s)."""
     kl = [f"trainer.loss.kl_beta={kl_beta:g}", "online.reference=colocated",
           f"online.kl_target={KL_TARGET:g}"] if kl_beta > 0 else ["trainer.loss.kl_beta=0"]
     return [*kl, f"trainer.optimizer.lr={lr:g}", "online.leave_one_out=true",
-            f"online.negative_weight={NEGATIVE_WEIGHT:g}",
+            f"online.negative_weight={NEGATIVE_WEIGHT:g}", f"online.kl_horizon={KL_HORIZON}",
+            f"online.batch_size={BATCH_SIZE}", f"online.max_wait_s={MAX_WAIT_S:g}",
             "trainer.loss.aggregation=constant", f"trainer.loss.norm_tokens={max_tokens}"]
 
 

@@ -20,7 +20,8 @@ import pytest
 
 from apps.online_demo import LoopTracker
 from apps.simulate import PREFERENCES, TENANT_PROMPTS, Bullets, Direct, Exclaim, Question, Record, list_items
-from apps.tenant_demo import TENANTS, TenantRun, key_id, make_keys, tenant_overrides, trainer_plan, wrong_adapter
+from apps.tenant_demo import (BATCH_SIZE, KL_HORIZON, MAX_WAIT_S, NEGATIVE_WEIGHT, TENANTS, TenantRun, key_id,
+                              make_keys, tenant_overrides, trainer_plan, training_overrides, wrong_adapter)
 from benchmarks import gpu_check
 
 REPO = Path(__file__).resolve().parents[2]
@@ -454,3 +455,24 @@ def test_demo_tenants_trains_each_lane_on_its_own_feedback_and_stops_on_sigterm(
     assert (run / "tenants.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (run / "tenants-report.md").read_text().startswith("# hotloop many-tenant run `t` (interrupted)")
     assert _left_behind(str(out)) == []
+
+
+def test_training_overrides_are_what_the_trainer_loads():
+    """The demo's learning reaches the trainer as written: every key a field of its section
+    (the config is strict, so a misspelt one would stop the mesh at start), every value in
+    range, on top of the demo's config file."""
+    from hotloop.config import load
+    from services.trainer.config import OnlineConfig, TrainerConfig
+
+    config = Path(__file__).resolve().parents[2] / "configs" / "online.toml"
+    overrides = training_overrides(kl_beta=0.1, lr=2e-3, max_tokens=96)
+    _, online = load("online", OnlineConfig, config, overrides)
+    _, trainer = load("trainer", TrainerConfig, config, overrides)
+    assert (online.batch_size, online.max_wait_s, online.kl_horizon) == (BATCH_SIZE, MAX_WAIT_S, KL_HORIZON)
+    assert online.leave_one_out and online.negative_weight == NEGATIVE_WEIGHT
+    assert online.reference == "colocated" and online.kl_target == 0.1
+    assert online.batch_window_s == 0.0  # an update takes what has arrived, it does not wait
+    assert (trainer.loss.kl_beta, trainer.optimizer.lr) == (0.1, 2e-3)
+    assert (trainer.loss.aggregation, trainer.loss.norm_tokens) == ("constant", 96)
+    _, no_kl = load("trainer", TrainerConfig, config, training_overrides(kl_beta=0.0, lr=1e-3, max_tokens=96))
+    assert no_kl.loss.kl_beta == 0.0
