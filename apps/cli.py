@@ -402,7 +402,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "version is checked")
     dt.add_argument("--check-answers", type=int, default=40,
                     help="a check: N answers of the version a paused tenant serves; at its target "
-                         "by one standard error, its users stop rating; below, they rate again")
+                         "by 1.5 standard errors, its users stop rating; below, they rate again")
     dt.add_argument("--eval-answers", type=int, default=60,
                     help="after training, users only until every tenant's final version gave N answers "
                          "since its lineage stopped learning: the final shares (0: no evaluation)")

@@ -132,6 +132,7 @@ NEGATIVE_WEIGHT = 0.25  # what a rating below the baseline teaches, against one 
 KL_HORIZON = 20  # feedback over which the KL coefficient may move by e^0.2 (the mesh's: 2)
 BATCH_SIZE = 4  # feedback one update of a lineage takes, newest first (the mesh's: 2)
 MAX_WAIT_S = 30.0  # feedback that waited longer for its lineage's turn is shed (the mesh's: 3)
+CHECK_MARGIN_SE = 1.5  # a check confirms a version at its target plus this many standard errors
 
 
 def training_overrides(kl_beta: float, lr: float, max_tokens: int) -> list[str]:
@@ -349,7 +350,8 @@ def met_target(window: list[Record], pref: Preference, target: float, size: int)
     return len(window) == size and share(window, pref) >= target + standard_error(target, size)
 
 
-def advance(run: TenantRun, now: float, window: int, check_answers: int) -> str | None:
+def advance(run: TenantRun, now: float, window: int, check_answers: int,
+            margin_se: float = CHECK_MARGIN_SE) -> str | None:
     """One turn of the stop rule of a tenant still learning (`Phases.stop_rating`); returns
     what changed: "paused", "accepted", "resumed", or None.
 
@@ -366,13 +368,19 @@ def advance(run: TenantRun, now: float, window: int, check_answers: int) -> str 
       further a lineage goes, the more it moves its other styles too.
     - Paused: once the version it then serves (the newest: feedback sent before the pause may
       still land) gave enough answers to requests sent after the pause, their share decides:
-      at or above the target by one standard error of `check_answers` answers, accepted, its
-      lineage is done and its users stay silent; below, they resume rating, and the next
-      block counts from then. Decided as soon as the rest of `check_answers` cannot change
-      the verdict (the same verdict, sooner: a check of 40 took 200 s). The block that
+      at or above the target by `margin_se` standard errors of `check_answers` answers,
+      accepted, its lineage is done and its users stay silent; below, they resume rating, and
+      the next block counts from then. Decided as soon as the rest of `check_answers` cannot
+      change the verdict (the same verdict, sooner: a check of 40 took 200 s). The block that
       triggered the check is not its evidence: a block that met a target by chance is as
       likely as one that met it by learning, and a lineage frozen on one falls back below
-      the target (measured: 0.46 targeted, window at it, 0.37 after)."""
+      the target (measured: 0.46 targeted, window at it, 0.37 after). Why 1.5 standard
+      errors (`CHECK_MARGIN_SE`), not one as for a block: the check accepts, and a version
+      accepted is judged on its final share at the target. With 40 answers at a target of
+      0.35, one standard error accepts a version truly at 0.35 one time in eight, 1.5 one
+      time in fourteen (one at 0.45: 0.56 and 0.44 of the time), and both misses of that kind
+      were versions at or below their target accepted on a lucky check (c7 `direct` 0.44 of
+      39, then 0.30; d2 `short` 0.50 of 40, then 0.37 of 360)."""
     if run.learned_until is not None or run.target is None:
         return None
     if run.paused_at is None:
@@ -389,7 +397,8 @@ def advance(run: TenantRun, now: float, window: int, check_answers: int) -> str 
     version = final_version(run)
     fresh = version_answers(run, run.paused_at, version)[:check_answers]
     hits = sum(r.meets(run.preference) for r in fresh)
-    need = math.ceil((run.target + standard_error(run.target, check_answers)) * check_answers - 1e-9)
+    bar = run.target + margin_se * standard_error(run.target, check_answers)
+    need = math.ceil(bar * check_answers - 1e-9)
     # decided as soon as the rest of the sample cannot change the verdict
     if hits < need and hits + check_answers - len(fresh) >= need:
         return None
@@ -740,7 +749,7 @@ def write_tenants_report(state: TenantsState) -> dict:
               "- reached: the final share is at the target; confirmed: once a block of `window` of the "
               "tenant's answers met its target by more than one standard error its users paused "
               "rating, and the version it then served met "
-              "the target by more than one standard error in `check_answers` fresh answers (then "
+              f"the target by {CHECK_MARGIN_SE:g} standard errors in `check_answers` fresh answers (then "
               "its users stop rating; below, they rate again); with `--keep-rating`, its window met "
               "the target by more than one standard error",
               "- base: the preference's share of every tenant's idle answers (the base model on the same "

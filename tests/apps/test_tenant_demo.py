@@ -261,7 +261,7 @@ def test_a_block_past_the_target_pauses_a_tenant_and_a_check_of_fresh_answers_co
         run.tracker.published_at.setdefault(max(v, last), ts)
 
     def step(now: float) -> str | None:
-        return advance(run, now, window=4, check_answers=5)
+        return advance(run, now, window=4, check_answers=5, margin_se=1.0)
 
     answer(90.0, hit, 0, phase="idle")  # not training: no block counts it
     for i, text in enumerate([miss, hit, miss, hit]):
@@ -305,6 +305,33 @@ def test_a_block_past_the_target_pauses_a_tenant_and_a_check_of_fresh_answers_co
     assert [(c["accepted"], c["answers"], c["share"]) for c in run.checks] == [(False, 5, 0.2), (True, 3, 1.0)]
     answer(132.0, miss, 4)
     assert step(133.0) is None  # done: it stays silent
+
+
+def test_a_check_needs_its_target_plus_its_margin(tmp_path):
+    """A check's bar is the target plus `margin_se` standard errors of `check_answers` (the
+    demo's `CHECK_MARGIN_SE`): 0.3 + 1.5 x 0.065 of 50 answers is 0.397, so 19 hits are refused
+    and 20 accepted; at one standard error (0.365) 19 would be enough."""
+    from apps.simulate import SimConfig
+    from apps.tenant_demo import CHECK_MARGIN_SE, advance
+
+    class Sim:
+        def __init__(self):
+            self.records: list[Record] = []
+            self.cfg = SimConfig(feedback=False, phase="training")
+
+    def verdict(hits: int, margin_se: float = CHECK_MARGIN_SE) -> str | None:
+        run = TenantRun("exclaim", Exclaim(), Sim(), LoopTracker("nats://unused", tmp_path, "exclaim"))
+        run.target, run.rating_since, run.paused_at = 0.3, 0.0, 10.0
+        run.tracker.published_at[1] = 1.0
+        for i in range(50):
+            run.sim.records.append(Record(ts=11.0 + i, user=0, phase="training", prompt=0,
+                                          answer="Wow! Yes." if i < hits else "Yes.",
+                                          version=1, last_version=1))
+        return advance(run, 100.0, window=4, check_answers=50, margin_se=margin_se)
+
+    assert CHECK_MARGIN_SE == 1.5
+    assert verdict(19) == "resumed" and verdict(20) == "accepted"
+    assert verdict(19, margin_se=1.0) == "accepted" and verdict(18, margin_se=1.0) == "resumed"
 
 
 def test_a_block_is_read_once(tmp_path):
