@@ -491,7 +491,7 @@ def test_training_overrides_are_what_the_trainer_loads():
     from hotloop.config import load
     from services.trainer.config import OnlineConfig, TrainerConfig
 
-    config = Path(__file__).resolve().parents[2] / "configs" / "online.toml"
+    config = REPO / "configs" / "online.toml"
     overrides = training_overrides(kl_beta=0.1, lr=2e-3, max_tokens=96)
     _, online = load("online", OnlineConfig, config, overrides)
     _, trainer = load("trainer", TrainerConfig, config, overrides)
