@@ -162,9 +162,12 @@ def training_overrides(kl_beta: float, lr: float, max_tokens: int) -> list[str]:
     to 0.00; at 20 it stayed at 0.11-0.16 (c6, c7). Three lanes take turns on one trainer core
     at ~2 s of trainer time per feedback, so a rating waits for its lineage's turn: at the
     mesh's `max_wait_s` of 3 s a fifth of them were shed unused (c7), and each update held one.
-    The demo takes up to `BATCH_SIZE` per update and sheds only past `MAX_WAIT_S`: more of
-    each tenant's ratings teach, most updates hold two or more (so `leave_one_out` baselines
-    them), for a longer loop (d1: p50 14-23 s, p95 ~42 s, against 13-14 s and 20-26 s)."""
+    The demo takes up to `BATCH_SIZE` per update and sheds only past `MAX_WAIT_S`: the trainer
+    core still bounds how many ratings teach (d1-d3: 327-395 in 900 s; c7: 276 in 711 s), but
+    a third of the updates hold two or more, which `leave_one_out` baselines by each other
+    (d1-d3: 32-40% of updates, c7: 22%), and what is shed is the surplus of a tenant rating
+    faster than its share of turns (d1: `short` 107 of 180, `direct` 23 of 182), for a longer
+    loop (d1: p50 14-23 s, p95 ~42 s, against 13-14 s and 20-26 s)."""
     kl = [f"trainer.loss.kl_beta={kl_beta:g}", "online.reference=colocated",
           f"online.kl_target={KL_TARGET:g}"] if kl_beta > 0 else ["trainer.loss.kl_beta=0"]
     return [*kl, f"trainer.optimizer.lr={lr:g}", "online.leave_one_out=true",
@@ -867,6 +870,7 @@ def main(args) -> int:
                     target_factor=args.target_factor, until_target=not args.no_stop,
                     stop_rating=not args.keep_rating, check_answers=args.check_answers,
                     eval_answers=args.eval_answers)
+    learning = training_overrides(args.kl_beta, args.lr, args.max_tokens)
     state = TenantsState(run_id, out, prefs, args.window, trainers=plan.mode, settings={
         "config": config_path, "overrides": args.set, "users_per_tenant": args.users,
         "idle_s": args.idle_s, "idle_answers": args.idle_answers, "train_s": args.train_s,
@@ -875,9 +879,9 @@ def main(args) -> int:
         "until_target": not args.no_stop, "stop_rating_at_target": not args.keep_rating,
         "target_factor": args.target_factor, "kl_beta": args.kl_beta,
         "kl_target": KL_TARGET if args.kl_beta > 0 else None, "lr": args.lr,
-        "trainers": plan.mode})
+        "check_margin_se": CHECK_MARGIN_SE, "learning": learning, "trainers": plan.mode})
     # the demo's learning first, so that a --set of the user's overrides it
-    overrides = [*training_overrides(args.kl_beta, args.lr, args.max_tokens), *args.set,
+    overrides = [*learning, *args.set,
                  *tenant_overrides(keys_file, tenants), *plan.overrides]
     print(f"[demo-tenants] starting the mesh (NATS, rollout with vLLM, gateway) and the trainers "
           f"({plan.mode}) for tenants {', '.join(tenants)}; run files under {out}", flush=True)

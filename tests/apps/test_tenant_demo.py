@@ -433,6 +433,7 @@ def test_demo_tenants_trains_each_lane_on_its_own_feedback_and_stops_on_sigterm(
     report = json.loads((run / "tenants-report.json").read_text())
     assert report["interrupted"] is True and not report["failed"]  # and it reports what it saw
     assert report["trainers"] == "shared" and report["settings"]["kl_beta"] == 0.1
+    assert f"online.batch_size={BATCH_SIZE}" in report["settings"]["learning"]  # what it learned with
     assert set(report) == {"run_id", "interrupted", "failed", "trainers", "tenants", "wrong_adapter_answers",
                            "gateway_wrong_tenant", "acceptance", "training_s", "settings"}
     assert [t["name"] for t in report["tenants"]] == list(TENANTS)
