@@ -249,6 +249,10 @@ def build_parser() -> argparse.ArgumentParser:
     bts.add_argument("--ranks", type=int, default=1,
                      help="also run the step on N data-parallel ranks ([trainer] data_parallel) "
                           "from the same state: both step times and max_param_diff")
+    bts.add_argument("--colocated-reference", action="store_true",
+                     help="also time the colocated reference both ways: base_logprobs then "
+                          "the step, against the step scoring it from the layers below "
+                          "--top-layers run once")
     bg = _bench_parser(bsub, "grpo", "GRPO samples/s, seconds per stage and idle share of the cores, "
                        "synchronous vs asynchronous on the demo configuration; --peer trl adds TRL", config=True)
     bg.add_argument("--steps", type=int, default=4, help="steps of each mode (the first is start-up)")

@@ -51,7 +51,7 @@ import resource
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -246,6 +246,38 @@ def compare_ranks(policy: Any, batch: Sequence[Any], ranks: int, steps: int,
 # ---- the machine ----------------------------------------------------------------------------
 
 
+def compare_reference(policy: Any, batch: Sequence[Any], steps: int,
+                      say: Callable[[str], None]) -> dict[str, Any]:
+    """Seconds of the colocated reference and the step, as two passes (`base_logprobs`, then
+    `train_step`) and as one (`train_step(reference=True)`), alternating so that drift on a
+    noisy host hits both; medians over `steps` each after a warm-up of each. The policy takes
+    2 x (steps + 1) more updates (the benchmark's batch; its numbers do not depend on them)."""
+    pairs = [(s.prompt_ids, s.completion_ids) for s in batch]
+
+    def two() -> float:
+        t0 = time.perf_counter()
+        ref = policy.base_logprobs(pairs)
+        policy.train_step([replace(s, ref_logprobs=r) for s, r in zip(batch, ref)])
+        return time.perf_counter() - t0
+
+    def one() -> float:
+        t0 = time.perf_counter()
+        policy.train_step(batch, reference=True)
+        return time.perf_counter() - t0
+
+    two(), one()  # warm-up
+    a, b = [], []
+    for k in range(steps):
+        a.append(two())
+        b.append(one())
+        say(f"[train-step] reference {k + 1}/{steps}: two passes {a[-1]:.2f} s, "
+            f"one {b[-1]:.2f} s")
+    return {"split_layer": policy.split, "two_passes_s": statistics.median(a),
+            "one_pass_s": statistics.median(b),
+            "speedup": statistics.median(a) / statistics.median(b),
+            "two_passes_s_all": a, "one_pass_s_all": b}
+
+
 def _cpu_model() -> str:
     try:
         with open("/proc/cpuinfo") as f:
@@ -285,7 +317,8 @@ def synthetic_samples(policy: Any, n: int, prompt_tokens: int, completion_tokens
 def run(model: str, dtype: str = "auto", samples: int = 16, prompt_tokens: int = 64,
         completion_tokens: int = 128, steps: int = 3, threads: int = 0, profile: bool = True,
         group_size: int = 1, micro_batch_tokens: int = 2048, top_layers: int | None = None,
-        ranks: int = 1, say: Callable[[str], None] = print) -> dict[str, Any]:
+        ranks: int = 1, colocated_reference: bool = False,
+        say: Callable[[str], None] = print) -> dict[str, Any]:
     """Build the policy, time `steps` train steps after one warm-up (median), benchmark the
     roofline, profile one more step; returns the JSON's fields. CPU only: the roofline is a
     CPU matmul benchmark, so the policy is pinned to the CPU even where CUDA is present.
@@ -294,7 +327,11 @@ def run(model: str, dtype: str = "auto", samples: int = 16, prompt_tokens: int =
     `share_prompts` off (A/B in one run). The FLOP model counts every row's whole prompt, so
     the roofline ratio is then taken from the unshared steps, and tokens/s from the shared.
 
-    `ranks` > 1 also runs the step on that many data-parallel ranks (`compare_ranks`)."""
+    `ranks` > 1 also runs the step on that many data-parallel ranks (`compare_ranks`).
+
+    `colocated_reference` also times the online recipe's colocated reference both ways on the
+    same batch (`compare_reference`): `base_logprobs` then the step, against the step that
+    scores the base itself, sharing the layers below the adapter (`top_layers`)."""
     import torch
 
     from hotloop.hardware import cpu_capability
@@ -372,6 +409,11 @@ def run(model: str, dtype: str = "auto", samples: int = 16, prompt_tokens: int =
         part = batch[:PROFILE_MAX_SAMPLES]
         say(f"[train-step] profiled step ({len(part)} of {len(batch)} samples)...")
         prof = profile_step(policy, part, cfg.lora.r)
+    reference = None
+    if colocated_reference:
+        say("[train-step] the colocated reference: base_logprobs, then the step, against the "
+            f"step that scores it {'from a shared trunk' if policy.split else '(no trunk: all layers adapted)'}...")
+        reference = compare_reference(policy, batch, steps, say)
     data_parallel = None
     if ranks > 1:
         say(f"[train-step] the same step on 1 and on {ranks} data-parallel ranks...")
@@ -419,6 +461,7 @@ def run(model: str, dtype: str = "auto", samples: int = 16, prompt_tokens: int =
         "top_layers": top_layers,
         "profile": prof,
         "data_parallel": data_parallel,
+        "colocated_reference": reference,
         "other_cores": others,
         "busy": busy,
         "loadavg_1m": [load0, os.getloadavg()[0]],
@@ -445,6 +488,10 @@ def table(r: dict[str, Any]) -> str:
     if r.get("profile"):
         rows.append(("profile (self time)", ", ".join(
             f"{k} {v:.0%}" for k, v in r["profile"]["shares"].items() if v >= 0.005)))
+    if ref := r.get("colocated_reference"):
+        rows.append(("colocated reference", f"{ref['speedup']:.2f}x faster in the step "
+                     f"({ref['one_pass_s']:.2f} s, trunk below layer {ref['split_layer']}) than "
+                     f"base_logprobs then the step ({ref['two_passes_s']:.2f} s)"))
     if dp := r.get("data_parallel"):
         n = dp["ranks"]
         rows.append((f"{n} data-parallel ranks", f"step {dp[f'step_s_{n}']:.2f} s vs "
@@ -464,7 +511,7 @@ def main(args: Any) -> int:
                  prompt_tokens=args.prompt_tokens, completion_tokens=args.completion_tokens,
                  steps=args.steps, threads=args.threads, group_size=args.group_size,
                  micro_batch_tokens=args.micro_batch_tokens, top_layers=args.top_layers,
-                 ranks=args.ranks)
+                 ranks=args.ranks, colocated_reference=args.colocated_reference)
     result["model"] = args.model
     report(result, args.json, table=table(result))
     return 0

@@ -20,14 +20,21 @@ gradient reaches the prompt's adapter weights through them (`PromptStates.leaves
 body runs on ~40% fewer tokens; the LoRA step and the reference measured 1.6-1.7x faster.
 Models with sliding-window or hybrid attention take whole rows (`can_share_prompts`).
 
+Why a shared trunk: LoRA on the top layers only (`[trainer.lora] top_layers`) leaves the
+layers below them the base's, so the policy and its colocated reference (the same model, the
+adapter off) compute the same states up to the first adapted layer. `trunk_states` runs those
+layers once per micro-batch, without a graph; each of the two then runs only the layers above
+(`completion_logprobs(..., trunk=)`). Exact, like the shared prompts: the same layers on the
+same inputs.
+
 Does not own: loading models, optimizers, losses, or any service's request types. This module
 imports torch at the top; it is never imported by `hotloop/__init__.py` or the CLI.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -311,6 +318,126 @@ class PromptStates:
             torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
 
 
+@dataclass(frozen=True)
+class PromptTrunk:
+    """What the layers below `split` computed for a `PromptSet`: their keys and values (what a
+    completion's trunk attends to) and the states entering layer `split` (what the layers
+    above run on, `prompt_states(..., trunk=)`)."""
+
+    split: int
+    keys: list[Tensor]  # per layer below `split`, [G, kv_heads, Lp, head_dim]
+    values: list[Tensor]
+    hidden: Tensor  # [G, Lp, H]
+    prompts: PromptSet
+
+
+@dataclass(frozen=True)
+class Trunk:
+    """The states entering decoder layer `split` for one micro-batch, computed once
+    (`trunk_states`) for every forward that shares the layers below it. Plain batches: over
+    the full rows, [B, T, H]. Shared prompts: over the completion tokens but the last,
+    [B, Tc-1, H] (None when no completion is longer than one token), with the prompts'."""
+
+    split: int
+    hidden: Tensor | None
+    prompts: PromptTrunk | None = None
+
+
+# Models whose body runs `inputs_embeds` straight into its first layer and then
+# `layers` and `norm` in order, so a range of layers runs on given states (`_layer_range`).
+# (Gemma, for one, scales `inputs_embeds` first.)
+_TRUNK_MODEL_TYPES = frozenset({"llama", "qwen2", "qwen3", "mistral"})
+
+
+def can_split(model: nn.Module) -> bool:
+    """Whether `trunk_states` serves this model: a known body layout, every layer full
+    attention (a sliced layer list keeps no per-layer mask types)."""
+    body, _ = split_model(model)
+    cfg = getattr(body, "config", None)
+    return (getattr(cfg, "model_type", None) in _TRUNK_MODEL_TYPES and can_share_prompts(model)
+            and isinstance(getattr(body, "layers", None), nn.ModuleList)
+            and isinstance(getattr(body, "norm", None), nn.Module))
+
+
+@contextmanager
+def _layer_range(body: nn.Module, start: int, stop: int | None = None) -> Iterator[None]:
+    """Inside the block the body runs decoder layers [start, stop) only, with its final norm
+    only when the range reaches the top. Not thread-safe: the model is one caller's."""
+    layers, norm = body.layers, body.norm
+    stop = len(layers) if stop is None else stop
+    if not 0 <= start < stop <= len(layers):
+        raise ValueError(f"layers [{start}, {stop}) of a body of {len(layers)}")
+    if (start, stop) == (0, len(layers)):
+        yield
+        return
+    try:
+        body.layers = nn.ModuleList(list(layers)[start:stop])
+        if stop < len(layers):
+            body.norm = nn.Identity()
+        yield
+    finally:
+        body.layers, body.norm = layers, norm
+
+
+def _body(body: nn.Module, layers: tuple[int, int | None], *, ids: Tensor | None = None,
+          states: Tensor | None = None, **kw: Any) -> Tensor:
+    """The body's last hidden state over `layers`, from token ids or the states entering them."""
+    with _layer_range(body, *layers):
+        return body(input_ids=ids, inputs_embeds=states, **kw).last_hidden_state
+
+
+def _prompt_cache(keys: Sequence[Tensor], values: Sequence[Tensor], which: Tensor) -> Any:
+    """A cache holding, for each row, its prompt's keys and values (rows of `which`)."""
+    from transformers import DynamicCache
+
+    return DynamicCache(ddp_cache_data=[(k.index_select(0, which), v.index_select(0, which))
+                                        for k, v in zip(keys, values)])
+
+
+def prompt_trunk(model: nn.Module, prompts: PromptSet, split: int) -> PromptTrunk:
+    """Run the layers below `split` once over the distinct prompts (grad: the caller's)."""
+    from transformers import DynamicCache
+
+    body, head = split_model(model)
+    device = next(head.parameters()).device
+    G, Lp = prompts.input_ids.shape
+    cache = DynamicCache()
+    hidden = _body(body, (0, split), ids=prompts.input_ids.to(device),
+                   attention_mask=prompts.attention_mask.to(device),
+                   position_ids=torch.arange(Lp, device=device).expand(G, Lp),
+                   past_key_values=cache, use_cache=True)
+    return PromptTrunk(split=split, keys=[layer.keys for layer in cache.layers[:split]],
+                       values=[layer.values for layer in cache.layers[:split]], hidden=hidden,
+                       prompts=prompts)
+
+
+def trunk_states(model: nn.Module, batch: CompletionBatch, split: int,
+                 prompts: PromptTrunk | None = None) -> Trunk:
+    """Run the layers below `split` for one micro-batch (grad: the caller's; the trunk is the
+    base's, so this runs without one). With `prompts` (the batch's plan shared them), over the
+    completions only, attending to the prompts' trunk."""
+    if prompts is not None and batch.prompt_index is None:
+        raise ValueError("a prompt trunk given for a batch planned without shared prompts")
+    if prompts is not None and prompts.split != split:
+        raise ValueError(f"a prompt trunk split at layer {prompts.split}, not {split}")
+    body, head = split_model(model)
+    device = next(head.parameters()).device
+    if prompts is None:
+        return Trunk(split, _body(body, (0, split), ids=batch.input_ids.to(device),
+                                  attention_mask=batch.attention_mask.to(device),
+                                  position_ids=batch.position_ids.to(device), use_cache=False))
+    which = batch.prompt_index.to(device)
+    Tc = batch.completion_ids.shape[1]
+    if Tc <= 1:
+        return Trunk(split, None, prompts)
+    mask, positions = _completion_layout(batch, prompts.prompts, which, device)
+    hidden = _body(body, (0, split), ids=batch.completion_ids[:, : Tc - 1].to(device),
+                   attention_mask=mask, position_ids=positions,
+                   past_key_values=_prompt_cache(prompts.keys, prompts.values, which),
+                   use_cache=True)
+    return Trunk(split, hidden, prompts)
+
+
 def can_share_prompts(model: nn.Module) -> bool:
     """Whether `prompt_states` serves this model: every layer full (global) attention, whose
     keys and values a plain cache holds. Sliding-window or hybrid models take whole rows."""
@@ -324,81 +451,103 @@ def can_share_prompts(model: nn.Module) -> bool:
     return not (getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True))
 
 
-def prompt_states(model: nn.Module, prompts: PromptSet) -> PromptStates:
-    """Run the body once over the distinct prompts (grad / autocast: the caller's)."""
+def prompt_states(model: nn.Module, prompts: PromptSet,
+                  trunk: PromptTrunk | None = None) -> PromptStates:
+    """Run the body once over the distinct prompts (grad / autocast: the caller's); with a
+    `trunk` of these prompts, only the layers above it (the keys and values below are the
+    trunk's)."""
     from transformers import DynamicCache
 
+    if trunk is not None and trunk.prompts is not prompts:
+        raise ValueError("a prompt trunk of other prompts")
     body, head = split_model(model)
     device = next(head.parameters()).device
     G, Lp = prompts.input_ids.shape
     cache = DynamicCache()
-    hidden = body(
-        input_ids=prompts.input_ids.to(device),
+    start = 0 if trunk is None else trunk.split
+    hidden = _body(  # [G, Lp, H]
+        body, (start, None),
+        ids=prompts.input_ids.to(device) if trunk is None else None,
+        states=None if trunk is None else trunk.hidden,
         attention_mask=prompts.attention_mask.to(device),
         position_ids=torch.arange(Lp, device=device).expand(G, Lp),
         past_key_values=cache,
         use_cache=True,
-    ).last_hidden_state  # [G, Lp, H]
+    )
     last = hidden[torch.arange(G, device=device), prompts.lens.to(device) - 1]  # [G, H]
-    return PromptStates(keys=[layer.keys for layer in cache.layers],
-                        values=[layer.values for layer in cache.layers], last=last,
-                        prompts=prompts)
+    below = ([], []) if trunk is None else (trunk.keys, trunk.values)
+    return PromptStates(keys=[*below[0], *(layer.keys for layer in cache.layers[start:])],
+                        values=[*below[1], *(layer.values for layer in cache.layers[start:])],
+                        last=last, prompts=prompts)
 
 
 def completion_hidden(model: nn.Module, batch: CompletionBatch,
-                      prompts: PromptStates | None = None) -> CompletionHidden:
+                      prompts: PromptStates | None = None,
+                      trunk: Trunk | None = None) -> CompletionHidden:
     """Run the transformer body and gather the hidden states at the positions that predict
     completion tokens (see `CompletionHidden`). Differentiable under the caller's grad /
     autocast context. With `prompts` (the batch's plan shared them), the body runs on the
-    completions only, attending to the prompts' states; otherwise on the full rows."""
+    completions only, attending to the prompts' states; otherwise on the full rows. With a
+    `trunk` of this batch (`trunk_states`), only the layers above it run."""
     if prompts is not None and batch.prompt_index is None:
         raise ValueError("prompt states given for a batch planned without shared prompts")
+    if trunk is not None and (trunk.prompts is None) != (prompts is None):
+        raise ValueError("a trunk and prompt states of different plans (shared prompts or not)")
     body, head = split_model(model)
     device = next(head.parameters()).device
     mask = batch.completion_mask.to(device)  # [B, Tc]
     rows, cols = mask.nonzero(as_tuple=True)  # [N], [N]: N completion tokens, row-major
     if prompts is None:
-        hidden = body(
-            input_ids=batch.input_ids.to(device),
+        hidden = _body(  # [B, T, H]
+            body, (0 if trunk is None else trunk.split, None),
+            ids=batch.input_ids.to(device) if trunk is None else None,
+            states=None if trunk is None else trunk.hidden,
             attention_mask=batch.attention_mask.to(device),
             position_ids=batch.position_ids.to(device),
             use_cache=False,
-        ).last_hidden_state  # [B, T, H]
+        )
         src = batch.prompt_lens.to(device)[rows] - 1 + cols  # [N]
         return CompletionHidden(hidden=hidden[rows, src], rows=rows, cols=cols, mask=mask)
-    states = _completion_states(body, batch, prompts, device)  # [B, Tc, H]
+    states = _completion_states(body, batch, prompts, device, trunk)  # [B, Tc, H]
     return CompletionHidden(hidden=states[rows, cols], rows=rows, cols=cols, mask=mask)
 
 
+def _completion_layout(batch: CompletionBatch, prompts: PromptSet, which: Tensor,
+                       device: torch.device) -> tuple[Tensor, Tensor]:
+    """The attention mask ([B, Lp + Tc-1]) and positions ([B, Tc-1]) of the completion
+    tokens but the last, after their prompts' cached states: every row's cache is its
+    prompt's, right-padded to Lp, so the padding is masked out and positions continue from
+    each prompt's own length."""
+    B, Tc = batch.completion_ids.shape
+    prompt_mask = prompts.attention_mask.to(device).index_select(0, which)  # [B, Lp]
+    attention_mask = torch.cat(
+        [prompt_mask, torch.ones((B, Tc - 1), dtype=prompt_mask.dtype, device=device)], dim=1)
+    positions = prompts.lens.to(device).index_select(0, which)[:, None] + torch.arange(
+        Tc - 1, device=device)
+    return attention_mask, positions
+
+
 def _completion_states(body: nn.Module, batch: CompletionBatch, prompts: PromptStates,
-                       device: torch.device) -> Tensor:
+                       device: torch.device, trunk: Trunk | None = None) -> Tensor:
     """[B, Tc, H]: at column t, the state that predicts completion token t. Column 0 is the
     prompt's last state; column t >= 1 is the body's output at completion token t - 1, which
     attends to its prompt's cached keys and values, then causally to the completion."""
-    from transformers import DynamicCache
-
     which = batch.prompt_index.to(device)  # [B]
     first = prompts.last.index_select(0, which)[:, None]  # [B, 1, H]
-    B, Tc = batch.completion_ids.shape
+    Tc = batch.completion_ids.shape[1]
     if Tc <= 1:  # one token each (column 0 only), or only empty completions (no column)
         return first[:, :Tc]
-    # Every row's cache is its prompt's, right-padded to Lp: the padding is masked out, and
-    # positions continue from each prompt's own length.
-    cache = DynamicCache(ddp_cache_data=[
-        (k.index_select(0, which), v.index_select(0, which))
-        for k, v in zip(prompts.keys, prompts.values)])
-    prompt_mask = prompts.prompts.attention_mask.to(device).index_select(0, which)  # [B, Lp]
-    attention_mask = torch.cat(
-        [prompt_mask, torch.ones((B, Tc - 1), dtype=prompt_mask.dtype, device=device)], dim=1)
-    position_ids = (prompts.prompts.lens.to(device).index_select(0, which)[:, None]
-                    + torch.arange(Tc - 1, device=device))  # [B, Tc-1]
-    out = body(
-        input_ids=batch.completion_ids[:, : Tc - 1].to(device),
+    attention_mask, position_ids = _completion_layout(batch, prompts.prompts, which, device)
+    out = _body(  # [B, Tc-1, H]
+        body, (0 if trunk is None else trunk.split, None),
+        ids=batch.completion_ids[:, : Tc - 1].to(device) if trunk is None else None,
+        states=None if trunk is None else trunk.hidden,
         attention_mask=attention_mask,
         position_ids=position_ids,
-        past_key_values=cache,
+        # every layer's, those below a trunk too: the mask reads the cache's first layer
+        past_key_values=_prompt_cache(prompts.keys, prompts.values, which),
         use_cache=True,
-    ).last_hidden_state  # [B, Tc-1, H]
+    )
     return torch.cat([first.to(out.dtype), out], dim=1)
 
 
@@ -411,6 +560,7 @@ def completion_logprobs(
     with_entropy: bool = False,
     hidden: CompletionHidden | None = None,
     prompts: PromptStates | None = None,
+    trunk: Trunk | None = None,
 ) -> CompletionLogprobs:
     """log p(c_t | prompt, c_<t) for every completion token, [B, Tc], differentiable.
 
@@ -421,12 +571,13 @@ def completion_logprobs(
     Entropy is computed without gradients (it is a metric here, not a loss term).
     `hidden`: the body's gathered states when the caller already ran it (PPO's shared-trunk
     critic reads the same states), so the body runs once. `prompts`: the states of the
-    batch's shared prompts (see `plan_batches`).
+    batch's shared prompts (see `plan_batches`). `trunk`: the states below the layers that
+    differ (`trunk_states`), when another forward of this batch shares them.
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     _, head = split_model(model)
-    ch = hidden if hidden is not None else completion_hidden(model, batch, prompts)
+    ch = hidden if hidden is not None else completion_hidden(model, batch, prompts, trunk)
     h = ch.hidden  # [N, H]
     targets = batch.completion_ids.to(h.device)[ch.rows, ch.cols]  # [N]
 

@@ -131,3 +131,15 @@ def test_ranks_time_the_step_on_one_and_on_two_ranks(tiny_model: Path, tmp_path:
     assert dp["ranks"] == 2 and dp["step_s_1"] > 0 and dp["step_s_2"] > 0
     assert dp["max_grad_diff"] < 1e-6 < dp["max_grad"]
     assert dp["max_param_diff"] <= 2.1e-4  # each moved at most lr = 1e-4 by its step
+
+
+def test_colocated_reference_times_two_passes_against_one(tiny_model: Path, tmp_path: Path) -> None:
+    """`--colocated-reference --top-layers 2`: base_logprobs then the step, against the step
+    scoring the base from the trunk below layer 2 (of the tiny model's 4), alternated."""
+    out = tmp_path / "train-step.json"
+    args = bench_args(out, tiny_model, steps=2, top_layers=2, colocated_reference=True)
+    assert main(args) == 0
+    ref = json.loads(out.read_text())["colocated_reference"]
+    assert ref["split_layer"] == 2 and len(ref["one_pass_s_all"]) == 2
+    assert ref["speedup"] == pytest.approx(ref["two_passes_s"] / ref["one_pass_s"])
+    assert min(ref["one_pass_s_all"] + ref["two_passes_s_all"]) > 0

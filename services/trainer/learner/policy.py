@@ -13,6 +13,7 @@ result (`StepMetrics.skipped`), not an exception, because one bad batch should n
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 import os
@@ -20,7 +21,7 @@ import random
 import shutil
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -30,11 +31,16 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM
 
 from hotloop.logprobs import (
+    PromptStates,
+    PromptTrunk,
     can_share_prompts,
+    can_split,
     completion_hidden,
     completion_logprobs,
     prompt_states,
+    prompt_trunk,
     score_pairs,
+    trunk_states,
 )
 from hotloop.models import resolve
 from services.trainer.learner.algorithms import loss_normalizer, make_algorithm
@@ -109,6 +115,43 @@ class Interrupted(Exception):
     """`train_step` was asked to stop before it applied its update (nothing changed)."""
 
 
+@dataclass
+class _Base:
+    """The colocated reference inside one `train_step` (`reference=True`, `split` set): the
+    layers below the split run once per micro-batch without a graph, the layers above run
+    with the adapter off for the reference, then with it on (and a graph) for the policy."""
+
+    seconds: float = 0.0  # in the reference's forwards, trunk excluded
+    prompts: PromptTrunk | None = None
+    base_prompts: PromptStates | None = None
+
+    def prompts_of(self, policy: LoraPolicy, shared: Any) -> PromptTrunk:
+        """The shared prompts' trunk, and their states under the base (kept for `score`)."""
+        assert policy.split is not None
+        with torch.no_grad(), policy.autocast():
+            self.prompts = prompt_trunk(policy.model, shared, policy.split)
+            t = time.perf_counter()
+            with policy.model.disable_adapter():
+                self.base_prompts = prompt_states(policy.model, shared, self.prompts)
+            self.seconds += time.perf_counter() - t
+        return self.prompts
+
+    def score(self, policy: LoraPolicy, mb: MicroBatch) -> tuple[Any, torch.Tensor]:
+        """(the micro-batch's trunk, its reference logprobs [B, Tc])."""
+        assert policy.split is not None
+        cfg = policy.cfg
+        with torch.no_grad(), policy.autocast():
+            trunk = trunk_states(policy.model, mb.batch, policy.split, self.prompts)
+            t = time.perf_counter()
+            with policy.model.disable_adapter():
+                ref = completion_logprobs(policy.model, mb.batch,
+                                          chunk_tokens=cfg.logprob_chunk_tokens,
+                                          temperature=cfg.temperature, prompts=self.base_prompts,
+                                          trunk=trunk).logprobs
+            self.seconds += time.perf_counter() - t
+        return trunk, ref
+
+
 class LoraPolicy:
     """Base model + LoRA adapter + AdamW. Not thread-safe: one caller drives it.
 
@@ -164,6 +207,10 @@ class LoraPolicy:
             log.info("share_prompts: %s has sliding-window or hybrid attention; every row "
                      "runs its whole prompt", mc.model_type)
             self.cfg = cfg = cfg.model_copy(update={"share_prompts": False})
+        # The first adapted layer, when LoRA leaves the ones below it the base's: a step that
+        # computes its own reference runs them once for both forwards (`train_step`).
+        adapted = adapted_layers(mc, cfg.lora.top_layers)
+        self.split = adapted[0] if adapted and adapted[0] > 0 and can_split(self.model) else None
         self.base_model_path = path
         # What a saved critic is checked against: the base's shape, not its path (the same
         # model can live in another directory on another host).
@@ -185,8 +232,15 @@ class LoraPolicy:
 
     def train_step(self, samples: Sequence[Sample],
                    should_stop: Callable[[], bool] | None = None,
-                   critic: Critic | None = None) -> StepMetrics:
+                   critic: Critic | None = None, reference: bool = False) -> StepMetrics:
         """One optimizer update on `samples` (an empty list is an error).
+
+        `reference`: the step computes each sample's `ref_logprobs` itself, under the base
+        (the adapter off: the colocated reference), in place of any given. With LoRA on the
+        top layers only (`self.split`), each micro-batch runs the layers below them once, for
+        both forwards (`hotloop.logprobs.trunk_states`); the result is the one
+        `base_logprobs` then a step give. `StepMetrics.extra["reference_s"]`: the seconds the
+        reference took (the trunk is counted with the step).
 
         `should_stop` is polled before each micro-batch and before the update: a run that is
         asked to stop (Ctrl-C) then raises `Interrupted` within one micro-batch with the
@@ -208,14 +262,27 @@ class LoraPolicy:
         """
         if not samples:
             raise ValueError("train_step needs at least one sample")
-        if self.cfg.loss.kl_beta > 0 and any(s.ref_logprobs is None for s in samples):
+        if reference and (self.split is None or self.dp.world > 1):
+            # whole forwards: the base's, then the step's (the ranks take the samples as given)
+            t = time.perf_counter()
+            ref = self.base_logprobs([(s.prompt_ids, s.completion_ids) for s in samples])
+            samples = [replace(s, ref_logprobs=r) for s, r in zip(samples, ref)]
+            seconds = time.perf_counter() - t
+            m = self.train_step(samples, should_stop, critic)
+            m.extra["reference_s"] = seconds
+            return m
+        if reference:
+            samples = [replace(s, ref_logprobs=None) for s in samples]
+        elif self.cfg.loss.kl_beta > 0 and any(s.ref_logprobs is None for s in samples):
             raise ValueError("kl_beta > 0: every sample needs ref_logprobs")
         check_samples(samples)  # here, before the other ranks are handed the step
-        return self.dp.step(self, self._update, samples, should_stop, critic)
+        update = functools.partial(self._update, reference=reference)  # one rank when set
+        return self.dp.step(self, update, samples, should_stop, critic)
 
     def _update(self, samples: Sequence[Sample], should_stop: Callable[[], bool] | None,
-                critic: Critic | None) -> StepMetrics:
-        """`train_step` on this rank, after the checks (every rank runs it: `self.dp`)."""
+                critic: Critic | None, reference: bool = False) -> StepMetrics:
+        """`train_step` on this rank, after the checks (every rank runs it: `self.dp`);
+        `reference`: with the trunk shared (one rank, `self.split` set)."""
         t0 = time.perf_counter()
         cfg, dp = self.cfg, self.dp
         # The whole batch's, on every rank: the ranks' gradients then sum to the batch's.
@@ -250,19 +317,23 @@ class LoraPolicy:
         total = 0.0
         sums: dict[str, float] = {}  # token sums of the metrics
         prompts = leaves = None
+        base = _Base() if reference else None
         self._check_stop(should_stop, critic)
         if shared is not None:
             # Each distinct prompt runs once; every micro-batch's backward stops at the leaves,
             # and one backward after the last carries their gradients through the prompts.
+            trunk = None
+            if base is not None:
+                trunk = base.prompts_of(self, shared)
             with self.autocast():
-                prompts = prompt_states(self.model, shared)
+                prompts = prompt_states(self.model, shared, trunk)
             leaves = prompts.leaves()
         # As many rounds on every rank, so that all of them poll and agree as often; a rank
         # with fewer micro-batches idles through the last rounds.
         for i in range(max(counts)):
             if i:
                 self._check_stop(should_stop, critic)
-            loss_value, m = (self._micro_step(micro[i], leaves, normalizer, tokens, critic)
+            loss_value, m = (self._micro_step(micro[i], leaves, normalizer, tokens, critic, base)
                              if i < len(micro) else (0.0, {}))
             if dp.agree(not math.isfinite(loss_value)):
                 self._zero_grad(critic)
@@ -276,6 +347,8 @@ class LoraPolicy:
             prompts = leaves = None  # the prompts' graph is freed before the optimizer runs
         total, sums = dp.sum_metrics(total, sums)
         extra = {k: v / max(tokens, 1) for k, v in sums.items()}
+        if base is not None:
+            extra["reference_s"] = base.seconds
         if critic is not None and not extra["value_loss"] <= critic.cfg.max_value_loss:
             self._zero_grad(critic)
             return result(total, math.nan, extra,
@@ -304,12 +377,17 @@ class LoraPolicy:
         return result(total, grad_norm, extra, None)
 
     def _micro_step(self, mb: MicroBatch, leaves: Any, normalizer: float, tokens: int,
-                    critic: Critic | None) -> tuple[float, dict[str, float]]:
+                    critic: Critic | None, base: _Base | None = None,
+                    ) -> tuple[float, dict[str, float]]:
         """Forward and backward of one micro-batch (none when its loss is not finite): its
-        loss (its share of the batch's) and its metrics as token sums."""
+        loss (its share of the batch's) and its metrics as token sums. With `base`, the
+        micro-batch's reference logprobs first, from the trunk the policy's forward shares."""
         cfg = self.cfg
+        trunk, ref = None, mb.ref_logprobs
+        if base is not None:
+            trunk, ref = base.score(self, mb)
         with self.autocast():
-            hidden = completion_hidden(self.model, mb.batch, leaves)
+            hidden = completion_hidden(self.model, mb.batch, leaves, trunk)
             out = completion_logprobs(
                 self.model,
                 mb.batch,
@@ -322,7 +400,7 @@ class LoraPolicy:
         loss, m = self.algorithm.loss(
             out.logprobs,
             mb.old_logprobs.to(dev),
-            None if mb.ref_logprobs is None else mb.ref_logprobs.to(dev),
+            None if ref is None else ref.to(dev),
             mb.advantages.to(dev),
             out.mask,
             normalizer=normalizer,

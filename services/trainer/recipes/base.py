@@ -116,12 +116,13 @@ class Run:
         log.info("resumed from %s at step %d", ckpt, state.step)
         return state.data_position
 
-    async def train(self, policy, samples: Sequence, critic=None):
-        """One optimizer update of `policy` on `samples` (`LoraPolicy.train_step`), in a thread.
+    async def train(self, policy, samples: Sequence, critic=None, reference: bool = False):
+        """One optimizer update of `policy` on `samples` (`LoraPolicy.train_step`, its
+        colocated reference computed in the step when `reference`), in a thread.
         A cancellation does not stop the thread: the runner stops it before its next
         micro-batch and waits for it, so a checkpoint never races an optimizer step."""
-        self._update = asyncio.ensure_future(
-            asyncio.to_thread(policy.train_step, samples, self._stop.is_set, critic))
+        self._update = asyncio.ensure_future(asyncio.to_thread(
+            policy.train_step, samples, self._stop.is_set, critic, reference))
         return await asyncio.shield(self._update)
 
     async def compute(self, fn: Callable[..., Any], *args: Any) -> Any:

@@ -628,11 +628,9 @@ class Online(Recipe):
         async with self.turn(True) as grant:
             if self.turn is not solo_turn:  # a lane's wait for its fair share (lanes.py)
                 secs["turn_wait"] = time.perf_counter() - t
-            if kl and job.reference == "colocated":  # the shared policy is this lane's in its turn
-                t = time.perf_counter()
-                with _tracer.start_as_current_span("reference"):
-                    ref = await self.run.compute(self.policy.base_logprobs, pairs)
-                secs["reference"] = time.perf_counter() - t
+            # colocated: the step scores the base itself, in this lane's turn of the shared
+            # policy, running the layers below the adapter once for both (`train_step`)
+            colocated = kl and job.reference == "colocated"
             samples = [
                 Sample(prompt_ids=p, completion_ids=c, old_logprobs=list(tr.logprobs),
                        advantage=float(adv[i]), ref_logprobs=None if ref is None else ref[i])
@@ -645,11 +643,14 @@ class Online(Recipe):
                                                           kl_beta=kl_coef)
             with _tracer.start_as_current_span("train"):
                 try:
-                    m = await self.run.train(self.policy, samples)
+                    m = await self.run.train(self.policy, samples, reference=colocated)
                 except asyncio.CancelledError:
                     await self.run.halt()  # the thread stops before the turn passes on
                     raise
             secs["train"] = time.perf_counter() - t
+            if colocated:  # inside the step (no span of its own): the stages stay disjoint
+                secs["reference"] = m.extra.get("reference_s", 0.0)
+                secs["train"] -= secs["reference"]
             grant.tokens = sum(len(tr.prompt_ids) + len(tr.completion_ids) for _, _, tr in rows)
             self.steps = self.policy.step
             if not m.skipped:  # packed in the same turn: the adapter is this update's

@@ -195,3 +195,101 @@ def test_only_full_attention_models_share_prompts(tiny_lm) -> None:
     sliding = Qwen2ForCausalLM(Qwen2Config(**small, use_sliding_window=True, sliding_window=8,
                                            max_window_layers=0))
     assert can_share_prompts(full) and not can_share_prompts(sliding)
+
+
+def _top_adapted(tiny_model: Path, top: int = 2):
+    """LoRA on the top `top` of the tiny model's 4 layers, with a non-zero B."""
+    base = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    n = base.config.num_hidden_layers
+    linear = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=linear,
+                                            layers_to_transform=list(range(n - top, n))))
+    torch.manual_seed(0)
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            p.data.normal_(std=0.05)
+    return model, n - top
+
+
+def _with_trunk(model, pairs, budget: int, share: bool, split: int | None):
+    """Logprobs with the adapter off and on, and the adapter's gradients of sum(on), over a
+    plan; with `split`, both forwards run from one trunk per micro-batch."""
+    from hotloop.logprobs import prompt_trunk, trunk_states
+
+    model.zero_grad()
+    plan = plan_batches(pairs, budget, share_prompts=share)
+    ptrunk = None
+    if split is not None and plan.prompts is not None:
+        with torch.no_grad():
+            ptrunk = prompt_trunk(model, plan.prompts, split)
+    states = None if plan.prompts is None else prompt_states(model, plan.prompts, ptrunk)
+    leaves = None if states is None else states.leaves()
+    off: list[list[float]] = [[] for _ in pairs]
+    on: list[list[float]] = [[] for _ in pairs]
+    for idx, batch in plan.batches:
+        trunk = None
+        with torch.no_grad():
+            if split is not None:
+                trunk = trunk_states(model, batch, split, ptrunk)
+            with model.disable_adapter():
+                base_states = (None if plan.prompts is None
+                               else prompt_states(model, plan.prompts, ptrunk))
+                lp_off = completion_logprobs(model, batch, prompts=base_states, trunk=trunk)
+        out = completion_logprobs(model, batch, chunk_tokens=5, prompts=leaves, trunk=trunk)
+        out.logprobs.sum().backward()
+        for i, a, b in zip(idx, lp_off.rows(), out.rows()):
+            off[i], on[i] = a, b
+    if states is not None:
+        states.backward_into(leaves)
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return plan, off, on, grads
+
+
+@pytest.mark.parametrize("share", [False, True])
+def test_a_shared_trunk_gives_the_same_logprobs_and_gradients(tiny_model, grouped_pairs,
+                                                              share) -> None:
+    """The layers below the adapter run once, for the base's forward and the policy's: each
+    gets the logprobs (and the policy the gradients) of running the whole body itself."""
+    model, split = _top_adapted(tiny_model)
+    pairs = grouped_pairs(3, 4, seed=2)
+    plan, off_a, on_a, ga = _with_trunk(model, pairs, 80, share, None)
+    _, off_b, on_b, gb = _with_trunk(model, pairs, 80, share, split)
+    assert (plan.prompts is not None) == share and len(plan.batches) > 1
+    assert [len(r) for r in on_b] == [len(c) for _, c in pairs] == [len(r) for r in off_b]
+    for a, b in ((off_a, off_b), (on_a, on_b)):
+        assert max(abs(x - y) for r, s in zip(a, b) for x, y in zip(r, s)) < 1e-5
+    # the adapter changes the answer's logprobs: "off" really is the base
+    assert max(abs(x - y) for r, s in zip(off_b, on_b) for x, y in zip(r, s)) > 1e-3
+    assert sorted(ga) == sorted(gb) and ga
+    for n in ga:
+        torch.testing.assert_close(gb[n], ga[n], atol=1e-5, rtol=1e-4, msg=n)
+
+
+def test_a_trunk_is_refused_where_it_does_not_fit(tiny_model, tiny_lm, grouped_pairs) -> None:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from hotloop.logprobs import can_split, prompt_trunk, trunk_states
+
+    model, split = _top_adapted(tiny_model)
+    assert can_split(model) and can_split(tiny_lm)
+    small = dict(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                 num_attention_heads=2, num_key_value_heads=1)
+    assert not can_split(Qwen2ForCausalLM(Qwen2Config(
+        **small, use_sliding_window=True, sliding_window=8, max_window_layers=0)))
+    pairs = grouped_pairs(2, 3, seed=1)
+    plan = plan_batches(pairs, 4096)
+    batch = plan.batches[0][1]
+    with torch.no_grad():
+        ptrunk = prompt_trunk(model, plan.prompts, split)
+        with pytest.raises(ValueError, match="split at layer 2, not 1"):
+            trunk_states(model, batch, 1, ptrunk)
+        with pytest.raises(ValueError, match="without shared prompts"):
+            trunk_states(model, collate(pairs[:2]), split, ptrunk)
+        plain = trunk_states(model, collate(pairs[:2]), split)
+        with pytest.raises(ValueError, match="different plans"):
+            completion_hidden(model, batch, prompt_states(model, plan.prompts), plain)
+        with pytest.raises(ValueError, match=r"layers \[0, 9\) of a body of 4"):
+            trunk_states(model, collate(pairs[:2]), 9)
+    # the body is whole again after every forward, a refused one too
+    assert len(model.get_base_model().model.layers) == 4
+    assert not isinstance(model.get_base_model().model.norm, torch.nn.Identity)

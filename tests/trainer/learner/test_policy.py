@@ -306,6 +306,40 @@ def test_lora_on_the_top_layers_stops_the_backward_there_and_updates_as_full_dep
         torch.testing.assert_close(a, b, atol=1e-7, rtol=1e-6, msg=name)
 
 
+@pytest.mark.parametrize("share", [False, True])
+@pytest.mark.parametrize("top_layers", [2, None])
+def test_a_step_with_its_own_reference_is_the_step_after_base_logprobs(
+        make_cfg, grouped_pairs, share, top_layers) -> None:
+    """`train_step(..., reference=True)`: the base's logprobs computed in the step (with LoRA
+    on the top layers, from a trunk the policy's forward shares) give the update, loss and KL
+    that `base_logprobs` and then a step give."""
+    kw = {"lora": {"r": 4, "alpha": 8.0, "top_layers": top_layers}, "share_prompts": share,
+          "loss": {"kl_beta": 0.2}, "optimizer": {"max_grad_norm": 1e9}, "micro_batch_tokens": 80}
+    given, own = LoraPolicy(make_cfg(**kw)), LoraPolicy(make_cfg(**kw))
+    assert own.split == (2 if top_layers else None)
+    for pol in (given, own):
+        _perturb_adapter(pol)
+    pairs = [(p, c) for p, c in grouped_pairs(3, 4, seed=4) if c]
+    adv = [(-1.0) ** i * (1 + i % 3) for i in range(len(pairs))]
+    samples = [replace(s, old_logprobs=[x - 0.05 * (i % 2) for x in s.old_logprobs])
+               for i, s in enumerate(_samples(given, pairs, adv))]
+    # a wrong reference handed in is replaced, not used
+    a = given.train_step(samples)
+    b = own.train_step([replace(s, ref_logprobs=[0.0] * len(s.completion_ids)) for s in samples],
+                       reference=True)
+    assert a.micro_batches > 1 and b.micro_batches == a.micro_batches
+    assert a.extra["kl"] > 1e-4  # the KL term is live, so a wrong reference would show
+    assert b.loss == pytest.approx(a.loss, abs=1e-6)
+    assert b.extra["kl"] == pytest.approx(a.extra["kl"], rel=1e-4)
+    assert b.grad_norm == pytest.approx(a.grad_norm, rel=1e-4)
+    assert b.extra["reference_s"] > 0 and "reference_s" not in a.extra
+    for (n, pa), (_, pb) in zip(given.trainable_parameters(), own.trainable_parameters()):
+        torch.testing.assert_close(pb.grad, pa.grad, atol=1e-5, rtol=1e-4, msg=n)
+        torch.testing.assert_close(pb, pa, atol=1e-6, rtol=1e-5, msg=n)
+    body = own.model.get_base_model().model
+    assert len(body.layers) == 4 and not isinstance(body.norm, torch.nn.Identity)
+
+
 def test_an_adapter_of_the_top_layers_is_what_the_replicas_merge(make_cfg, tmp_path) -> None:
     from services.rollout.updates.common import read_peft_adapter
 

@@ -250,7 +250,8 @@ async def test_a_tenants_loop_trains_its_own_lineage_from_its_own_feedback(
 async def test_positive_feedback_raises_the_rewarded_completion_and_negative_lowers(
         gateway, nats_server, rollout, reference, tmp_path, make_cfg, tiny_model, where):
     """With the KL term, its reference from the reference service or, colocated, from the
-    trainer's own base with the adapter disabled (the mesh then has no reference client)."""
+    trainer's own base with the adapter disabled (the mesh then has no reference client),
+    there with LoRA on the top layers, so the step runs the layers below once for both."""
     from services.trainer.learner.policy import LoraPolicy
 
     good = await gateway.serve("good", prompt="write add", seed=1)
@@ -258,8 +259,10 @@ async def test_positive_feedback_raises_the_rewarded_completion_and_negative_low
     for user in ("a", "b", "c"):
         await gateway.feedback("good", 1.0, user)
         await gateway.feedback("bad", -1.0, user)
-    cfg = make_cfg(optimizer={"lr": 5e-3}, loss={"kl_beta": 0.01})
+    lora = {"r": 4, "alpha": 8.0, "top_layers": 2 if where == "colocated" else None}
+    cfg = make_cfg(optimizer={"lr": 5e-3}, loss={"kl_beta": 0.01}, lora=lora)
     policy = LoraPolicy(cfg, tiny_model)
+    assert policy.split == (2 if where == "colocated" else None)
     pairs = [(list(e.prompt_ids), list(e.completion_ids)) for e in (good, bad)]
     before = [sum(r) for r in policy.logprobs(pairs)]
     mesh = await make_mesh(nats_server.url, rollout, tmp_path, reference if where == "service" else "")
