@@ -31,8 +31,10 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM
 
 from hotloop.logprobs import (
+    PromptSet,
     PromptStates,
     PromptTrunk,
+    Trunk,
     can_share_prompts,
     can_split,
     completion_hidden,
@@ -125,7 +127,7 @@ class _Base:
     prompts: PromptTrunk | None = None
     base_prompts: PromptStates | None = None
 
-    def prompts_of(self, policy: LoraPolicy, shared: Any) -> PromptTrunk:
+    def prompts_of(self, policy: LoraPolicy, shared: PromptSet) -> PromptTrunk:
         """The shared prompts' trunk, and their states under the base (kept for `score`)."""
         assert policy.split is not None
         with torch.no_grad(), policy.autocast():
@@ -136,7 +138,7 @@ class _Base:
             self.seconds += time.perf_counter() - t
         return self.prompts
 
-    def score(self, policy: LoraPolicy, mb: MicroBatch) -> tuple[Any, torch.Tensor]:
+    def score(self, policy: LoraPolicy, mb: MicroBatch) -> tuple[Trunk, torch.Tensor]:
         """(the micro-batch's trunk, its reference logprobs [B, Tc])."""
         assert policy.split is not None
         cfg = policy.cfg
