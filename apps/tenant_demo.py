@@ -160,14 +160,15 @@ def training_overrides(kl_beta: float, lr: float, max_tokens: int) -> list[str]:
     the demo leaves it off. The coefficient moves at most e^0.2 per `KL_HORIZON` feedback
     (`[online] kl_horizon`): at the mesh's 2 it rose to 0.64 in c5 and `short`, met, fell back
     to 0.00; at 20 it stayed at 0.11-0.16 (c6, c7). Three lanes take turns on one trainer core
-    at ~2 s of trainer time per feedback, so a rating waits for its lineage's turn: at the
-    mesh's `max_wait_s` of 3 s a fifth of them were shed unused (c7), and each update held one.
-    The demo takes up to `BATCH_SIZE` per update and sheds only past `MAX_WAIT_S`: the trainer
-    core still bounds how many ratings teach (d1-d3: 327-395 in 900 s; c7: 276 in 711 s), but
-    a third of the updates hold two or more, which `leave_one_out` baselines by each other
+    at ~2 s of trainer time per feedback (before the step shared the layers below the adapter
+    with its reference pass; ~1.3 s since, d4-d5), so a rating waits for its lineage's turn: at
+    the mesh's `max_wait_s` of 3 s a fifth of them were shed unused (c7), and each update held
+    one. The demo takes up to `BATCH_SIZE` per update and sheds only past `MAX_WAIT_S`: the
+    trainer core bounded how many ratings taught (d1-d3: 327-395 in 900 s; c7: 276 in 711 s),
+    but a third of the updates hold two or more, which `leave_one_out` baselines by each other
     (d1-d3: 32-40% of updates, c7: 22%), and what is shed is the surplus of a tenant rating
-    faster than its share of turns (d1: `short` 107 of 180, `direct` 23 of 182), for a longer
-    loop (d1: p50 14-23 s, p95 ~42 s, against 13-14 s and 20-26 s)."""
+    faster than its share of turns (d1: `short` 107 of 180, `direct` 23 of 182; d4 `short` 49
+    of 180), for a longer loop (d1: p50 14-23 s, p95 ~42 s, against 13-14 s and 20-26 s)."""
     kl = [f"trainer.loss.kl_beta={kl_beta:g}", "online.reference=colocated",
           f"online.kl_target={KL_TARGET:g}"] if kl_beta > 0 else ["trainer.loss.kl_beta=0"]
     return [*kl, f"trainer.optimizer.lr={lr:g}", "online.leave_one_out=true",
