@@ -243,9 +243,6 @@ def compare_ranks(policy: Any, batch: Sequence[Any], ranks: int, steps: int,
             "speedup": statistics.median(one) / statistics.median(many)}
 
 
-# ---- the machine ----------------------------------------------------------------------------
-
-
 def compare_reference(policy: Any, batch: Sequence[Any], steps: int,
                       say: Callable[[str], None]) -> dict[str, Any]:
     """Seconds of the colocated reference and the step, as two passes (`base_logprobs`, then
@@ -276,6 +273,9 @@ def compare_reference(policy: Any, batch: Sequence[Any], steps: int,
             "one_pass_s": statistics.median(b),
             "speedup": statistics.median(a) / statistics.median(b),
             "two_passes_s_all": a, "one_pass_s_all": b}
+
+
+# ---- the machine ----------------------------------------------------------------------------
 
 
 def _cpu_model() -> str:
