@@ -97,12 +97,17 @@ def test_min_fill_bounds_the_padding_of_each_row() -> None:
     assert plan_micro_batches(lengths, 1000) == [list(range(8))]  # 8 x 100 fits: one group
 
 
-def _adapted(tiny_model: Path):
+def _adapted(tiny_model: Path, top: int | None = None):
+    """LoRA on every linear (of the top `top` layers only, when given), with a non-zero B."""
     base = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
-    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    n = base.config.num_hidden_layers
+    linear = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    model = get_peft_model(base, LoraConfig(
+        r=4, lora_alpha=8, target_modules=linear,
+        layers_to_transform=None if top is None else list(range(n - top, n))))
     torch.manual_seed(0)
-    for n, p in model.named_parameters():
-        if "lora_B" in n:
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
             p.data.normal_(std=0.05)
     return model
 
@@ -197,20 +202,6 @@ def test_only_full_attention_models_share_prompts(tiny_lm) -> None:
     assert can_share_prompts(full) and not can_share_prompts(sliding)
 
 
-def _top_adapted(tiny_model: Path, top: int = 2):
-    """LoRA on the top `top` of the tiny model's 4 layers, with a non-zero B."""
-    base = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
-    n = base.config.num_hidden_layers
-    linear = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=linear,
-                                            layers_to_transform=list(range(n - top, n))))
-    torch.manual_seed(0)
-    for name, p in model.named_parameters():
-        if "lora_B" in name:
-            p.data.normal_(std=0.05)
-    return model, n - top
-
-
 def _with_trunk(model, pairs, budget: int, share: bool, split: int | None):
     """Logprobs with the adapter off and on, and the adapter's gradients of sum(on), over a
     plan; with `split`, both forwards run from one trunk per micro-batch."""
@@ -250,7 +241,7 @@ def test_a_shared_trunk_gives_the_same_logprobs_and_gradients(tiny_model, groupe
                                                               share) -> None:
     """The layers below the adapter run once, for the base's forward and the policy's: each
     gets the logprobs (and the policy the gradients) of running the whole body itself."""
-    model, split = _top_adapted(tiny_model)
+    model, split = _adapted(tiny_model, top=2), 2
     pairs = grouped_pairs(3, 4, seed=2)
     plan, off_a, on_a, ga = _with_trunk(model, pairs, 80, share, None)
     _, off_b, on_b, gb = _with_trunk(model, pairs, 80, share, split)
@@ -270,7 +261,7 @@ def test_a_trunk_is_refused_where_it_does_not_fit(tiny_model, tiny_lm, grouped_p
 
     from hotloop.logprobs import can_split, prompt_trunk, trunk_states
 
-    model, split = _top_adapted(tiny_model)
+    model, split = _adapted(tiny_model, top=2), 2
     assert can_split(model) and can_split(tiny_lm)
     small = dict(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
                  num_attention_heads=2, num_key_value_heads=1)
