@@ -23,9 +23,11 @@ Owns:
 - the phases: warm-up, idle (users only: each preference's base rate on the base model, every
   tenant's answers pooled, at least `--idle-answers` of them), training (each tenant's users
   rate answers by its preference; once a block of `--window` of a tenant's answers meets its
-  target (twice its base rate by default) by more than its noise, its users pause rating, and
-  `--check-answers` answers of the version it then serves confirm the target, so they stop
-  rating for good, or send them back to rating (`advance`), unless `--keep-rating`; the phase
+  target (twice its base rate by default) by more than its noise, its users pause rating, its
+  lineage is held at the version it serves (the admin API's hold, with a shared trainer), and
+  `--check-answers` answers of that version confirm the target, so they stop rating for good
+  and the lineage stays held, or send them back to rating and resume it (`advance`), unless
+  `--keep-rating`; the phase
   ends once every tenant's target was confirmed, unless `--no-stop`, or after `--train-s`),
   evaluation (users only again, until every tenant's final version gave `--eval-answers`
   answers since its lineage stopped learning: the final shares, `final_answers`);
@@ -193,6 +195,7 @@ class TrainerPlan:
     overrides: list[str]  # for every process of the mesh
     trainers: dict[str, list[str]] | None  # `start_stack`'s: name -> its own overrides
     metrics: dict[str, Path]  # tenant -> its lineage's metrics.jsonl
+    holds: bool = False  # the trainer follows the registry: a lineage can be held for a check
 
 
 def trainer_plan(mode: str, tenants: list[str], out: Path) -> TrainerPlan:
@@ -200,8 +203,11 @@ def trainer_plan(mode: str, tenants: list[str], out: Path) -> TrainerPlan:
     online` process per tenant (`[online] tenant`, run id `trainer-<tenant>`). `shared`: the
     mesh's trainer role with `[online] tenants` (one process, one base model, a lane per tenant
     under `<out>/trainer/tenants/<tenant>/`: `lane_dir` in services/trainer/recipes/lanes.py,
-    with `start_stack`'s `online.out_dir` and run id). `auto`: shared where the trainer has it,
-    else per tenant."""
+    with `start_stack`'s `online.out_dir` and run id), following the tenant registry
+    (`[online] follow_registry`), so a check holds the lineage it checks (`advance`); a
+    per-tenant process learns one lineage and follows no registry, so there a check's version
+    may still move on the feedback sent before its users paused. `auto`: shared where the
+    trainer has it, else per tenant."""
     if mode == "auto":
         mode = "shared" if shared_trainer_built() else "per-tenant"
     if mode == "shared":
@@ -209,8 +215,9 @@ def trainer_plan(mode: str, tenants: list[str], out: Path) -> TrainerPlan:
             raise ValueError("--trainers shared: this trainer learns one lineage per process "
                              "([online] has no `tenants`); use --trainers per-tenant")
         names = json.dumps(tenants)
-        return TrainerPlan(mode, [f"online.tenants={names}"], None,
-                           {t: out / TRAINER_RUN / "tenants" / t / "metrics.jsonl" for t in tenants})
+        return TrainerPlan(mode, [f"online.tenants={names}", "online.follow_registry=true"], None,
+                           {t: out / TRAINER_RUN / "tenants" / t / "metrics.jsonl" for t in tenants},
+                           holds=True)
     if mode != "per-tenant":
         raise ValueError(f"--trainers {mode}: use auto, per-tenant or shared")
     return TrainerPlan(mode, [], {f"trainer-{t}": [f"online.tenant={t}", f"online.run_id=trainer-{t}"]
@@ -362,7 +369,10 @@ def advance(run: TenantRun, now: float, window: int, check_answers: int,
     - Rating: its answers since its users began to rate are read in consecutive blocks of
       `window`, each once, when it is complete; once a block meets the target by more than
       its noise (`met_target`, the check's own margin), they pause (keep asking, stop rating,
-      also what they are reading), so its lineage stops moving. Not a sliding window: read
+      also what they are reading), and the caller holds its lineage (`hold`), so it stops
+      moving: without the hold, the feedback sent before the pause went on training, and d6
+      `short` checked the version two updates later, back at its base share (0.15), where the
+      block had met its target at 0.6 (docs/results.md). Not a sliding window: read
       again after every answer, hundreds of times a run, it crossed the bar by chance far
       more often than one sample of `window` does and was read at its luckiest, so the
       checks refused most pauses, even of versions a fifth of an update apart (c1-c2 in
@@ -370,11 +380,12 @@ def advance(run: TenantRun, now: float, window: int, check_answers: int,
       0.2-0.35 answers a second while its lineage publishes a version every 3-10 s): stopping
       on it went on training past the target (a target of 0.30 ended at 0.71), and the
       further a lineage goes, the more it moves its other styles too.
-    - Paused: once the version it then serves (the newest: feedback sent before the pause may
-      still land) gave enough answers to requests sent after the pause, their share decides:
-      at or above the target by `margin_se` standard errors of `check_answers` answers,
-      accepted, its lineage is done and its users stay silent; below, they resume rating, and
-      the next block counts from then. Decided as soon as the rest of `check_answers` cannot
+    - Paused: once the version it then serves (the newest: an update under way when the hold
+      came lands first, and without a hold feedback sent before the pause still trains) gave
+      enough answers to requests sent after the pause, their share decides: at or above the
+      target by `margin_se` standard errors of `check_answers` answers, accepted, its lineage
+      is done (it stays held) and its users stay silent; below, they resume rating, the
+      caller resumes the lineage, and the next block counts from then. Decided as soon as the rest of `check_answers` cannot
       change the verdict (the same verdict, sooner: a check of 40 took 200 s). The block that
       triggered the check is not its evidence: a block that met a target by chance is as
       likely as one that met it by learning, and a lineage frozen on one falls back below
@@ -448,8 +459,10 @@ def tenants_status(state: TenantsState, t0: float) -> str:
 
 
 async def run_tenants(state: TenantsState, stack: Stack, keys: dict[str, str], metrics: dict[str, Path],
-                      users: int, phases: Phases, max_tokens: int, progress_s: float) -> None:
-    """The phases (`Phases`): warm-up, idle, training, evaluation."""
+                      users: int, phases: Phases, max_tokens: int, progress_s: float,
+                      holds: bool = False) -> None:
+    """The phases (`Phases`): warm-up, idle, training, evaluation. `holds`: a check holds the
+    lineage it checks (`hold`; the trainer follows the tenant registry)."""
     cfgs = []
     for i, (name, pref) in enumerate(state.prefs.items()):
         tracker = LoopTracker(stack.info.nats_url, metrics[name], tenant=name)
@@ -512,8 +525,10 @@ async def run_tenants(state: TenantsState, stack: Stack, keys: dict[str, str], m
                     # a paused or finished tenant's users keep asking (its share stays
                     # measured) but do not rate: its lane goes idle and leaves the trainer to
                     # the tenants still learning
-                    _say(run, advance(run, time.time(), state.window, phases.check_answers),
-                         state.training_started)
+                    event = advance(run, time.time(), state.window, phases.check_answers)
+                    _say(run, event, state.training_started)
+                    if holds and event in ("paused", "resumed"):
+                        await hold(stack, run.name, event == "paused")
                 elif run.reached_at is None and met_target(
                         final_window(run, state.training_started, state.window), run.preference,
                         run.target, state.window):
@@ -553,6 +568,18 @@ async def run_tenants(state: TenantsState, stack: Stack, keys: dict[str, str], m
             await run.sim.halt(task)
             await run.tracker.poll()
             await run.tracker.close()
+
+
+async def hold(stack: Stack, tenant: str, held: bool) -> None:
+    """Hold `tenant`'s lineage at the version it serves, or resume it, through the gateway's
+    admin API (`POST /admin/tenants/<name>/hold|resume`, the mesh's admin token)."""
+    import httpx
+
+    url = f"{stack.target.base_url}/admin/tenants/{tenant}/{'hold' if held else 'resume'}"
+    async with httpx.AsyncClient(timeout=30) as http:
+        r = await http.post(url, headers={"Authorization": f"Bearer {stack.info.admin_token()}"})
+    if r.status_code != 202:
+        raise RuntimeError(f"{url}: HTTP {r.status_code}: {r.text[:300]}")
 
 
 def _say(run: TenantRun, event: str | None, t0: float) -> None:
@@ -880,7 +907,8 @@ def main(args) -> int:
         "until_target": not args.no_stop, "stop_rating_at_target": not args.keep_rating,
         "target_factor": args.target_factor, "kl_beta": args.kl_beta,
         "kl_target": KL_TARGET if args.kl_beta > 0 else None, "lr": args.lr,
-        "check_margin_se": CHECK_MARGIN_SE, "learning": learning, "trainers": plan.mode})
+        "check_margin_se": CHECK_MARGIN_SE, "learning": learning, "trainers": plan.mode,
+        "checks_hold": plan.holds})
     # the demo's learning first, so that a --set of the user's overrides it
     overrides = [*learning, *args.set,
                  *tenant_overrides(keys_file, tenants), *plan.overrides]
@@ -896,7 +924,8 @@ def main(args) -> int:
         print(f"[demo-tenants] gateway {stack.target.base_url}/v1; {args.users} users per tenant; idle "
               f"phase {args.idle_s:g} s, then up to {args.train_s:g} s of training", flush=True)
         _, state.interrupted = run_interruptible(run_tenants(
-            state, stack, keys, plan.metrics, args.users, phases, args.max_tokens, args.progress))
+            state, stack, keys, plan.metrics, args.users, phases, args.max_tokens, args.progress,
+            holds=plan.holds))
     finally:
         why = stack.stop()
     if why and not state.failed:

@@ -130,8 +130,11 @@ class TenantRecord:
     generation it last applied (see `Registry`)."""
     created_at: float = field(default_factory=time.time)
     config: bool = False
-    """A config tenant (`[tenants.<name>]`) that was reset: the record carries its generation
-    only; its keys and its existence come from config."""
+    """A config tenant (`[tenants.<name>]`) that was reset or held: the record carries its
+    generation and `held` only; its keys and its existence come from config."""
+    held: bool = False
+    """Learning held (`Registry.hold`): the trainer takes no more updates for the lineage, so
+    its users go on being served the version it holds, until it is resumed."""
     revision: int = 0
     """The KV revision this record was read or written at (not stored in the value): higher
     is newer, for every name of the bucket alike."""
@@ -144,7 +147,7 @@ class TenantRecord:
 
         return bus_pb2.TenantRecord(
             name=self.name, generation=self.generation, created_at=self.created_at,
-            config=self.config,
+            config=self.config, held=self.held,
             keys=[bus_pb2.TenantKey(id=k.id, sha256=k.sha256, created_at=k.created_at)
                   for k in self.keys],
         ).SerializeToString()
@@ -155,7 +158,7 @@ class TenantRecord:
 
         p = bus_pb2.TenantRecord.FromString(data)
         return cls(p.name, tuple(TenantKey(k.id, k.sha256, k.created_at) for k in p.keys),
-                   p.generation, p.created_at, p.config, revision)
+                   p.generation, p.created_at, p.config, held=p.held, revision=revision)
 
 
 def _digest_hex(sha256: str) -> str:
@@ -166,13 +169,14 @@ def _digest_hex(sha256: str) -> str:
 
 class Registry:
     """The tenant registry: created tenants, their key ids and key digests, and their
-    generation, in a JetStream KV bucket that every gateway replica and the trainer share.
+    generation and whether its learning is held, in a JetStream KV bucket that every gateway
+    replica and the trainer share.
 
     Writes are compare-and-set on the KV revision: `create` succeeds only where the name holds
     no record (two gateway replicas creating one name at once: exactly one wins, the other gets
-    `AlreadyExists`), and `add_key`, `reset` and `delete` rewrite the revision they read (a
-    concurrent change makes them read again and retry, up to `MAX_CAS_TRIES`). A missing name
-    is `NotFound`; the bus being away past its outage bound is `Unavailable`.
+    `AlreadyExists`), and `add_key`, `reset`, `hold` and `delete` rewrite the revision they
+    read (a concurrent change makes them read again and retry, up to `MAX_CAS_TRIES`). A
+    missing name is `NotFound`; the bus being away past its outage bound is `Unavailable`.
 
     What `watch()` yields, for the trainer (`async for name, record in registry.watch()`):
 
@@ -185,12 +189,14 @@ class Registry:
         no lane for (a name deleted and created again comes as a create: a new tenant);
       - a key added: `(name, record)` with the same generation as before (nothing for the
         trainer to do);
+      - hold or resume: `(name, record)` with the same generation and `record.held` the new
+        state; the lane takes no update while held (the version in flight still lands);
       - reset: `(name, record)` with `record.generation` one more than before; the lane
         starts over from the base model and publishes a fresh adapter as its next version;
       - delete: `(name, None)`; the tenant is gone for good (a later create of the name is
         another tenant).
-    - `record.config` is True for a config tenant (`[tenants.<name>]`) that was reset: the
-      record carries the generation only. It is never deleted through the API.
+    - `record.config` is True for a config tenant (`[tenants.<name>]`) that was reset or held:
+      the record carries the generation and `held` only. It is never deleted through the API.
 
     So a trainer keeps, per lane, the generation it last applied (durably, e.g. in its
     checkpoint; 0 for a lane it starts) and does:
@@ -202,6 +208,7 @@ class Registry:
                 add_tenant(name); applied[name] = record.generation
             elif record.generation > applied[name]:
                 reset_tenant(name); applied[name] = record.generation
+            hold_tenant(name, record.held)             # idempotent: the state, not a change
 
     A removed lane's lineage (its versions-KV key `hotloop.bus.latest_key(name)`, its
     store) is the trainer's to delete once the lane has stopped: until `latest_key(name)` is
@@ -239,8 +246,8 @@ class Registry:
         entries = await self.bus.entries(await self._kv(), TENANTS_BUCKET)
         return [TenantRecord.from_bytes(e.value, e.revision) for e in entries.values()]
 
-    async def create(self, name: str, keys: Sequence[TenantKey] = (), *,
-                     config: bool = False, generation: int = 0) -> TenantRecord:
+    async def create(self, name: str, keys: Sequence[TenantKey] = (), *, config: bool = False,
+                     generation: int = 0, held: bool = False) -> TenantRecord:
         """A new record for `name`; `AlreadyExists` if it has one."""
         from nats.js.errors import KeyWrongLastSequenceError
 
@@ -248,14 +255,14 @@ class Registry:
             raise InvalidArgument("the default tenant cannot be created")
         for k in keys:
             _digest_hex(k.sha256)
-        record = TenantRecord(name, tuple(keys), generation, time.time(), config)
+        record = TenantRecord(name, tuple(keys), generation, time.time(), config, held)
         kv, data = await self._kv(), record.to_bytes()
         try:
             revision = await self.bus.retrying(lambda: kv.create(name, data), f"tenant {name} create")
         except KeyWrongLastSequenceError:
-            held = await self._entry(name)
-            if held is not None and held.to_bytes() == data:  # ours: a retry after a lost answer
-                return held
+            current = await self._entry(name)
+            if current is not None and current.to_bytes() == data:  # ours: a retry after a lost answer
+                return current
             raise AlreadyExists(f"tenant {name!r} exists already") from None
         return replace(record, revision=revision)
 
@@ -265,16 +272,16 @@ class Registry:
         check_tenant(name)
         kv = await self._kv()
         for _ in range(MAX_CAS_TRIES):
-            held = await self._entry(name)
-            if held is None:
+            current = await self._entry(name)
+            if current is None:
                 raise NotFound(f"no tenant {name!r}")
-            new = change(held)
-            if new == held:
-                return held
+            new = change(current)
+            if new == current:
+                return current
             data = new.to_bytes()
             try:
                 revision = await self.bus.retrying(
-                    lambda: kv.update(name, data, last=held.revision), f"tenant {name} update")
+                    lambda: kv.update(name, data, last=current.revision), f"tenant {name} update")
             except KeyWrongLastSequenceError:
                 continue  # changed since we read it: read again
             return replace(new, revision=revision)
@@ -304,6 +311,16 @@ class Registry:
                 pass  # reset before: bump it below
         return await self._rewrite(name, lambda r: replace(r, generation=r.generation + 1))
 
+    async def hold(self, name: str, held: bool = True, *, config: bool = False) -> TenantRecord:
+        """Hold `name`'s learning (`held`), or resume it. `config`: `name` is a config tenant,
+        whose record is created (at generation 0) by its first hold."""
+        if config:
+            try:
+                return await self.create(name, config=True, held=held)
+            except AlreadyExists:
+                pass  # reset or held before: rewrite it below
+        return await self._rewrite(name, lambda r: replace(r, held=held))
+
     async def delete(self, name: str) -> TenantRecord:
         """Delete `name`'s record; returns what it was (its `revision` the one deleted)."""
         from nats.js.errors import APIError
@@ -311,17 +328,17 @@ class Registry:
         check_tenant(name)
         kv = await self._kv()
         for _ in range(MAX_CAS_TRIES):
-            held = await self._entry(name)
-            if held is None:
+            current = await self._entry(name)
+            if current is None:
                 raise NotFound(f"no tenant {name!r}")
             try:
-                await self.bus.retrying(lambda: kv.delete(name, last=held.revision),
+                await self.bus.retrying(lambda: kv.delete(name, last=current.revision),
                                         f"tenant {name} delete")
             except APIError as e:
                 if e.err_code in (10071, 10164):  # wrong last sequence: changed since read
                     continue
                 raise
-            return held
+            return current
         raise Unavailable(f"tenant {name!r} kept changing during {MAX_CAS_TRIES} attempts to delete it")
 
     async def changes(self, ready: asyncio.Event | None = None

@@ -4,7 +4,7 @@ Owns:
 - who may use the admin API (`check_admin`: `Authorization: Bearer <[security] admin_token>`,
   compared in constant time; no admin token configured: every admin call is refused, 403);
 - the operations behind the admin endpoints: create a tenant and mint its first key, mint
-  another, list, get, reset, delete (`hotloop.tenants.Registry` holds the records; a key's
+  another, list, get, reset, hold and resume, delete (`hotloop.tenants.Registry` holds the records; a key's
   secret is returned once and only its sha256 is stored), and export a tenant's latest
   version (`export`: read the lineage's `latest_key` in the versions KV, stream the archive
   from the trainer with `TrainerClient.fetch_adapter`, check size and sha256 against the KV
@@ -17,8 +17,8 @@ Owns:
   older revision of a name (so a delete is not undone by the create it follows).
 
 Config tenants (`[tenants.<name>]`) are fixed: they work with no registry record at all and
-cannot be created, deleted or given keys through the API (409, `Conflict`); a reset of one
-writes a record that carries only its generation (`TenantRecord.config`).
+cannot be created, deleted or given keys through the API (409, `Conflict`); a reset or hold
+of one writes a record that carries only its generation and hold (`TenantRecord.config`).
 
 Where the trainer is: the address of the last `WeightsUpdated` heard for the tenant's lineage
 (`fetch_from`; a trainer announces its latest again when it starts), then `[endpoints]
@@ -87,14 +87,15 @@ class Export:
 
 def _record_view(record: TenantRecord | None, name: str, config_keys: list[str] | None,
                  latest: int) -> dict:
+    held = record is not None and record.held
     if config_keys is not None:
         return {"name": name, "source": "config", "key_ids": list(config_keys),
                 "generation": record.generation if record is not None else 0,
-                "created_at": None, "latest_version": latest}
+                "created_at": None, "latest_version": latest, "held": held}
     assert record is not None
     return {"name": name, "source": "api", "key_ids": record.key_ids(),
             "generation": record.generation, "created_at": record.created_at,
-            "latest_version": latest}
+            "latest_version": latest, "held": held}
 
 
 class TenantAdmin:
@@ -271,6 +272,15 @@ class TenantAdmin:
         self._name(name)
         record = await self.registry.reset(name, config=name in self.tenants.config)
         return {"tenant": name, "generation": record.generation}
+
+    async def hold(self, name: str, held: bool = True) -> dict:
+        """Hold the tenant's learning (`held`), or resume it: the trainer that follows the
+        registry takes no update of its lineage while held, so its users are served the
+        version it held at (the update under way then, if any, lands first); their feedback
+        waits in the trainer's queue as under any load."""
+        self._name(name)
+        record = await self.registry.hold(name, held, config=name in self.tenants.config)
+        return {"tenant": name, "held": record.held, "latest_version": await self._latest(name)}
 
     async def delete(self, name: str) -> dict:
         """Delete registry tenant `name`: its keys stop working here now, elsewhere as soon

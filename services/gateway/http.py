@@ -563,6 +563,14 @@ def build_app(core: GatewayCore, admin: TenantAdmin | None = None) -> FastAPI:
     async def reset_tenant(name: str, a: TenantAdmin = Depends(operator)):
         return await a.reset(name)
 
+    @app.post("/admin/tenants/{name}/hold", status_code=202)
+    async def hold_tenant(name: str, a: TenantAdmin = Depends(operator)):
+        return await a.hold(name, True)
+
+    @app.post("/admin/tenants/{name}/resume", status_code=202)
+    async def resume_tenant(name: str, a: TenantAdmin = Depends(operator)):
+        return await a.hold(name, False)
+
     @app.delete("/admin/tenants/{name}")
     async def delete_tenant(name: str, a: TenantAdmin = Depends(operator)):
         return await a.delete(name)

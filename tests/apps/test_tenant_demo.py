@@ -103,21 +103,23 @@ def test_the_shared_trainer_plan_is_the_default_and_reads_each_lanes_metrics(tmp
 
     plan = trainer_plan("auto", ["a", "b"], tmp_path)
     assert plan.mode == "shared" and plan.trainers is None  # the mesh's trainer role
-    assert plan.overrides == ['online.tenants=["a", "b"]']
+    # it follows the tenant registry, so that a check can hold the lineage it checks
+    assert plan.overrides == ['online.tenants=["a", "b"]', "online.follow_registry=true"]
+    assert plan.holds
     from hotloop import config
     from services.trainer.config import OnlineConfig
 
     section = config.raw_config(None, [*plan.overrides, f"online.out_dir={tmp_path}",
                                        f"online.run_id={TRAINER_RUN}"])["online"]
     job = OnlineConfig(**section)
-    assert job.lanes and job.lane_tenants == ["a", "b"]
+    assert job.lanes and job.lane_tenants == ["a", "b"] and job.follow_registry
     for t in ("a", "b"):  # where start_stack's trainer writes each lane's step records
         assert plan.metrics[t] == lane_dir(Path(job.out_dir) / job.run_id, t) / "metrics.jsonl"
 
 
 def test_the_trainer_plan_gives_each_tenant_its_own_run_and_subject(tmp_path):
     plan = trainer_plan("per-tenant", ["a", "b"], tmp_path)
-    assert plan.mode == "per-tenant" and plan.overrides == []
+    assert plan.mode == "per-tenant" and plan.overrides == [] and not plan.holds
     assert plan.trainers == {"trainer-a": ["online.tenant=a", "online.run_id=trainer-a"],
                              "trainer-b": ["online.tenant=b", "online.run_id=trainer-b"]}
     assert plan.metrics["b"] == tmp_path / "trainer-b" / "metrics.jsonl"

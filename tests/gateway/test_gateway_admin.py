@@ -1,6 +1,6 @@
 """The tenant admin API through real gateways (HTTP on port 0) sharing one real NATS: tenants
-created on one replica serve on another, deletes cut keys off everywhere, resets reach a
-registry watcher, exports come from a real trainer `FetchAdapter` and are checked, and every
+created on one replica serve on another, deletes cut keys off everywhere, resets and holds
+reach a registry watcher, exports come from a real trainer `FetchAdapter` and are checked, and every
 admin endpoint refuses anyone without the admin token."""
 
 from __future__ import annotations
@@ -165,9 +165,52 @@ async def test_a_reset_bumps_the_generation_and_a_watcher_sees_it(rig):
         await asyncio.gather(watcher, return_exceptions=True)
     listed = {t["name"]: t for t in (await call("GET", f"{one.admin_url}/tenants")).json()["tenants"]}
     assert listed["acme"] == {"name": "acme", "source": "config", "key_ids": ["alice"],
-                              "generation": 1, "created_at": None, "latest_version": 0}
+                              "generation": 1, "created_at": None, "latest_version": 0,
+                              "held": False}
     assert "umbrella" not in listed
     assert await works(one, KEY)  # a reset changes no key
+
+
+async def test_a_hold_and_a_resume_reach_a_watcher_and_the_tenant_view(rig):
+    _, one, two, _ = rig
+    await call("POST", f"{one.admin_url}/tenants", json={"name": "parasol"})
+    ready, seen = asyncio.Event(), asyncio.Queue()
+
+    async def watch():
+        async for name, record in Registry(one.bus).watch(ready):
+            if record is not None:  # the replay holds the tombstones of deleted names
+                await seen.put((name, record.held, record.generation, record.config))
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        await asyncio.wait_for(ready.wait(), 10)
+        while not seen.empty():
+            seen.get_nowait()  # the replay
+        r = await call("POST", f"{two.admin_url}/tenants/parasol/hold")
+        assert r.status_code == 202 and r.json() == {"tenant": "parasol", "held": True,
+                                                     "latest_version": 0}
+        assert await asyncio.wait_for(seen.get(), 10) == ("parasol", True, 0, False)
+        assert (await call("GET", f"{one.admin_url}/tenants/parasol")).json()["held"] is True
+        r = await call("POST", f"{two.admin_url}/tenants/parasol/hold")  # held already: no change
+        assert r.status_code == 202 and r.json()["held"] is True
+        r = await call("POST", f"{one.admin_url}/tenants/parasol/resume")
+        assert r.status_code == 202 and r.json()["held"] is False
+        assert await asyncio.wait_for(seen.get(), 10) == ("parasol", False, 0, False)
+        # a config tenant can be held too (its record carries the hold and generation only),
+        # and a hold keeps the generation a reset wrote
+        r = await call("POST", f"{one.admin_url}/tenants/acme/hold")
+        assert r.status_code == 202 and r.json()["held"] is True
+        name, held, generation, config = await asyncio.wait_for(seen.get(), 10)
+        assert (name, held, config) == ("acme", True, True)
+        assert generation == (await Registry(one.bus).get("acme")).generation
+        assert (await call("GET", f"{two.admin_url}/tenants/acme")).json()["held"] is True
+        assert (await call("POST", f"{one.admin_url}/tenants/acme/resume")).json()["held"] is False
+        assert await asyncio.wait_for(seen.get(), 10) == ("acme", False, generation, True)
+    finally:
+        watcher.cancel()
+        await asyncio.gather(watcher, return_exceptions=True)
+        await call("DELETE", f"{one.admin_url}/tenants/parasol")
+    assert await works(one, KEY)  # a hold changes no key
 
 
 async def test_config_tenants_and_bad_names_are_refused_with_the_reason(rig):
@@ -182,12 +225,16 @@ async def test_config_tenants_and_bad_names_are_refused_with_the_reason(rig):
     assert (await call("POST", f"{one.admin_url}/tenants", json={})).status_code == 400
     assert (await call("POST", f"{one.admin_url}/tenants/nobody/keys")).status_code == 404
     assert (await call("POST", f"{one.admin_url}/tenants/nobody/reset")).status_code == 404
+    assert (await call("POST", f"{one.admin_url}/tenants/nobody/hold")).status_code == 404
+    assert (await call("POST", f"{one.admin_url}/tenants/nobody/resume")).status_code == 404
+    assert (await call("POST", f"{one.admin_url}/tenants/Acme/hold")).status_code == 400
     assert (await call("GET", f"{one.admin_url}/tenants/nobody/adapter")).status_code == 404
 
 
 ADMIN_CALLS = [("POST", "/admin/tenants", {"name": "mallory"}), ("GET", "/admin/tenants", None),
                ("GET", "/admin/tenants/acme", None), ("POST", "/admin/tenants/acme/keys", None),
-               ("POST", "/admin/tenants/acme/reset", None), ("DELETE", "/admin/tenants/acme", None),
+               ("POST", "/admin/tenants/acme/reset", None), ("POST", "/admin/tenants/acme/hold", None),
+               ("POST", "/admin/tenants/acme/resume", None), ("DELETE", "/admin/tenants/acme", None),
                ("GET", "/admin/tenants/acme/adapter", None)]
 
 

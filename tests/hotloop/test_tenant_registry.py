@@ -99,7 +99,7 @@ async def test_two_writers_at_once_one_create_wins_and_no_update_is_lost(buses):
     assert sorted(held.key_ids()) == [f"k{i}" for i in range(8)] and held.generation == 6
 
 
-async def test_a_watcher_sees_the_state_then_create_key_reset_and_delete_in_order(buses):
+async def test_a_watcher_sees_the_state_then_create_key_reset_hold_and_delete_in_order(buses):
     a, b = buses
     ra, rb = Registry(a), Registry(b)
     await ra.create("old")
@@ -121,12 +121,31 @@ async def test_a_watcher_sees_the_state_then_create_key_reset_and_delete_in_orde
         assert (name, r.generation, r.key_ids()) == ("acme", 0, ["acme-1", "acme-2"])
         await ra.reset("acme")
         name, r = await w.next()
-        assert (name, r.generation) == ("acme", 1)
+        assert (name, r.generation, r.held) == ("acme", 1, False)
+        await rb.hold("acme")  # a hold keeps keys and generation
+        name, r = await w.next()
+        assert (name, r.generation, r.held, r.key_ids()) == ("acme", 1, True, ["acme-1", "acme-2"])
+        assert (await rb.hold("acme")).revision == r.revision  # held already: nothing written
+        await ra.reset("acme")  # a reset keeps the hold
+        name, r = await w.next()
+        assert (name, r.generation, r.held) == ("acme", 2, True)
+        await ra.hold("acme", False)
+        name, r = await w.next()
+        assert (name, r.generation, r.held) == ("acme", 2, False)
         await ra.delete("acme")
         assert await w.next() == ("acme", None)
         await ra.create("acme")  # a new tenant of that name: generation 0 again
         name, r = await w.next()
         assert (name, r.generation, r.keys) == ("acme", 0, ())
+        # a config tenant's first hold writes its record (generation 0, the hold only)
+        await ra.hold("cfg", config=True)
+        name, r = await w.next()
+        assert (name, r.config, r.generation, r.held, r.keys) == ("cfg", True, 0, True, ())
+        await ra.hold("cfg", False, config=True)
+        name, r = await w.next()
+        assert (name, r.config, r.held) == ("cfg", True, False)
+        with pytest.raises(NotFound):
+            await ra.hold("nobody")
         assert w.changes.empty()
     finally:
         await w.stop()

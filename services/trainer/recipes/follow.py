@@ -10,6 +10,8 @@ this follows its watch and calls the lanes' lifecycle (lanes.py):
   first come, first served: the first to claim a tenant's lineage (`hotloop.leases`) learns it,
   and the others, refused, leave it alone.
 - a record whose generation is above the one this process last applied: `reset_tenant`.
+- every record of a lane here: `hold_tenant(name, record.held)` (the registry's state, so a
+  hold made while the trainer was down holds its lane from the start).
 - a deleted name with a lane here: the lane is reset first (so every replica's newest version
   of that lineage is the base model, and nothing routes a user to the deleted tenant's
   adapter again), then removed (`remove_tenant`: its consumer deleted, its files moved aside),
@@ -81,7 +83,7 @@ class RegistryFollower:
             if record.config:
                 return  # trained where [online] tenants lists it
             try:
-                await lanes.add_tenant(name)
+                await lanes.add_tenant(name, held=record.held)
             except LineageTaken as e:  # another trainer following the registry took it first
                 log.info("tenant %r: not trained here: %s", name, e)
                 return
@@ -97,6 +99,7 @@ class RegistryFollower:
         if self.applied.get(name) != record.generation:
             self.applied[name] = record.generation
             self._save()
+        lanes.hold_tenant(name, record.held)
 
     def _save(self) -> None:
         self.state_path.parent.mkdir(parents=True, exist_ok=True)

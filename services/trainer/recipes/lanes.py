@@ -20,7 +20,7 @@ Owns:
 - `Lanes`: builds the policy (once), the turns and one `UsersFirst` for the process, runs every
   lane concurrently on the event loop and stops them all on a stop (cancellation) or the first
   failure; and the lane lifecycle an admin calls at runtime: `add_tenant`, `reset_tenant`,
-  `remove_tenant` (below). Each lane's metrics are on a registry of its own and exported on the
+  `hold_tenant`, `remove_tenant` (below). Each lane's metrics are on a registry of its own and exported on the
   process's with a `tenant` label (the names stay those of the single-lane trainer).
 
 Lifecycle. `add_tenant(t)` starts a lane (it restores the tenant's checkpoint if its directory
@@ -33,7 +33,9 @@ checkpointed was never acked: it is redelivered and trained into the reset linea
 previous checkpoint held stays deduplicated. `remove_tenant(t)` stops the lane (un-acked
 feedback stays in the stream), deletes its durable consumer, and moves its directory aside
 under `<run_dir>/removed/`, so that adding the tenant again starts a new lineage from the
-base rather than resuming one whose consumer position is gone.
+base rather than resuming one whose consumer position is gone. `hold_tenant(t, True)` holds
+the lane at its version (`Online.hold`: no update starts until `hold_tenant(t, False)`); the
+hold outlives a reset (the reset's base version is what the lineage then holds at).
 
 Does not own: the loop (online.py), the swap (tenancy.py), the fairness rule (fairshare.py),
 connections and the trainer's server (job.py).
@@ -186,6 +188,7 @@ class Lanes:
         self.turns: Turns | None = None
         self.users: UsersFirst | None = None
         self.summaries: dict[str, dict] = {}  # of lanes that ended, by tenant
+        self.held: set[str] = set()  # tenants whose lineage is held (`hold_tenant`)
         self._changed = asyncio.Event()
         self._ready = asyncio.Event()  # the policy is built: lanes can be added
         self.follow: Callable[[Lanes], Any] | None = None  # (lanes) -> a coroutine run beside them
@@ -261,12 +264,15 @@ class Lanes:
         return sum(lane.online.steps for lane in self.lanes.values())
 
     # ---- the lifecycle ----------------------------------------------------------------------
-    async def add_tenant(self, tenant: str) -> None:
-        """Start `tenant`'s lane; returns once it consumes (its setup's error is raised)."""
+    async def add_tenant(self, tenant: str, held: bool = False) -> None:
+        """Start `tenant`'s lane (`held`: held from the start); returns once it consumes (its
+        setup's error is raised)."""
         check_tenant(tenant)
         await self._ready.wait()
         if tenant in self.lanes:
             raise ValueError(f"tenant {tenant!r} is trained here already")
+        if held:
+            self.held.add(tenant)
         directory = lane_dir(self.run_dir, tenant)
         mesh = OnlineMesh(self.bus, self.publisher_for(tenant, directory / "store"),
                           self.reference, self.rollout)
@@ -275,6 +281,7 @@ class Lanes:
         try:
             await self._started(self.lanes[tenant])
         except BaseException:  # it never consumed: gone again, the caller hears why
+            self.held.discard(tenant)
             lane = self.lanes.pop(tenant)
             await self._stop(lane)
             self.turns.remove(tenant)
@@ -310,6 +317,15 @@ class Lanes:
         await self._started(self.lanes[tenant])
         return version
 
+    def hold_tenant(self, tenant: str, held: bool = True) -> None:
+        """Hold `tenant`'s lineage at its version, or let it learn again (`held` False)."""
+        lane = self._lane(tenant)
+        if held:
+            self.held.add(tenant)
+        else:
+            self.held.discard(tenant)
+        lane.online.hold(held)
+
     async def remove_tenant(self, tenant: str) -> Path:
         """Stop the lane, delete its durable consumer (what it had not acked stays in the
         stream), move its directory aside; returns where it went."""
@@ -317,6 +333,7 @@ class Lanes:
         await self._stop(lane)
         del self.lanes[tenant]
         self._changed.set()
+        self.held.discard(tenant)
         self.turns.remove(tenant)
         await lane.mesh.publisher.close()
         if (consumer := getattr(lane.online, "consumer", None)) is not None:
@@ -339,6 +356,7 @@ class Lanes:
         online = Online(self.job.for_tenant(tenant), self.cfg, self.model_dir, mesh,
                         policy=self.policy, metrics=metrics, turn=self.turns.of(tenant),
                         users=self.users)
+        online.hold(tenant in self.held)
 
         def on_step(rec) -> None:
             if self.on_step is not None:

@@ -42,6 +42,13 @@ not match go to the dead-letter subject (`bus.DEAD`) with the reason; stale feed
 a version more than `max_staleness_versions` behind, or more than `max_staleness_s` ago) and
 shed feedback are acked and counted.
 
+Hold (`hold(True)`; a multi-tenant trainer's lane follows its tenant's registry record,
+`Registry.hold`): the loop takes no update until `hold(False)`. An update under way when the
+hold comes finishes and its version lands; then the lineage serves that version, whatever
+feedback arrives. The feedback waits in the queue and the stream as under any load (nothing
+is acked untrained); `max_wait_s` sheds what waited past it once the loop takes updates again,
+as stale as any feedback that waited that long.
+
 Load: an intake task fetches into a queue of `max_queue` and stops fetching while it is full
 (JetStream keeps the rest; the consumer's max_ack_pending bounds what it hands out). Each update
 takes the newest queued feedback first, up to `batch_size` feedback and `max_batch_tokens`
@@ -492,6 +499,8 @@ class Online(Recipe):
             job.users_first, mesh.rollout[0].address if mesh.rollout else None, job.max_pause_s)
         self.steps = 0  # optimizer steps of this loop's adapter (the policy's, in its turns)
         self.started = asyncio.Event()  # set once `setup` is done: consuming, its version out
+        self.learning = asyncio.Event()  # clear while held (`hold`): no update starts
+        self.learning.set()
         self.version = 0
         self.trained: set[int] = set()  # stream sequences trained into the checkpointed policy
         self.held: dict[int, Pending] = {}  # fetched, not yet acked
@@ -564,12 +573,28 @@ class Online(Recipe):
         self.started.set()
         return Schedule(0, job.max_steps or None, checkpoint_every=0)
 
+    def hold(self, held: bool) -> None:
+        """Hold the lineage at its version (no update starts until `hold(False)`), or resume."""
+        if held == (not self.learning.is_set()):
+            return
+        if held:
+            self.learning.clear()
+        else:
+            self.learning.set()
+        log.info("lineage %r: %s", self.job.tenant,
+                 "held (no update starts until it is resumed)" if held else "learning again")
+
     async def before_step(self) -> Context:
-        """Idle until feedback arrives (not a stage), or until the version in flight fails;
-        the step continues the trace of the newest feedback queued then, the first its batch
-        takes."""
-        while not await _wait(self.queue, self.intake, 1, None, self.publishing):
-            await self.landed()  # raises what the publish raised, else clears it
+        """Idle until feedback arrives and the lineage is not held (not a stage), or until the
+        version in flight fails; the step continues the trace of the newest feedback queued
+        then, the first its batch takes."""
+        while True:
+            while not await _wait(self.queue, self.intake, 1, None, self.publishing):
+                await self.landed()  # raises what the publish raised, else clears it
+            if self.learning.is_set():
+                break
+            await self.landed()  # the version in flight lands before the hold holds
+            await self.learning.wait()
         self.first = self.queue.newest()
         return telemetry.extract_context(self.first.msg.headers)
 

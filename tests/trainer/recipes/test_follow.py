@@ -1,6 +1,6 @@
-"""A multi-tenant trainer following the tenant registry (follow.py): tenants created, reset
-and deleted through the registry (as the gateway's admin API writes it) start, reset and stop
-lanes. Real nats-server, the registry's real KV bucket, a real gRPC replica that keeps a
+"""A multi-tenant trainer following the tenant registry (follow.py): tenants created, reset,
+held and deleted through the registry (as the gateway's admin API writes it) start, reset,
+hold and stop lanes. Real nats-server, the registry's real KV bucket, a real gRPC replica that keeps a
 lineage per tenant (`LineageReplica`), one shared `LoraPolicy` on the tiny model."""
 
 from __future__ import annotations
@@ -115,6 +115,55 @@ async def test_a_reset_made_while_the_trainer_was_down_is_applied_once(
                              "the missed reset is applied at start")
     third = await run_until(lambda lanes: True, "a start with nothing missed")
     assert third == second  # applied once: no second reset on the next start
+
+
+async def test_a_held_lineage_takes_no_update_until_it_is_resumed(
+        mesh, tmp_path, make_cfg, tiny_model):
+    from services.trainer.learner.policy import LoraPolicy
+
+    registry = Registry(mesh.bus)
+    await registry.create("acme")
+    await registry.hold("acme")  # held while no trainer runs: held from its lane's start
+    policy = LoraPolicy(make_cfg())
+    lanes = mesh.lanes(tmp_path, [""], policy, make_cfg(), tiny_model, follow_registry=True)
+    ready = asyncio.Event()
+    lanes.follow = lambda lanes: RegistryFollower(lanes, Registry(mesh.trainer_bus),
+                                                  mesh.trainer_bus, tmp_path / "registry.json").run(ready)
+    task = asyncio.create_task(lanes.run())
+    try:
+        await until(lambda: ready.is_set() and "acme" in lanes.lanes, "acme's lane starts", task=task)
+        acme = lanes.lanes["acme"].online
+        held_at = await mesh.kv("acme")
+        await mesh.feedback("acme", 1.0)
+        await until(lambda: acme.queue.qsize() == 1, "acme's feedback reaches its queue", task=task)
+        # another lineage trains meanwhile; the held one took its feedback and no update
+        await mesh.feedback("", 1.0)
+        await until(lambda: len(steps(tmp_path, "")) == 1, "the default lineage trains", task=task)
+        assert steps(tmp_path, "acme") == [] and acme.queue.qsize() == 1
+        assert await mesh.kv("acme") == held_at and acme.version == held_at
+
+        await registry.hold("acme", False)
+        await until(lambda: len(steps(tmp_path, "acme")) == 1, "resumed, it trains what waited",
+                    task=task)
+        assert await mesh.kv("acme") == held_at + 1
+
+        # held again while it learns: the next feedback waits, and a reset keeps the hold
+        await registry.hold("acme")
+        await until(lambda: not acme.learning.is_set(), "the hold reaches the lane", task=task)
+        await registry.reset("acme")
+        await until(lambda: lanes.lanes["acme"].online is not acme
+                    and lanes.lanes["acme"].online.started.is_set(), "the reset restarts the lane",
+                    task=task)
+        reset_version = await mesh.kv("acme")
+        assert reset_version == held_at + 2  # the base model, published by the reset
+        await mesh.feedback("acme", 1.0)
+        again = lanes.lanes["acme"].online
+        await until(lambda: again.queue.qsize() == 1, "the feedback reaches the new lane", task=task)
+        await mesh.feedback("", 1.0)
+        await until(lambda: len(steps(tmp_path, "")) == 2, "the default lineage trains", task=task)
+        assert len(steps(tmp_path, "acme")) == 1 and await mesh.kv("acme") == reset_version
+    finally:
+        await stop(task)
 
 
 async def test_two_trainers_following_the_registry_split_its_tenants_first_come(
