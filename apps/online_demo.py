@@ -253,12 +253,15 @@ class LoopTracker:
             self.updates.append(up)
 
     def loops(self, feedback_sent: dict[str, float], clock: VersionClock) -> list[dict]:
-        """One entry per trained feedback whose version has reached a user yet."""
+        """One entry per trained feedback whose version has reached a user yet; `live`: when
+        the bus announced the version trained on it (None if unheard), which splits the loop
+        into the trainer's side (sent -> live) and the users' (live -> a first token from it)."""
         out = []
         for rid, version in self.trained_in.items():
             sent, first = feedback_sent.get(rid), clock.first_at_least(version)
             if sent is not None and first is not None:
                 out.append({"response_id": rid, "version": version, "sent": sent,
+                            "live": self.published_at.get(version),
                             "first_token": first, "loop_ms": (first - sent) * 1e3})
         return sorted(out, key=lambda e: e["sent"])
 
@@ -385,12 +388,19 @@ async def _tick(run: asyncio.Task, stack: Stack, state: DemoState) -> None:
 
 def loop_summary(loops: list[dict]) -> dict:
     """Percentiles of the loops (ordered by when their feedback was sent), and the trend: the
-    median of the first third against the last."""
+    median of the first third against the last; and the loop's two sides, where the version's
+    announcement was heard: `to_live_p50` (feedback sent -> its version announced: the queue,
+    the turn, the update, the push) and `after_live_p50` (-> the first token a user got from
+    it: waiting for a request, and its TTFT)."""
     ms = [e["loop_ms"] for e in sorted(loops, key=lambda e: e["sent"])]
     third = len(ms) // 3
+    heard = [e for e in loops if e.get("live") is not None]
     return {"p50": percentile(ms, 50), "p95": percentile(ms, 95), "p99": percentile(ms, 99),
             "n": len(ms), "first_third_p50": percentile(ms[:third], 50) if third else None,
-            "last_third_p50": percentile(ms[-third:], 50) if third else None}
+            "last_third_p50": percentile(ms[-third:], 50) if third else None,
+            "to_live_p50": percentile([(e["live"] - e["sent"]) * 1e3 for e in heard], 50),
+            "after_live_p50": percentile([max(0.0, e["first_token"] - e["live"]) * 1e3
+                                          for e in heard], 50)}
 
 
 def feedback_rates(state: DemoState) -> dict:
@@ -481,7 +491,9 @@ def write_demo_report(state: DemoState) -> dict:
         f"- loop latency (feedback sent -> first token from a version trained on it): "
         f"p50 {_f(lm['p50'], '.0f')} ms, p95 {_f(lm['p95'], '.0f')} ms over {lm['n']} feedback; "
         f"p50 of the first third {_f(lm['first_third_p50'], '.0f')} ms, of the last third "
-        f"{_f(lm['last_third_p50'], '.0f')} ms",
+        f"{_f(lm['last_third_p50'], '.0f')} ms; p50 to the version's announcement "
+        f"{_f(lm.get('to_live_p50'), '.0f')} ms, from it to a first token "
+        f"{_f(lm.get('after_live_p50'), '.0f')} ms",
         f"- feedback per second of training: arrived {_f(fr.get('arrived'))}, trained "
         f"{_f(fr.get('trained'))}, dropped {_f(fr.get('dropped'))} "
         f"({', '.join(f'{k} {n}' for k, n in fr.get('dropped_by_reason', {}).items()) or 'none'}); "

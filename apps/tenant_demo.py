@@ -752,7 +752,8 @@ def write_tenants_report(state: TenantsState) -> dict:
              f"trainer never sees; trainers: {report['trainers']}; {report['training_s']:.0f} s of training.",
              "",
              "| tenant | preference | base | final | target | confirmed after | cross max (rise of others) "
-             "| loop p50 / p95 ms | versions | feedback sent / trained | wrong adapter |",
+             "| loop p50 / p95 ms (p50 to live + after) | versions | feedback sent / trained "
+             "| wrong adapter |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for t in report["tenants"]:
         s, lm, fb = t["share"], t["loop_ms"], t["feedback"]
@@ -761,7 +762,8 @@ def write_tenants_report(state: TenantsState) -> dict:
         cross = ", ".join(f"{k} {_f(c['delta'], '+.2f')} ± {_f(c['se'])}" for k, c in t["cross"].items())
         lines.append(f"| {t['name']} | {t['preference']} | {_f(s['base'])} | {_f(s['final'])} | "
                      f"{_f(s['target'])} | {reached} | {_f(t['cross_delta_max'], '+.2f')} ({cross}) | "
-                     f"{_f(lm['p50'], '.0f')} / {_f(lm['p95'], '.0f')} | {t['versions']['served']} | "
+                     f"{_f(lm['p50'], '.0f')} / {_f(lm['p95'], '.0f')} ({_f(lm.get('to_live_p50'), '.0f')} "
+                     f"+ {_f(lm.get('after_live_p50'), '.0f')}) | {t['versions']['served']} | "
                      f"{fb['sent']} / {fb['trained']} | {t['wrong_adapter_answers']} |")
     acc = report["acceptance"]
     lines += ["", "Training turns (each lane's step records; one update is one turn on the trainer):", "",

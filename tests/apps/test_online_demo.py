@@ -29,6 +29,7 @@ def test_target_is_three_times_the_base_rate_capped_at_point_eight():
 def test_loops_pair_feedback_with_the_first_token_of_a_version_trained_on_it():
     t = LoopTracker("nats://unused", Path("/nonexistent"))
     t.trained_in = {"a": 1, "b": 2, "c": 3}
+    t.published_at = {2: 108.0}  # v1's announcement unheard
     clock = VersionClock()
     clock.saw(0, 100.0)
     clock.saw(2, 110.0)  # v1 never reached a user: v2 (trained on a's feedback too) did
@@ -36,6 +37,7 @@ def test_loops_pair_feedback_with_the_first_token_of_a_version_trained_on_it():
     loops = t.loops(sent, clock)
     assert [(e["response_id"], e["version"]) for e in loops] == [("a", 1), ("b", 2)]  # c: v3 unseen
     assert loops[0]["loop_ms"] == pytest.approx(9000) and loops[1]["loop_ms"] == pytest.approx(7500)
+    assert (loops[0]["live"], loops[1]["live"]) == (None, 108.0)
 
 
 def test_the_loop_trend_compares_the_first_third_of_the_feedback_with_the_last():
@@ -48,6 +50,18 @@ def test_the_loop_trend_compares_the_first_third_of_the_feedback_with_the_last()
     assert (got["first_third_p50"], got["last_third_p50"], got["n"]) == (200, 800, 9)
     assert got["p50"] == 500
     assert loop_summary(loops[:2])["first_third_p50"] is None  # fewer than 3: no thirds
+    assert got["to_live_p50"] is None and got["after_live_p50"] is None  # no announcement heard
+
+
+def test_the_loop_splits_at_the_versions_announcement():
+    from apps.online_demo import loop_summary
+
+    loops = [{"sent": 0.0, "live": 2.0, "first_token": 5.0, "loop_ms": 5000.0},
+             {"sent": 1.0, "live": 5.0, "first_token": 6.0, "loop_ms": 5000.0},
+             {"sent": 2.0, "live": 3.0, "first_token": 9.0, "loop_ms": 7000.0},
+             {"sent": 3.0, "live": None, "first_token": 4.0, "loop_ms": 1000.0}]  # unheard: left out
+    got = loop_summary(loops)
+    assert got["to_live_p50"] == pytest.approx(2000) and got["after_live_p50"] == pytest.approx(3000)
 
 
 def test_feedback_rates_count_what_arrived_trained_and_was_dropped(tmp_path):
