@@ -868,7 +868,7 @@ def main(args) -> int:
     config_path = args.config or str(DEFAULT_CONFIG)
     run_id = args.run_id or time.strftime("tenants-%Y%m%d-%H%M%S")
     out = (Path(args.out_dir) / run_id).resolve()
-    tenants = args.tenants.split(",") if args.tenants else list(TENANTS)
+    tenants = [t.strip() for t in args.tenants.split(",")] if args.tenants else list(TENANTS)
     small = [f"--{k.replace('_', '-')} {v}" for k, v in (("users", args.users), ("window", args.window),
              ("check_answers", args.check_answers),
              ("max_tokens", args.max_tokens), ("max_words", args.max_words), ("min_items", args.min_items),

@@ -75,7 +75,8 @@ def test_demo_tenants_refuses_an_unknown_tenant_before_starting_anything(tmp_pat
     import subprocess
     import sys
 
-    r = subprocess.run([sys.executable, "-m", "apps.cli", "demo-tenants", "--tenants", "short,long",
+    # a list written with spaces names the same tenants ("short" is known: "long" is refused)
+    r = subprocess.run([sys.executable, "-m", "apps.cli", "demo-tenants", "--tenants", "short, long",
                         "--out-dir", str(tmp_path)], capture_output=True, text=True, cwd=REPO)
     assert r.returncode == 2 and "--tenants short,long: name each tenant once" in r.stdout
     assert not list(tmp_path.iterdir())  # no run directory, no mesh
