@@ -38,6 +38,13 @@ from hotloop.leases import LineageTaken
 log = logging.getLogger(__name__)
 
 
+async def held_tenants(registry) -> set[str]:
+    """The names the registry holds (`TenantRecord.held`): for `Lanes.held` before the lanes
+    start, since the follower's replay comes only after the config tenants' lanes consume, and
+    one could take an update from its backlog before it."""
+    return {r.name for r in await registry.list() if r.held}
+
+
 class RegistryFollower:
     """Applies the registry's changes to `lanes` (a `lanes.Lanes`), in commit order."""
 

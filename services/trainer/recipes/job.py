@@ -322,13 +322,11 @@ async def open_lanes(mesh_cfg: MeshConfig, job, trainer_cfg: TrainerConfig,
     if job.follow_registry:
         from hotloop.tenants import Registry
 
-        from .follow import RegistryFollower
+        from .follow import RegistryFollower, held_tenants
 
         if edge.bus is None:
             raise SystemExit("[online] follow_registry needs the bus: set [nats] url")
-        # held tenants hold from their lane's start: the follower's replay comes only after
-        # the config tenants' lanes consume, and one could take an update from its backlog
-        lanes.held = {r.name for r in await Registry(edge.bus).list() if r.held}
+        lanes.held = await held_tenants(Registry(edge.bus))  # held from their lanes' start
         lanes.follow = lambda lanes: RegistryFollower(
             lanes, Registry(edge.bus), edge.bus, run_dir / "registry.json").run()
     return edge, lanes

@@ -188,7 +188,8 @@ class Lanes:
         self.turns: Turns | None = None
         self.users: UsersFirst | None = None
         self.summaries: dict[str, dict] = {}  # of lanes that ended, by tenant
-        self.held: set[str] = set()  # tenants whose lineage is held (`hold_tenant`)
+        self.held: set[str] = set()  # tenants whose lineage is held (`hold_tenant`); set
+        # before `run` for the config tenants' lanes to start held
         self._changed = asyncio.Event()
         self._ready = asyncio.Event()  # the policy is built: lanes can be added
         self.follow: Callable[[Lanes], Any] | None = None  # (lanes) -> a coroutine run beside them
@@ -207,7 +208,7 @@ class Lanes:
         self.users = UsersFirst(job.users_first, self.rollout[0].address if self.rollout else None,
                                 job.max_pause_s)
         self._ready.set()
-        await asyncio.gather(*(self.add_tenant(t) for t in job.lane_tenants))
+        await asyncio.gather(*(self.add_tenant(t, held=t in self.held) for t in job.lane_tenants))
 
     async def run(self) -> dict[str, dict]:
         """Start, then run every lane until all end; returns each tenant's summary."""
@@ -265,14 +266,16 @@ class Lanes:
 
     # ---- the lifecycle ----------------------------------------------------------------------
     async def add_tenant(self, tenant: str, held: bool = False) -> None:
-        """Start `tenant`'s lane (`held`: held from the start); returns once it consumes (its
-        setup's error is raised)."""
+        """Start `tenant`'s lane, held from the start or not (`held`, which replaces whatever
+        `self.held` said of the name); returns once it consumes (its setup's error is raised)."""
         check_tenant(tenant)
         await self._ready.wait()
         if tenant in self.lanes:
             raise ValueError(f"tenant {tenant!r} is trained here already")
         if held:
             self.held.add(tenant)
+        else:
+            self.held.discard(tenant)
         directory = lane_dir(self.run_dir, tenant)
         mesh = OnlineMesh(self.bus, self.publisher_for(tenant, directory / "store"),
                           self.reference, self.rollout)

@@ -12,7 +12,7 @@ import pytest
 from hotloop.bus import announced_key
 from hotloop.proto.v1 import bus_pb2
 from hotloop.tenants import Registry
-from services.trainer.recipes.follow import RegistryFollower
+from services.trainer.recipes.follow import RegistryFollower, held_tenants
 from tests.trainer.recipes.test_lanes import Mesh, steps, stop, until
 
 pytestmark = [pytest.mark.slow]
@@ -124,8 +124,11 @@ async def test_a_held_lineage_takes_no_update_until_it_is_resumed(
     registry = Registry(mesh.bus)
     await registry.create("acme")
     await registry.hold("acme")  # held while no trainer runs: held from its lane's start
+    await registry.hold("cfg", config=True)  # a config tenant too, before its lane consumes
+    await mesh.feedback("cfg", 1.0)  # its backlog
     policy = LoraPolicy(make_cfg())
-    lanes = mesh.lanes(tmp_path, [""], policy, make_cfg(), tiny_model, follow_registry=True)
+    lanes = mesh.lanes(tmp_path, ["", "cfg"], policy, make_cfg(), tiny_model, follow_registry=True)
+    lanes.held = await held_tenants(Registry(mesh.trainer_bus))  # as the trainer's job does
     ready = asyncio.Event()
     lanes.follow = lambda lanes: RegistryFollower(lanes, Registry(mesh.trainer_bus),
                                                   mesh.trainer_bus, tmp_path / "registry.json").run(ready)
@@ -135,12 +138,17 @@ async def test_a_held_lineage_takes_no_update_until_it_is_resumed(
         acme = lanes.lanes["acme"].online
         held_at = await mesh.kv("acme")
         await mesh.feedback("acme", 1.0)
-        await until(lambda: acme.queue.qsize() == 1, "acme's feedback reaches its queue", task=task)
+        await until(lambda: acme.queue.qsize() == 1 and lanes.lanes["cfg"].online.queue.qsize() == 1,
+                    "the held lanes' feedback reaches their queues", task=task)
         # another lineage trains meanwhile; the held one took its feedback and no update
         await mesh.feedback("", 1.0)
         await until(lambda: len(steps(tmp_path, "")) == 1, "the default lineage trains", task=task)
         assert steps(tmp_path, "acme") == [] and acme.queue.qsize() == 1
         assert await mesh.kv("acme") == held_at and acme.version == held_at
+        assert steps(tmp_path, "cfg") == [] and lanes.lanes["cfg"].online.queue.qsize() == 1
+        await registry.hold("cfg", False, config=True)
+        await until(lambda: len(steps(tmp_path, "cfg")) == 1, "the config tenant, resumed, trains",
+                    task=task)
 
         await registry.hold("acme", False)
         await until(lambda: len(steps(tmp_path, "acme")) == 1, "resumed, it trains what waited",
