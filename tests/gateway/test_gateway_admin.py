@@ -6,6 +6,7 @@ admin endpoint refuses anyone without the admin token."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import io
 import tarfile
@@ -137,20 +138,33 @@ async def test_the_same_name_created_on_two_gateways_at_once_is_created_once(rig
         await call("DELETE", f"{one.admin_url}/tenants/{name}")
 
 
-async def test_a_reset_bumps_the_generation_and_a_watcher_sees_it(rig):
-    _, one, two, _ = rig
-    await call("POST", f"{one.admin_url}/tenants", json={"name": "umbrella"})
+@contextlib.asynccontextmanager
+async def watching(bus, view):
+    """A registry watcher past its replay: yields a queue of `view(name, record)` for each
+    change after it (a view of None is left out)."""
     ready, seen = asyncio.Event(), asyncio.Queue()
 
     async def watch():
-        async for name, record in Registry(one.bus).watch(ready):
-            await seen.put((name, record and record.generation, record and record.config))
+        async for name, record in Registry(bus).watch(ready):
+            if (v := view(name, record)) is not None:
+                await seen.put(v)
 
     watcher = asyncio.ensure_future(watch())
     try:
         await asyncio.wait_for(ready.wait(), 10)
         while not seen.empty():
             seen.get_nowait()  # the replay
+        yield seen
+    finally:
+        watcher.cancel()
+        await asyncio.gather(watcher, return_exceptions=True)
+
+
+async def test_a_reset_bumps_the_generation_and_a_watcher_sees_it(rig):
+    _, one, two, _ = rig
+    await call("POST", f"{one.admin_url}/tenants", json={"name": "umbrella"})
+    async with watching(one.bus, lambda name, record: (
+            name, record and record.generation, record and record.config)) as seen:
         r = await call("POST", f"{two.admin_url}/tenants/umbrella/reset")
         assert r.status_code == 202 and r.json() == {"tenant": "umbrella", "generation": 1}
         assert await asyncio.wait_for(seen.get(), 10) == ("umbrella", 1, False)
@@ -160,9 +174,6 @@ async def test_a_reset_bumps_the_generation_and_a_watcher_sees_it(rig):
         assert await asyncio.wait_for(seen.get(), 10) == ("acme", 1, True)
         await call("DELETE", f"{one.admin_url}/tenants/umbrella")
         assert await asyncio.wait_for(seen.get(), 10) == ("umbrella", None, None)
-    finally:
-        watcher.cancel()
-        await asyncio.gather(watcher, return_exceptions=True)
     listed = {t["name"]: t for t in (await call("GET", f"{one.admin_url}/tenants")).json()["tenants"]}
     assert listed["acme"] == {"name": "acme", "source": "config", "key_ids": ["alice"],
                               "generation": 1, "created_at": None, "latest_version": 0,
@@ -174,41 +185,30 @@ async def test_a_reset_bumps_the_generation_and_a_watcher_sees_it(rig):
 async def test_a_hold_and_a_resume_reach_a_watcher_and_the_tenant_view(rig):
     _, one, two, _ = rig
     await call("POST", f"{one.admin_url}/tenants", json={"name": "parasol"})
-    ready, seen = asyncio.Event(), asyncio.Queue()
-
-    async def watch():
-        async for name, record in Registry(one.bus).watch(ready):
-            if record is not None:  # the replay holds the tombstones of deleted names
-                await seen.put((name, record.held, record.generation, record.config))
-
-    watcher = asyncio.ensure_future(watch())
     try:
-        await asyncio.wait_for(ready.wait(), 10)
-        while not seen.empty():
-            seen.get_nowait()  # the replay
-        r = await call("POST", f"{two.admin_url}/tenants/parasol/hold")
-        assert r.status_code == 202 and r.json() == {"tenant": "parasol", "held": True,
-                                                     "latest_version": 0}
-        assert await asyncio.wait_for(seen.get(), 10) == ("parasol", True, 0, False)
-        assert (await call("GET", f"{one.admin_url}/tenants/parasol")).json()["held"] is True
-        r = await call("POST", f"{two.admin_url}/tenants/parasol/hold")  # held already: no change
-        assert r.status_code == 202 and r.json()["held"] is True
-        r = await call("POST", f"{one.admin_url}/tenants/parasol/resume")
-        assert r.status_code == 202 and r.json()["held"] is False
-        assert await asyncio.wait_for(seen.get(), 10) == ("parasol", False, 0, False)
-        # a config tenant can be held too (its record carries the hold and generation only),
-        # and a hold keeps the generation a reset wrote
-        r = await call("POST", f"{one.admin_url}/tenants/acme/hold")
-        assert r.status_code == 202 and r.json()["held"] is True
-        name, held, generation, config = await asyncio.wait_for(seen.get(), 10)
-        assert (name, held, config) == ("acme", True, True)
-        assert generation == (await Registry(one.bus).get("acme")).generation
-        assert (await call("GET", f"{two.admin_url}/tenants/acme")).json()["held"] is True
-        assert (await call("POST", f"{one.admin_url}/tenants/acme/resume")).json()["held"] is False
-        assert await asyncio.wait_for(seen.get(), 10) == ("acme", False, generation, True)
+        async with watching(one.bus, lambda name, record: None if record is None else (
+                name, record.held, record.generation, record.config)) as seen:
+            r = await call("POST", f"{two.admin_url}/tenants/parasol/hold")
+            assert r.status_code == 202 and r.json() == {"tenant": "parasol", "held": True,
+                                                         "latest_version": 0}
+            assert await asyncio.wait_for(seen.get(), 10) == ("parasol", True, 0, False)
+            assert (await call("GET", f"{one.admin_url}/tenants/parasol")).json()["held"] is True
+            r = await call("POST", f"{two.admin_url}/tenants/parasol/hold")  # held already: no change
+            assert r.status_code == 202 and r.json()["held"] is True
+            r = await call("POST", f"{one.admin_url}/tenants/parasol/resume")
+            assert r.status_code == 202 and r.json()["held"] is False
+            assert await asyncio.wait_for(seen.get(), 10) == ("parasol", False, 0, False)
+            # a config tenant can be held too (its record carries the hold and generation only),
+            # and a hold keeps the generation a reset wrote
+            r = await call("POST", f"{one.admin_url}/tenants/acme/hold")
+            assert r.status_code == 202 and r.json()["held"] is True
+            name, held, generation, config = await asyncio.wait_for(seen.get(), 10)
+            assert (name, held, config) == ("acme", True, True)
+            assert generation == (await Registry(one.bus).get("acme")).generation
+            assert (await call("GET", f"{two.admin_url}/tenants/acme")).json()["held"] is True
+            assert (await call("POST", f"{one.admin_url}/tenants/acme/resume")).json()["held"] is False
+            assert await asyncio.wait_for(seen.get(), 10) == ("acme", False, generation, True)
     finally:
-        watcher.cancel()
-        await asyncio.gather(watcher, return_exceptions=True)
         await call("DELETE", f"{one.admin_url}/tenants/parasol")
     assert await works(one, KEY)  # a hold changes no key
 
