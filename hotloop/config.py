@@ -108,7 +108,8 @@ class SecurityConfig(Section):
     user_tokens: list[str] = []
     """API keys the gateway accepts for user traffic, each `key` or `id:key`. The id (given, or
     `key-` + the first 8 hex digits of the key's sha256) is what traffic and feedback record,
-    never the key. With no keys here nor in `user_tokens_file`, the gateway refuses to start."""
+    never the key. With no keys here nor in `user_tokens_file`, the gateway refuses to start
+    unless `admin_token` is set: its users are then the tenants created through the admin API."""
     user_tokens_file: str = ""
     """A file of further API keys, one per line as above (blank lines and `#` comments are
     skipped). `hotloop up` generates one in the run directory (mode 0600)."""

@@ -33,7 +33,8 @@ async def build(mesh: MeshConfig, cfg: GatewayConfig) -> service.Running:
     # Refuse to start rather than serve users without keys, replicas or a bus: each would
     # fail every request later with a less clear error.
     try:
-        keys = KeyRing(load_keys(mesh.security.user_tokens, mesh.security.user_tokens_file))
+        keys = KeyRing(load_keys(mesh.security.user_tokens, mesh.security.user_tokens_file),
+                       admin=bool(mesh.security.admin_token))
     except KeyConfigError as e:
         raise SystemExit(f"gateway: {e}") from None
     if not mesh.endpoints.rollout:

@@ -89,13 +89,16 @@ def load_keys(tokens: Iterable[str], tokens_file: str = "") -> dict[bytes, str]:
 
 class KeyRing:
     """The keys this gateway accepts: config keys (fixed) and registry tenants' keys (`put`
-    and `drop` by tenant). One event loop reads and writes it."""
+    and `drop` by tenant). One event loop reads and writes it. `admin`: the admin API is on
+    (an admin token is set), so a gateway with no config keys may start: its users' keys are
+    those of the tenants created through it; without it, no key could ever be accepted."""
 
-    def __init__(self, digests: dict[bytes, str]):
-        if not digests:
+    def __init__(self, digests: dict[bytes, str], *, admin: bool = False):
+        if not digests and not admin:
             raise KeyConfigError(
                 "no user API keys configured: set [security] user_tokens or user_tokens_file "
-                "(`hotloop up` generates a key file in the run directory)"
+                "(`hotloop up` generates a key file in the run directory), or set [security] "
+                "admin_token to create tenants and their keys through the admin API"
             )
         self._config = dict(digests)
         self._tenants: dict[str, dict[bytes, str]] = {}

@@ -125,6 +125,21 @@ async def test_a_restarted_gateway_knows_registry_keys_before_its_first_request(
         await call("DELETE", f"{one.admin_url}/tenants/hooli")
 
 
+async def test_a_gateway_with_no_config_keys_serves_the_tenants_created_through_it(rig, nats_module):
+    """Tenants only from the admin API: with an admin token a gateway needs no config key; it
+    refuses every key until a tenant is created, then serves that tenant's."""
+    fake, _, _, addr = rig
+    bare = await start_gateway([addr], nats_module.url, keys=[], admin_token=ADMIN)
+    try:
+        assert await refused(bare, KEY)  # another gateway's config key is not this one's
+        r = await call("POST", f"{bare.admin_url}/tenants", json={"name": "globex"})
+        assert r.status_code == 201, r.text
+        assert await chat(bare, r.json()["api_key"]) and fake.requests[-1].tenant == "globex"
+    finally:
+        await call("DELETE", f"{bare.admin_url}/tenants/globex")
+        await bare.stop()
+
+
 async def test_the_same_name_created_on_two_gateways_at_once_is_created_once(rig):
     _, one, two, _ = rig
     for i in range(4):

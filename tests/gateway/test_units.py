@@ -41,6 +41,22 @@ def test_bad_key_configs_refuse_to_start(entries, needle):
         KeyRing(load_keys(entries))
 
 
+def test_a_ring_of_no_config_keys_starts_with_the_admin_api_and_takes_its_tenants_keys():
+    """No config key: refused to start without the admin API (no key could ever be accepted);
+    with it, every key is refused until a created tenant's is put, and again once dropped."""
+    with pytest.raises(KeyConfigError, match="admin_token"):
+        KeyRing({})
+    ring = KeyRing({}, admin=True)
+    assert len(ring) == 0 and ring.ids() == set()
+    with pytest.raises(Unauthenticated):
+        ring.authenticate("Bearer sk-initech-0123456789")
+    ring.put("initech", load_keys(["initech-1:sk-initech-0123456789"]))
+    assert ring.authenticate("Bearer sk-initech-0123456789") == "initech-1"
+    ring.drop("initech")
+    with pytest.raises(Unauthenticated):
+        ring.authenticate("Bearer sk-initech-0123456789")
+
+
 def test_missing_key_file_is_an_error(tmp_path):
     with pytest.raises(KeyConfigError, match="does not exist"):
         load_keys([], str(tmp_path / "nope"))
