@@ -27,8 +27,8 @@ Owns:
   lineage is held at the version it serves (the admin API's hold, with a shared trainer), and
   `--check-answers` answers of that version confirm the target, so they stop rating for good
   and the lineage stays held, or send them back to rating and resume it (`advance`), unless
-  `--keep-rating`; the phase
-  ends once every tenant's target was confirmed, unless `--no-stop`, or after `--train-s`),
+  `--keep-rating`; the phase ends once every tenant's target was confirmed, unless
+  `--no-stop`, or after `--train-s`),
   evaluation (users only again, until every tenant's final version gave `--eval-answers`
   answers since its lineage stopped learning: the final shares, `final_answers`);
 - the learning (`training_overrides`): the KL penalty to the base model (`--kl-beta`, its
@@ -385,8 +385,9 @@ def advance(run: TenantRun, now: float, window: int, check_answers: int,
       enough answers to requests sent after the pause, their share decides: at or above the
       target by `margin_se` standard errors of `check_answers` answers, accepted, its lineage
       is done (it stays held) and its users stay silent; below, they resume rating, the
-      caller resumes the lineage, and the next block counts from then. Decided as soon as the rest of `check_answers` cannot
-      change the verdict (the same verdict, sooner: a check of 40 took 200 s). The block that
+      caller resumes the lineage, and the next block counts from then. Decided as soon as
+      the rest of `check_answers` cannot change the verdict (the same verdict, sooner: a
+      check of 40 took 200 s). The block that
       triggered the check is not its evidence: a block that met a target by chance is as
       likely as one that met it by learning, and a lineage frozen on one falls back below
       the target (measured: 0.46 targeted, window at it, 0.37 after). Why 1.5 standard

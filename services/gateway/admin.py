@@ -4,11 +4,11 @@ Owns:
 - who may use the admin API (`check_admin`: `Authorization: Bearer <[security] admin_token>`,
   compared in constant time; no admin token configured: every admin call is refused, 403);
 - the operations behind the admin endpoints: create a tenant and mint its first key, mint
-  another, list, get, reset, hold and resume, delete (`hotloop.tenants.Registry` holds the records; a key's
-  secret is returned once and only its sha256 is stored), and export a tenant's latest
-  version (`export`: read the lineage's `latest_key` in the versions KV, stream the archive
-  from the trainer with `TrainerClient.fetch_adapter`, check size and sha256 against the KV
-  before any byte goes out);
+  another, list, get, reset, hold and resume, delete (`hotloop.tenants.Registry` holds the
+  records; a key's secret is returned once and only its sha256 is stored), and export a
+  tenant's latest version (`export`: read the lineage's `latest_key` in the versions KV,
+  stream the archive from the trainer with `TrainerClient.fetch_adapter`, check size and
+  sha256 against the KV before any byte goes out);
 - keeping this replica's `KeyRing` and `Directory` in step with the registry (`start` replays
   it before the gateway serves, then a task follows its watch): a key minted on one replica
   works on another within the watch's delivery time, and a deleted tenant's keys stop at once

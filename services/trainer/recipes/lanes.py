@@ -20,8 +20,9 @@ Owns:
 - `Lanes`: builds the policy (once), the turns and one `UsersFirst` for the process, runs every
   lane concurrently on the event loop and stops them all on a stop (cancellation) or the first
   failure; and the lane lifecycle an admin calls at runtime: `add_tenant`, `reset_tenant`,
-  `hold_tenant`, `remove_tenant` (below). Each lane's metrics are on a registry of its own and exported on the
-  process's with a `tenant` label (the names stay those of the single-lane trainer).
+  `hold_tenant`, `remove_tenant` (below). Each lane's metrics are on a registry of its own and
+  exported on the process's with a `tenant` label (the names stay those of the single-lane
+  trainer).
 
 Lifecycle. `add_tenant(t)` starts a lane (it restores the tenant's checkpoint if its directory
 has one, publishes above the lineage's latest when serving is ahead of it, and consumes) and
