@@ -277,7 +277,7 @@ class TenantAdmin:
         """Hold the tenant's learning (`held`), or resume it: the trainer that follows the
         registry takes no update of its lineage while held, so its users are served the
         version it held at (the update under way then, if any, lands first); their feedback
-        waits in the trainer's queue as under any load."""
+        waits in the trainer's queue, the time held not counted toward its `max_wait_s`."""
         self._name(name)
         record = await self.registry.hold(name, held, config=name in self.tenants.config)
         return {"tenant": name, "held": record.held, "latest_version": await self._latest(name)}

@@ -46,8 +46,9 @@ Hold (`hold(True)`; a multi-tenant trainer's lane follows its tenant's registry 
 `Registry.hold`): the loop takes no update until `hold(False)`. An update under way when the
 hold comes finishes and its version lands; then the lineage serves that version, whatever
 feedback arrives. The feedback waits in the queue and the stream as under any load (nothing
-is acked untrained); `max_wait_s` sheds what waited past it once the loop takes updates again,
-as stale as any feedback that waited that long.
+is acked untrained), and the time held does not count toward its `max_wait_s`: no version was
+published meanwhile, so waiting through a hold made it no staler, and on resume the backlog trains newest first as if it had just arrived (what the
+updates cannot take within `max_wait_s` of learning is shed as under any load).
 
 Load: an intake task fetches into a queue of `max_queue` and stops fetching while it is full
 (JetStream keeps the rest; the consumer's max_ack_pending bounds what it hands out). Each update
@@ -142,7 +143,12 @@ class Pending:
 
     msg: Received
     seq: int  # stream sequence: the feedback's identity across redeliveries and restarts
-    arrived: float  # monotonic, when it entered the queue (the batch window and max_wait_s)
+    arrived: float  # monotonic, when it entered the queue (the batch window, the wait metrics)
+    waits_from: float = field(init=False)  # monotonic, where its wait toward `max_wait_s`
+    # starts: `arrived`, moved on by the time its lineage was held since (`FeedbackQueue.resume`)
+
+    def __post_init__(self) -> None:
+        self.waits_from = self.arrived
 
 
 @dataclass
@@ -341,11 +347,19 @@ class FeedbackQueue:
         return self._items.pop()
 
     def shed(self, cutoff: float) -> list[Pending]:
-        """Remove and return what entered before `cutoff` (monotonic), except the newest."""
+        """Remove and return what began its wait before `cutoff` (monotonic; `waits_from`),
+        except the newest."""
         out = []
-        while len(self._items) > 1 and self._items[0].arrived < cutoff:
+        while len(self._items) > 1 and self._items[0].waits_from < cutoff:
             out.append(self._items.popleft())
         return out
+
+    def resume(self, held_since: float, now: float) -> None:
+        """The lineage was held from `held_since` to `now`: what is queued waited for no
+        update meanwhile, so that time does not count toward its wait (what came during the
+        hold waits from `now`). The order of `waits_from` stays the queue's."""
+        for p in self._items:
+            p.waits_from = min(p.waits_from + (now - held_since), now)
 
     async def changed(self) -> None:
         """Until the next `put`."""
@@ -501,6 +515,8 @@ class Online(Recipe):
         self.started = asyncio.Event()  # set once `setup` is done: consuming, its version out
         self.learning = asyncio.Event()  # clear while held (`hold`): no update starts
         self.learning.set()
+        self.held_since: float | None = None  # monotonic, while held
+        self.queue = FeedbackQueue(job.max_queue)
         self.version = 0
         self.trained: set[int] = set()  # stream sequences trained into the checkpointed policy
         self.held: dict[int, Pending] = {}  # fetched, not yet acked
@@ -564,7 +580,6 @@ class Online(Recipe):
             "FEEDBACK", feedback_subject(job.tenant), job.consumer_name, bus_pb2.FeedbackEvent,
             batch=job.batch_size,
             ack_wait_s=job.ack_wait_s, max_ack_pending=job.max_queue + in_flight)
-        self.queue = FeedbackQueue(job.max_queue)
         self.metrics.version, self.metrics.queue, self.metrics.held = self.version, self.queue, self.held
         intake = Intake(self.consumer, self.queue, self.held, self.trained, self.counters, job.batch_size)
         self.intake = asyncio.create_task(intake.run(), name="intake")
@@ -579,7 +594,10 @@ class Online(Recipe):
             return
         if held:
             self.learning.clear()
+            self.held_since = time.monotonic()
         else:
+            self.queue.resume(self.held_since, time.monotonic())
+            self.held_since = None
             self.learning.set()
         log.info("lineage %r: %s", self.job.tenant,
                  "held (no update starts until it is resumed)" if held else "learning again")

@@ -6,6 +6,7 @@ lineage per tenant (`LineageReplica`), one shared `LoraPolicy` on the tiny model
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -16,6 +17,7 @@ from services.trainer.recipes.follow import RegistryFollower, held_tenants
 from tests.trainer.recipes.test_lanes import Mesh, steps, stop, until
 
 pytestmark = [pytest.mark.slow]
+MAX_WAIT_S = 2.0  # the held lineage's test: its feedback waits longer than this, held
 
 
 @pytest.fixture
@@ -127,7 +129,8 @@ async def test_a_held_lineage_takes_no_update_until_it_is_resumed(
     await registry.hold("cfg", config=True)  # a config tenant too, before its lane consumes
     await mesh.feedback("cfg", 1.0)  # its backlog
     policy = LoraPolicy(make_cfg())
-    lanes = mesh.lanes(tmp_path, ["", "cfg"], policy, make_cfg(), tiny_model, follow_registry=True)
+    lanes = mesh.lanes(tmp_path, ["", "cfg"], policy, make_cfg(), tiny_model, follow_registry=True,
+                       batch_size=2, max_wait_s=MAX_WAIT_S)
     lanes.held = await held_tenants(Registry(mesh.trainer_bus))  # as the trainer's job does
     ready = asyncio.Event()
     lanes.follow = lambda lanes: RegistryFollower(lanes, Registry(mesh.trainer_bus),
@@ -138,21 +141,28 @@ async def test_a_held_lineage_takes_no_update_until_it_is_resumed(
         acme = lanes.lanes["acme"].online
         held_at = await mesh.kv("acme")
         await mesh.feedback("acme", 1.0)
-        await until(lambda: acme.queue.qsize() == 1 and lanes.lanes["cfg"].online.queue.qsize() == 1,
+        await mesh.feedback("acme", -1.0)
+        await until(lambda: acme.queue.qsize() == 2 and lanes.lanes["cfg"].online.queue.qsize() == 1,
                     "the held lanes' feedback reaches their queues", task=task)
         # another lineage trains meanwhile; the held one took its feedback and no update
         await mesh.feedback("", 1.0)
         await until(lambda: len(steps(tmp_path, "")) == 1, "the default lineage trains", task=task)
-        assert steps(tmp_path, "acme") == [] and acme.queue.qsize() == 1
+        assert steps(tmp_path, "acme") == [] and acme.queue.qsize() == 2
         assert await mesh.kv("acme") == held_at and acme.version == held_at
         assert steps(tmp_path, "cfg") == [] and lanes.lanes["cfg"].online.queue.qsize() == 1
         await registry.hold("cfg", False, config=True)
         await until(lambda: len(steps(tmp_path, "cfg")) == 1, "the config tenant, resumed, trains",
                     task=task)
 
+        # both waited past max_wait_s, held: on resume they train, none is shed as too old
+        await until(lambda: time.monotonic() - acme.queue.newest().arrived > MAX_WAIT_S,
+                    "acme's feedback waits past max_wait_s", task=task)
         await registry.hold("acme", False)
         await until(lambda: len(steps(tmp_path, "acme")) == 1, "resumed, it trains what waited",
                     task=task)
+        (step,) = steps(tmp_path, "acme")
+        assert step["feedback"] == 2 and step["shed"] == 0
+        assert step["queue_wait_s"] > MAX_WAIT_S  # the wait it reports is the whole wait
         assert await mesh.kv("acme") == held_at + 1
 
         # held again while it learns: the next feedback waits, and a reset keeps the hold

@@ -54,9 +54,9 @@ class Mesh:
 
     def lanes(self, tmp_path: Path, tenants: list[str], policy, cfg, tiny_model, registry=None,
               **kw) -> Lanes:
-        job = OnlineConfig(tenants=tenants, batch_size=1, batch_window_s=0, durable=DURABLE,
-                           ack_wait_s=30, out_dir=str(tmp_path), run_id="run",
-                           max_staleness_versions=1000, **kw)
+        job = OnlineConfig(**{"batch_size": 1, **kw}, tenants=tenants, batch_window_s=0,
+                           durable=DURABLE, ack_wait_s=30, out_dir=str(tmp_path), run_id="run",
+                           max_staleness_versions=1000)
 
         def publisher_for(tenant: str, store_dir: Path) -> Publisher:
             return Publisher([self.addr], TOKEN, store_dir, self.trainer_bus, "tiny", tenant=tenant)

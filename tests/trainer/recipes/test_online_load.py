@@ -182,6 +182,19 @@ def test_the_queue_sheds_its_oldest_but_never_the_newest() -> None:
     assert [q.pop_newest().seq, q.pop_newest().seq] == [5, 3] and q.empty()
 
 
+def test_the_time_a_lineage_was_held_does_not_count_toward_a_wait() -> None:
+    """Held from t=20 to t=120: what was queued before waited 5 and 10 s of learning, what came
+    during the hold waits from the resume; the order of the waits is the queue's."""
+    q = FeedbackQueue(8)
+    for seq, at in ((1, 10.0), (2, 15.0), (3, 60.0), (4, 110.0)):
+        q.put(Pending(msg=None, seq=seq, arrived=at))
+    q.resume(20.0, 120.0)
+    assert [p.waits_from for p in (q.pop_newest(), q.pop_newest())] == [120.0, 120.0]
+    assert q.shed(110.0) == []  # max_wait_s 10 at t=120: nothing waited past 10 s of learning
+    assert [p.seq for p in q.shed(112.0)] == [1]  # waits from 10 + 100 = 110 and 15 + 100 = 115
+    assert q.oldest().arrived == 15.0  # its arrival is kept: the wait metrics count the hold
+
+
 class SlowPublisher(Publisher):
     """A publisher whose every push takes `delay` s (a replica building and swapping the
     version), logging when each version's publish starts and ends; `fail_at` raises there."""
