@@ -47,8 +47,9 @@ Hold (`hold(True)`; a multi-tenant trainer's lane follows its tenant's registry 
 hold comes finishes and its version lands; then the lineage serves that version, whatever
 feedback arrives. The feedback waits in the queue and the stream as under any load (nothing
 is acked untrained), and the time held does not count toward its `max_wait_s`: no version was
-published meanwhile, so waiting through a hold made it no staler, and on resume the backlog trains newest first as if it had just arrived (what the
-updates cannot take within `max_wait_s` of learning is shed as under any load).
+published meanwhile, so waiting through a hold made it no staler, and on resume the backlog
+trains newest first as if it had just arrived (what the updates cannot take within
+`max_wait_s` of learning is shed as under any load).
 
 Load: an intake task fetches into a queue of `max_queue` and stops fetching while it is full
 (JetStream keeps the rest; the consumer's max_ack_pending bounds what it hands out). Each update
