@@ -74,7 +74,8 @@ async def start_gateway(replicas: list[str], nats_url: str, served_model: str = 
                     config.health_interval_s, config.health_timeout_s, config.health_failures,
                     config.max_version_lag)
     directory = Directory({name: TenantConfig(keys=ids) for name, ids in (tenants or {}).items()})
-    core = GatewayCore(config, KeyRing(load_keys(keys), admin=bool(admin_token)), router, BusEvents(bus, config.traffic_queue),
+    ring = KeyRing(load_keys(keys), admin=bool(admin_token))
+    core = GatewayCore(config, ring, router, BusEvents(bus, config.traffic_queue),
                        served_model, tenants=directory)
     await core.start()
     admin = TenantAdmin(bus, core.keys, core.tenants, admin_token, trainer)
