@@ -146,6 +146,8 @@ def command_main(command: str, bench: str = ""):
         from benchmarks.joint import main
     elif name == "bench train-step":
         from benchmarks.train_step import main
+    elif name == "bench online-step":
+        from benchmarks.online_step import main
     elif name == "bench grpo":
         from benchmarks.grpo import main
     elif name == "bench update-loop":
@@ -253,6 +255,20 @@ def build_parser() -> argparse.ArgumentParser:
                      help="also time the colocated reference both ways: base_logprobs then "
                           "the step, against the step scoring it from the layers below "
                           "--top-layers run once")
+    bos = _bench_parser(bsub, "online-step", "one online update (train + pack) per batch of ratings, on "
+                        "the CPU and on CUDA in the same run: ms per rating, ratings/s", config=True)
+    bos.add_argument("--devices", default="", help="comma-separated: cpu, cuda (default: cpu, and "
+                     "cuda when this host has one)")
+    bos.add_argument("--batches", default="1,2,4,8", help="ratings per update (the online "
+                     "recipe's batch_size is the most it takes)")
+    bos.add_argument("--prompt-tokens", type=int, default=48, help="tokens of each rated prompt")
+    bos.add_argument("--completion-tokens", type=int, default=96, help="tokens of each rated answer")
+    bos.add_argument("--updates", type=int, default=5, help="timed updates per batch size (median)")
+    bos.add_argument("--shape", help="train a random-weight Llama of this shape (smollm2-135m, "
+                     "qwen2.5-0.5b, llama-3.2-1b), not the config's model: no download")
+    bos.add_argument("--cpu-threads", type=int, default=None,
+                     help="torch threads ([trainer] torch_threads; the shipped configs give "
+                          "the trainer 1 core)")
     bg = _bench_parser(bsub, "grpo", "GRPO samples/s, seconds per stage and idle share of the cores, "
                        "synchronous vs asynchronous on the demo configuration; --peer trl adds TRL", config=True)
     bg.add_argument("--steps", type=int, default=4, help="steps of each mode (the first is start-up)")

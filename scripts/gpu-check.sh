@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# The prepared GPU check: on one CUDA GPU, in under 8 minutes, the GPU-marked tests and the
-# hot-update, rollout and update-loop benchmarks on a 0.5B model, written to one JSON
-# (runs/gpu-check.json: device, driver, versions, each stage's outcome and key figures); the
-# tenant demo (`hotloop demo-tenants`, 300 s of training at most) comes last, and gets its
-# own run when the budget is spent before it.
+# The prepared GPU check: on one CUDA GPU, in under 8 minutes, the GPU-marked tests, the online
+# update against one CPU core, and the hot-update, rollout and update-loop benchmarks on a 0.5B
+# model, written to one JSON (runs/gpu-check.json: device, driver, versions, each stage's
+# outcome and key figures); the tenant demo (`hotloop demo-tenants`, 300 s of training at
+# most) comes last, and gets its own run when the budget is spent before it.
 #
 #   make EXTRA=gpu install && scripts/gpu-check.sh            # from a checkout on the GPU host
 #   scripts/gpu-check.sh --model /path/to/Qwen2.5-0.5B-Instruct   # no network on the host

@@ -124,7 +124,7 @@ def test_every_stage_of_the_cli_parses_with_the_cli_s_own_parser(tmp_path, dry_r
         if stage.argv[1:3] == ["-m", "apps.cli"]:
             args = build_parser().parse_args(stage.argv[3:])  # exits 2 on an unknown option
             assert args is not None
-    assert names == ["model", "tests", "hot_update", "rollout", "update_loop", "tenants"]
+    assert names == ["model", "tests", "online_step", "hot_update", "rollout", "update_loop", "tenants"]
 
 
 def test_a_gpu_check_without_a_gpu_says_so(tmp_path, capsys):
@@ -140,11 +140,12 @@ def test_a_gpu_check_without_a_gpu_says_so(tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_the_script_runs_its_gpu_tests_stage_on_the_cpu(tmp_path):
+def test_the_script_runs_its_gpu_tests_and_online_step_stages_on_the_cpu(tmp_path):
     """The shell entry point end to end, dry run: the GPU-marked tests are collected and, with
-    no CUDA here, all skipped; the JSON has the machine and the counts."""
+    no CUDA here, all skipped; the online update is timed on the CPU; the JSON has the
+    machine, the counts and the update's figures."""
     out = tmp_path / "gpu-check.json"
-    proc = subprocess.run(["scripts/gpu-check.sh", "--dry-run", "--stages", "model,tests",
+    proc = subprocess.run(["scripts/gpu-check.sh", "--dry-run", "--stages", "model,tests,online_step",
                            "--out", str(out)], capture_output=True, text=True, cwd=REPO, timeout=600,
                           env={**os.environ, "HOTLOOP_PYTHON": sys.executable})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -153,3 +154,7 @@ def test_the_script_runs_its_gpu_tests_stage_on_the_cpu(tmp_path):
     counts = r["stages"]["tests"]["figures"]
     assert counts["tests"] > 0 and counts["skipped"] == counts["tests"] and counts["failed"] == 0
     assert "[gpu-check] tests: ok" in proc.stdout
+    step = r["stages"]["online_step"]
+    assert step["status"] == "ok", step
+    assert set(step["figures"]["cpu"]) == {"1", "2"} and step["figures"]["speedup"] == {}
+    assert all(b["update_ms"] > 0 for b in step["figures"]["cpu"].values())
