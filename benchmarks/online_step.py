@@ -15,9 +15,10 @@ Per device and batch size: the median over `--updates` timed updates (after one 
 `ratings_per_s` = batch / update_s, the rate of ratings one trainer keeps up with at that
 batch size. With both devices measured, `speedup` = cpu update_ms / cuda update_ms per batch.
 
-`--shape` trains a random-weight Llama of a named shape in place of the config's model (no
-download: a step's time does not depend on the weights' values), so a host with no network
-and no model still measures the update of the model it would train.
+`--shape` trains a random-weight Llama of a named shape (`hotloop.models.MODEL_SHAPES`) in
+place of the config's model (no download: a step's time does not depend on the weights'
+values), so a host with no network and no model still measures the update of the model it
+would train.
 """
 
 from __future__ import annotations
@@ -31,35 +32,9 @@ from typing import Any
 
 from benchmarks.common import report, say_as
 
-__all__ = ["SHAPES", "main", "random_model", "run"]
+__all__ = ["main", "run"]
 
 say = say_as("online-step")
-
-# hidden, layers, intermediate, vocabulary, heads, key/value heads (tied embeddings)
-SHAPES: dict[str, tuple[int, int, int, int, int, int]] = {
-    "smollm2-135m": (576, 30, 1536, 49152, 9, 3),  # the shipped configs' model
-    "qwen2.5-0.5b": (896, 24, 4864, 151936, 14, 2),  # the GPU check's (Llama-shaped: no qkv bias)
-    "llama-3.2-1b": (2048, 16, 8192, 128256, 32, 8),
-}
-
-
-def random_model(shape: str, out: Path) -> Path:
-    """A random-init Llama of `shape` (SHAPES) saved as an HF directory under `out`."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    if shape not in SHAPES:
-        raise ValueError(f"unknown shape {shape!r}; known: {', '.join(SHAPES)}")
-    h, layers, inter, vocab, heads, kv = SHAPES[shape]
-    cfg = LlamaConfig(hidden_size=h, num_hidden_layers=layers, intermediate_size=inter,
-                      vocab_size=vocab, num_attention_heads=heads, num_key_value_heads=kv,
-                      tie_word_embeddings=True, max_position_embeddings=4096,
-                      pad_token_id=0, eos_token_id=1, bos_token_id=2)
-    torch.manual_seed(0)
-    path = out / shape
-    LlamaForCausalLM(cfg).save_pretrained(path)
-    return path
-
 
 def _p50(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
@@ -121,7 +96,7 @@ def run(config: str | None, devices: list[str], batches: list[int], prompt_token
     import torch
 
     from hotloop.config import load
-    from hotloop.models import resolve
+    from hotloop.models import build_shaped_model, resolve
     from services.trainer.config import OnlineConfig, TrainerConfig
 
     if any(b < 1 for b in batches) or updates < 1:
@@ -137,7 +112,7 @@ def run(config: str | None, devices: list[str], batches: list[int], prompt_token
         tc = tc.model_copy(update={"torch_threads": cpu_threads})
     with tempfile.TemporaryDirectory(prefix="hotloop-online-step-") as tmp:
         work = Path(tmp)
-        model_dir = random_model(shape, work) if shape else resolve(tc.model)
+        model_dir = build_shaped_model(work, shape) if shape else resolve(tc.model)
         say(f"{shape + ' (random weights)' if shape else tc.model}: LoRA r={tc.lora.r} on "
             f"{'every layer' if tc.lora.top_layers is None else f'the top {tc.lora.top_layers} layers'}, "
             f"kl_beta {tc.loss.kl_beta:g}; ratings of {prompt_tokens} prompt + "

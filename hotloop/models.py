@@ -274,3 +274,38 @@ def build_tiny_model(out: Path, seed: int = 0, hidden: int = 256, layers: int = 
     model.save_pretrained(out, safe_serialization=True)
     write_manifest(out, source=f"tiny-random(seed={seed})")
     return out
+
+
+# hidden, layers, intermediate, vocabulary, query heads, key/value heads (embeddings tied)
+MODEL_SHAPES: dict[str, tuple[int, int, int, int, int, int]] = {
+    "smollm2-135m": (576, 30, 1536, 49152, 9, 3),  # the shipped configs' model
+    "qwen2.5-0.5b": (896, 24, 4864, 151936, 14, 2),  # the GPU check's (as a Llama: no qkv bias)
+    "llama-3.2-1b": (2048, 16, 8192, 128256, 32, 8),
+}
+"""Real models' shapes, for random-weight copies (`build_shaped_model`)."""
+
+
+def build_shaped_model(out: Path, shape: str, *, device: str = "cpu", dtype: str = "float32") -> Path:
+    """A random-init Llama of a named shape (`MODEL_SHAPES`), saved as an HF directory at
+    `out/<shape>` (weights only, no tokenizer): what a step of it costs in time and memory
+    does not depend on the weights' values, so no download is needed. Built on `device` in
+    `dtype` (a 1B model in fp32 on the CPU takes seconds more and 4 GiB)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    if shape not in MODEL_SHAPES:
+        raise ValueError(f"unknown shape {shape!r}; known: {', '.join(MODEL_SHAPES)}")
+    h, layers, inter, vocab, heads, kv = MODEL_SHAPES[shape]
+    cfg = LlamaConfig(hidden_size=h, num_hidden_layers=layers, intermediate_size=inter,
+                      vocab_size=vocab, num_attention_heads=heads, num_key_value_heads=kv,
+                      tie_word_embeddings=True, max_position_embeddings=4096,
+                      pad_token_id=0, eos_token_id=1, bos_token_id=2)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = LlamaForCausalLM(cfg).to(getattr(torch, dtype))
+    path = Path(out) / shape
+    model.save_pretrained(path)
+    del model
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return path

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.online_step import SHAPES, main
+from benchmarks.online_step import main
+from hotloop.models import MODEL_SHAPES
 
 
 def bench_args(out: Path, model: Path | None, *extra: str) -> Namespace:
@@ -51,7 +52,7 @@ def test_a_named_shape_trains_random_weights_with_the_colocated_reference(
         tmp_path: Path, monkeypatch) -> None:
     """No model on the host: `--shape` builds one. kl_beta > 0: each update also scores the
     base (the online recipe's colocated reference), and still lands."""
-    monkeypatch.setitem(SHAPES, "tiny-test", (16, 4, 32, 96, 2, 1))
+    monkeypatch.setitem(MODEL_SHAPES, "tiny-test", (16, 4, 32, 96, 2, 1))
     out = tmp_path / "online-step.json"
     args = bench_args(out, None, "--shape", "tiny-test", "--batches", "2", "--updates", "1",
                       "--set", "trainer.loss.kl_beta=0.05")

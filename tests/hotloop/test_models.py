@@ -27,6 +27,25 @@ def test_unknown_model_is_a_clear_error(tmp_path, monkeypatch):
         models.resolve(str(tmp_path / "notamodel"))
 
 
+def test_a_shaped_model_has_the_named_shape_and_random_weights(tmp_path, monkeypatch):
+    import json
+
+    from safetensors import safe_open
+
+    monkeypatch.setitem(models.MODEL_SHAPES, "tiny-test", (16, 3, 40, 96, 4, 2))
+    path = models.build_shaped_model(tmp_path, "tiny-test", dtype="bfloat16")
+    cfg = json.loads((path / "config.json").read_text())
+    assert path == tmp_path / "tiny-test"
+    assert (cfg["hidden_size"], cfg["num_hidden_layers"], cfg["intermediate_size"],
+            cfg["vocab_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"]) == \
+        (16, 3, 40, 96, 4, 2)
+    with safe_open(path / "model.safetensors", "pt") as f:
+        w = f.get_tensor("model.layers.2.mlp.down_proj.weight")
+    assert tuple(w.shape) == (16, 40) and str(w.dtype) == "torch.bfloat16" and w.std() > 0
+    with pytest.raises(ValueError, match="unknown shape 'gpt-7'; known: smollm2-135m"):
+        models.build_shaped_model(tmp_path, "gpt-7")
+
+
 @pytest.mark.real_model
 def test_default_model_is_a_normal_hf_directory():
     from transformers import AutoConfig, AutoTokenizer

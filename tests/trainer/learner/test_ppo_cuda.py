@@ -15,33 +15,19 @@ import torch
 pytestmark = [pytest.mark.gpu, pytest.mark.slow,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
-SHAPES = {
-    # SmolLM2-135M and Llama-3.2-1B (hidden, layers, intermediate, vocab, heads, kv heads)
-    "135m": (576, 30, 1536, 49152, 9, 3),
-    "1b": (2048, 16, 8192, 128256, 32, 8),
-}
-
 
 def _model(tmp_path, name):
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import AutoConfig
 
-    h, layers, inter, vocab, heads, kv = SHAPES[name]
-    cfg = LlamaConfig(hidden_size=h, num_hidden_layers=layers, intermediate_size=inter,
-                      vocab_size=vocab, num_attention_heads=heads, num_key_value_heads=kv,
-                      tie_word_embeddings=True, max_position_embeddings=4096,
-                      pad_token_id=0, eos_token_id=1, bos_token_id=2)
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = LlamaForCausalLM(cfg).to(torch.bfloat16)
-    path = tmp_path / name
-    model.save_pretrained(path)
-    del model
-    torch.cuda.empty_cache()
-    return path, cfg
+    from hotloop.models import build_shaped_model
+
+    path = build_shaped_model(tmp_path, name, device="cuda", dtype="bfloat16")
+    return path, AutoConfig.from_pretrained(path)
 
 
 @pytest.mark.parametrize("name, mode, micro_batch_tokens", [
-    ("135m", "shared", 8192), ("135m", "lora", 8192), ("1b", "shared", 4096)])
+    ("smollm2-135m", "shared", 8192), ("smollm2-135m", "lora", 8192),
+    ("llama-3.2-1b", "shared", 4096)])
 def test_ppo_update_on_cuda_within_the_memory_plan(tmp_path, name, mode, micro_batch_tokens):
     from services.reference.config import ReferenceConfig
     from services.reference.core import TorchBackend
