@@ -24,7 +24,7 @@ Owns:
   tenant's answers pooled, at least `--idle-answers` of them), training (each tenant's users
   rate answers by its preference; once a block of `--window` of a tenant's answers meets its
   target (twice its base rate by default) by more than its noise, its users pause rating, its
-  lineage is held at the version it serves (the admin API's hold, with a shared trainer), and
+  lineage is held at the version it serves (the admin API's hold), and
   `--check-answers` answers of that version confirm the target, so they stop rating for good
   and the lineage stays held, or send them back to rating and resume it (`advance`), unless
   `--keep-rating`; the phase ends once every tenant's target was confirmed, unless
@@ -195,7 +195,6 @@ class TrainerPlan:
     overrides: list[str]  # for every process of the mesh
     trainers: dict[str, list[str]] | None  # `start_stack`'s: name -> its own overrides
     metrics: dict[str, Path]  # tenant -> its lineage's metrics.jsonl
-    holds: bool = False  # the trainer follows the registry: a lineage can be held for a check
 
 
 def trainer_plan(mode: str, tenants: list[str], out: Path) -> TrainerPlan:
@@ -204,10 +203,9 @@ def trainer_plan(mode: str, tenants: list[str], out: Path) -> TrainerPlan:
     mesh's trainer role with `[online] tenants` (one process, one base model, a lane per tenant
     under `<out>/trainer/tenants/<tenant>/`: `lane_dir` in services/trainer/recipes/lanes.py,
     with `start_stack`'s `online.out_dir` and run id), following the tenant registry
-    (`[online] follow_registry`), so a check holds the lineage it checks (`advance`); a
-    per-tenant process learns one lineage and follows no registry, so there a check's version
-    may still move on the feedback sent before its users paused. `auto`: shared where the
-    trainer has it, else per tenant."""
+    (`[online] follow_registry`). Either way a check holds the lineage it checks (`advance`):
+    every trainer applies the registry's hold of its lineages (recipes/follow.py). `auto`:
+    shared where the trainer has it, else per tenant."""
     if mode == "auto":
         mode = "shared" if shared_trainer_built() else "per-tenant"
     if mode == "shared":
@@ -216,8 +214,7 @@ def trainer_plan(mode: str, tenants: list[str], out: Path) -> TrainerPlan:
                              "([online] has no `tenants`); use --trainers per-tenant")
         names = json.dumps(tenants)
         return TrainerPlan(mode, [f"online.tenants={names}", "online.follow_registry=true"], None,
-                           {t: out / TRAINER_RUN / "tenants" / t / "metrics.jsonl" for t in tenants},
-                           holds=True)
+                           {t: out / TRAINER_RUN / "tenants" / t / "metrics.jsonl" for t in tenants})
     if mode != "per-tenant":
         raise ValueError(f"--trainers {mode}: use auto, per-tenant or shared")
     return TrainerPlan(mode, [], {f"trainer-{t}": [f"online.tenant={t}", f"online.run_id=trainer-{t}"]
@@ -460,10 +457,9 @@ def tenants_status(state: TenantsState, t0: float) -> str:
 
 
 async def run_tenants(state: TenantsState, stack: Stack, keys: dict[str, str], metrics: dict[str, Path],
-                      users: int, phases: Phases, max_tokens: int, progress_s: float,
-                      holds: bool = False) -> None:
-    """The phases (`Phases`): warm-up, idle, training, evaluation. `holds`: a check holds the
-    lineage it checks (`hold`; the trainer follows the tenant registry)."""
+                      users: int, phases: Phases, max_tokens: int, progress_s: float) -> None:
+    """The phases (`Phases`): warm-up, idle, training, evaluation; a check holds the lineage
+    it checks (`hold`)."""
     cfgs = []
     for i, (name, pref) in enumerate(state.prefs.items()):
         tracker = LoopTracker(stack.info.nats_url, metrics[name], tenant=name)
@@ -528,7 +524,7 @@ async def run_tenants(state: TenantsState, stack: Stack, keys: dict[str, str], m
                     # the tenants still learning
                     event = advance(run, time.time(), state.window, phases.check_answers)
                     _say(run, event, state.training_started)
-                    if holds and event in ("paused", "resumed"):
+                    if event in ("paused", "resumed"):
                         await hold(stack, run.name, event == "paused")
                 elif run.reached_at is None and met_target(
                         final_window(run, state.training_started, state.window), run.preference,
@@ -911,7 +907,7 @@ def main(args) -> int:
         "target_factor": args.target_factor, "kl_beta": args.kl_beta,
         "kl_target": KL_TARGET if args.kl_beta > 0 else None, "lr": args.lr,
         "check_margin_se": CHECK_MARGIN_SE, "learning": learning, "trainers": plan.mode,
-        "checks_hold": plan.holds})
+        "checks_hold": True})
     # the demo's learning first, so that a --set of the user's overrides it
     overrides = [*learning, *args.set,
                  *tenant_overrides(keys_file, tenants), *plan.overrides]
@@ -927,8 +923,7 @@ def main(args) -> int:
         print(f"[demo-tenants] gateway {stack.target.base_url}/v1; {args.users} users per tenant; idle "
               f"phase {args.idle_s:g} s, then up to {args.train_s:g} s of training", flush=True)
         _, state.interrupted = run_interruptible(run_tenants(
-            state, stack, keys, plan.metrics, args.users, phases, args.max_tokens, args.progress,
-            holds=plan.holds))
+            state, stack, keys, plan.metrics, args.users, phases, args.max_tokens, args.progress))
     finally:
         why = stack.stop()
     if why and not state.failed:

@@ -343,7 +343,9 @@ class OnlineConfig(_Strict):
     tenant: str = ""
     """The tenant whose lineage this loop trains (`[tenants.<name>]`; "": the default tenant).
     It reads only that tenant's feedback subject, and dead-letters (reason `other_tenant`) a
-    feedback or traffic record that names another tenant."""
+    feedback or traffic record that names another tenant. A named tenant's hold through the
+    admin API holds it (the registry's, recipes/follow.py); its reset is not applied here
+    (logged as an error): list it in `tenants` for that."""
     tenants: list[str] = Field(default_factory=list)
     """The tenants this process trains, each in a lane of its own on one shared base model
     (services/trainer/recipes/lanes.py): its own adapter, optimizer state, baseline, versions,
@@ -358,7 +360,9 @@ class OnlineConfig(_Strict):
     `hotloop.tenants.Registry`): a lane starts when a tenant is created, starts over from the
     base when it is reset, and stops when it is deleted (recipes/follow.py). Beside them it
     trains the lanes of `tenants`, or the default lineage's when `tenants` is empty. A reset of
-    a config tenant resets its lane where this process trains it. Several processes may follow
+    a config tenant resets its lane where this process trains it (as in every process with
+    `tenants`, following or not, which applies the resets and holds of its lanes and starts
+    or stops none). Several processes may follow
     the registry: each created tenant is learned by the first that claims its lineage
     (`hotloop.leases`), and the others leave it alone."""
     durable: str = Field("hotloop-online-trainer", min_length=1, pattern=r"^[A-Za-z0-9_-]+$")

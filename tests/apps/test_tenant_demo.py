@@ -106,7 +106,6 @@ def test_the_shared_trainer_plan_is_the_default_and_reads_each_lanes_metrics(tmp
     assert plan.mode == "shared" and plan.trainers is None  # the mesh's trainer role
     # it follows the tenant registry, so that a check can hold the lineage it checks
     assert plan.overrides == ['online.tenants=["a", "b"]', "online.follow_registry=true"]
-    assert plan.holds
     from hotloop import config
     from services.trainer.config import OnlineConfig
 
@@ -120,7 +119,7 @@ def test_the_shared_trainer_plan_is_the_default_and_reads_each_lanes_metrics(tmp
 
 def test_the_trainer_plan_gives_each_tenant_its_own_run_and_subject(tmp_path):
     plan = trainer_plan("per-tenant", ["a", "b"], tmp_path)
-    assert plan.mode == "per-tenant" and plan.overrides == [] and not plan.holds
+    assert plan.mode == "per-tenant" and plan.overrides == []
     assert plan.trainers == {"trainer-a": ["online.tenant=a", "online.run_id=trainer-a"],
                              "trainer-b": ["online.tenant=b", "online.run_id=trainer-b"]}
     assert plan.metrics["b"] == tmp_path / "trainer-b" / "metrics.jsonl"

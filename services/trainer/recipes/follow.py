@@ -1,5 +1,6 @@
-"""Keeps a multi-tenant trainer's lanes in step with the tenant registry
-(`[online] follow_registry`).
+"""Keeps a trainer's lineages in step with the tenant registry: the lanes of a multi-tenant
+trainer (`RegistryFollower`; all of it with `[online] follow_registry`), the hold of a trainer
+of one named lineage (`follow_hold`).
 
 The gateway's admin API writes the registry (`hotloop.tenants.Registry`: create, reset, delete);
 this follows its watch and calls the lanes' lifecycle (lanes.py):
@@ -17,6 +18,9 @@ this follows its watch and calls the lanes' lifecycle (lanes.py):
   adapter again), then removed (`remove_tenant`: its consumer deleted, its files moved aside),
   then its versions-KV key (`latest_key`) is deleted, which lets the admin API create the name
   again as a new tenant.
+
+A trainer with `[online] tenants` but without `follow_registry` runs the same follower with
+`manage` off: the resets and holds of the lineages it trains by config, nothing else.
 
 The generations applied are kept in `<run_dir>/registry.json` (written atomically after each
 reset), so a reset made while the trainer was down is applied when it comes back, and one
@@ -45,11 +49,42 @@ async def held_tenants(registry) -> set[str]:
     return {r.name for r in await registry.list() if r.held}
 
 
-class RegistryFollower:
-    """Applies the registry's changes to `lanes` (a `lanes.Lanes`), in commit order."""
+async def follow_hold(online, registry, tenant: str, ready=None) -> None:
+    """A trainer of one lineage (`[online] tenant`, no lanes): the registry's hold of it,
+    applied to `online` (an `online.Online`) until cancelled; `ready` (an asyncio.Event) is
+    set once the registry's state at the start was applied. A reset is not applied here (it
+    restarts a lane, and this trainer has none): one made while it runs is logged as an
+    error that names the setting that applies it."""
+    import asyncio
 
-    def __init__(self, lanes, registry, bus, state_path: Path) -> None:
+    ready = ready if ready is not None else asyncio.Event()
+    applied: int | None = None
+    async for name, record in registry.watch(ready):
+        if name != tenant:
+            continue
+        online.hold(record is not None and record.held)
+        generation = record.generation if record is not None else 0
+        if applied is None:  # at the start: the resets before it are the lineage's history
+            applied = generation if not ready.is_set() else 0
+        if generation > applied:
+            applied = generation
+            log.error("tenant %r was reset through the admin API (generation %d), but this "
+                      "trainer trains its lineage alone ([online] tenant) and cannot reset it: "
+                      "train it with [online] tenants = [%r] to apply resets", tenant,
+                      generation, tenant)
+
+
+class RegistryFollower:
+    """Applies the registry's changes to `lanes` (a `lanes.Lanes`), in commit order.
+
+    `manage` False (a trainer without `follow_registry`): only the resets and holds of the
+    lineages it trains ([online] tenants) are applied; creates and deletes are left to the
+    trainers that follow the registry, so a reset or hold through the admin API is never a
+    silent no-op for a lineage trained by config."""
+
+    def __init__(self, lanes, registry, bus, state_path: Path, manage: bool = True) -> None:
         self.lanes, self.registry, self.bus = lanes, registry, bus
+        self.manage = manage
         self.state_path = Path(state_path)
         self.applied: dict[str, int] = (json.loads(self.state_path.read_text())
                                         if self.state_path.exists() else {})
@@ -72,7 +107,11 @@ class RegistryFollower:
         from hotloop.bus import announced_key, latest_key
 
         lanes = self.lanes
+        if not self.manage and name not in lanes.lanes:
+            return  # neither created nor deleted here; not a lineage trained here
         if record is None:
+            if not self.manage:
+                return  # deleted: its lane stays until the config no longer lists it
             if name not in lanes.lanes:
                 if name not in self.applied:
                     return  # never trained here

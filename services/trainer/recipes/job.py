@@ -239,6 +239,8 @@ async def open_online(mesh_cfg: MeshConfig, job, trainer_cfg: TrainerConfig,
                       address: str = "127.0.0.1:0"):
     """The edge and the `online.OnlineMesh` of an online job; returns (edge, mesh, run_dir).
     Close with `close_online`."""
+    from hotloop.tenants import DEFAULT
+
     from . import online
 
     ep = mesh_cfg.endpoints
@@ -250,8 +252,13 @@ async def open_online(mesh_cfg: MeshConfig, job, trainer_cfg: TrainerConfig,
     # inherit the priority); not in `online.run`, which tests drive inside pytest.
     UsersFirst(job.users_first).start()
     edge = await open_edge(mesh_cfg, trainer_cfg, run_dir, "reinforce_tis", address, job.tenant)
+    registry = None
+    if edge.bus is not None and job.tenant != DEFAULT:  # the admin API holds named tenants
+        from hotloop.tenants import Registry
+
+        registry = Registry(edge.bus)
     mesh = online.OnlineMesh(edge.bus, edge.publisher, edge.reference,
-                             [RolloutClient(a) for a in ep.rollout])
+                             [RolloutClient(a) for a in ep.rollout], registry)
     return edge, mesh, run_dir
 
 
@@ -319,16 +326,19 @@ async def open_lanes(mesh_cfg: MeshConfig, job, trainer_cfg: TrainerConfig,
                   publisher_for=publisher_for, run_dir=run_dir, reference=edge.reference,
                   rollout=[RolloutClient(a) for a in ep.rollout], registry=registry,
                   on_step=on_step)
-    if job.follow_registry:
+    if job.follow_registry and edge.bus is None:
+        raise SystemExit("[online] follow_registry needs the bus: set [nats] url")
+    if edge.bus is not None:
         from hotloop.tenants import Registry
 
         from .follow import RegistryFollower, held_tenants
 
-        if edge.bus is None:
-            raise SystemExit("[online] follow_registry needs the bus: set [nats] url")
+        # Every lanes trainer applies the registry's resets and holds of its lineages (the
+        # admin API's); one that follows the registry also adds and removes lanes.
         lanes.held = await held_tenants(Registry(edge.bus))  # held from their lanes' start
         lanes.follow = lambda lanes: RegistryFollower(
-            lanes, Registry(edge.bus), edge.bus, run_dir / "registry.json").run()
+            lanes, Registry(edge.bus), edge.bus, run_dir / "registry.json",
+            manage=job.follow_registry).run()
     return edge, lanes
 
 

@@ -224,7 +224,9 @@ class Lanes:
                 for task in [lane.task for lane in lanes] + ([follower] if follower else []):
                     if task.done() and not task.cancelled() and task.exception():
                         raise task.exception()
-                if lanes and all(lane.task.done() for lane in lanes) and follower is None:
+                # a follower that adds lanes keeps the trainer up for the tenants to come
+                if lanes and all(lane.task.done() for lane in lanes) and (
+                        follower is None or not self.job.follow_registry):
                     break
                 changed = asyncio.ensure_future(self._changed.wait())
                 await asyncio.wait([*(lane.task for lane in lanes), changed,

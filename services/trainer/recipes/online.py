@@ -136,6 +136,8 @@ class OnlineMesh:
     publisher: Any  # services.trainer.recipes.publisher.Publisher
     reference: ReferenceClient | None = None
     rollout: list[RolloutClient] = field(default_factory=list)  # read for their latest version
+    # the tenant registry (hotloop.tenants.Registry), whose hold of this lineage `run` applies
+    registry: Any = None
 
 
 @dataclass
@@ -898,9 +900,34 @@ class Online(Recipe):
 async def run(job: OnlineConfig, trainer_cfg: TrainerConfig, model_dir: Path, mesh: OnlineMesh,
               run_dir: Path, on_step=None, policy=None, metrics: OnlineMetrics | None = None) -> dict:
     """Train from feedback until `job.max_steps` updates (0: until cancelled); returns a summary
-    (counters, last version). `policy`, `metrics`: as `Online`."""
-    return await run_recipe(Online(job, trainer_cfg, model_dir, mesh, policy, metrics), run_dir,
-                            progress=False, on_step=on_step)
+    (counters, last version). `policy`, `metrics`: as `Online`. With `mesh.registry`, the
+    registry's hold of the lineage holds it (read before the first update, then followed)."""
+    online = Online(job, trainer_cfg, model_dir, mesh, policy, metrics)
+    if mesh.registry is None:
+        return await run_recipe(online, run_dir, progress=False, on_step=on_step)
+    from .follow import follow_hold
+
+    ready = asyncio.Event()
+    follower = asyncio.create_task(follow_hold(online, mesh.registry, job.tenant, ready),
+                                   name="registry-hold")
+    replayed = asyncio.ensure_future(ready.wait())  # the hold as it is, before any update
+    recipe = None
+    try:
+        await asyncio.wait([follower, replayed], return_when=asyncio.FIRST_COMPLETED)
+        if follower.done():
+            follower.result()  # its error
+        recipe = asyncio.create_task(run_recipe(online, run_dir, progress=False, on_step=on_step),
+                                     name="online-loop")
+        await asyncio.wait([recipe, follower], return_when=asyncio.FIRST_COMPLETED)
+        if not recipe.done():
+            follower.result()  # its error stops the loop (below); it never ends otherwise
+        return await recipe
+    finally:  # cancelled, failed or done: neither task outlives the call
+        for task in (recipe, follower, replayed):
+            if task is not None and not task.done():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
 
 
 async def publish_tolerant(mesh: OnlineMesh, version: int, adapter: Path) -> None:

@@ -6,15 +6,17 @@ lineage per tenant (`LineageReplica`), one shared `LoraPolicy` on the tiny model
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 
 import pytest
+from nats.js.errors import NotFoundError
 
 from hotloop.bus import announced_key
 from hotloop.proto.v1 import bus_pb2
 from hotloop.tenants import Registry
 from services.trainer.recipes.follow import RegistryFollower, held_tenants
-from tests.trainer.recipes.test_lanes import Mesh, steps, stop, until
+from tests.trainer.recipes.test_lanes import DURABLE, TOKEN, Mesh, steps, stop, until
 
 pytestmark = [pytest.mark.slow]
 MAX_WAIT_S = 2.0  # the held lineage's test: its feedback waits longer than this, held
@@ -222,3 +224,122 @@ async def test_two_trainers_following_the_registry_split_its_tenants_first_come(
     finally:
         for _, _, task in runs:
             await stop(task)
+
+
+def mesh_config(mesh, tiny_model):
+    """The trainer's view of the mesh: the test's NATS and replica, the replica's admin token."""
+    from hotloop.config import MeshConfig
+
+    return MeshConfig.model_validate({
+        "nats": {"url": mesh.nats_url}, "endpoints": {"rollout": [mesh.addr]},
+        "security": {"admin_token": TOKEN}, "model": {"name": str(tiny_model)}})
+
+
+def online_job(tmp_path, **kw):
+    from services.trainer.config import OnlineConfig
+
+    return OnlineConfig(**{"batch_size": 1, "batch_window_s": 0, "durable": DURABLE, "ack_wait_s": 30,
+                           "out_dir": str(tmp_path), "run_id": "run",
+                           "max_staleness_versions": 1000, **kw})
+
+
+async def test_a_trainer_of_config_lanes_applies_the_registry_s_resets_and_holds_of_them_only(
+        mesh, tmp_path, make_cfg, tiny_model):
+    """Without `follow_registry` (the trainer's job wiring, `open_lanes`): a reset or a hold
+    through the admin API of a lineage it trains is applied, as by a trainer that follows
+    the registry; a tenant created there starts no lane here."""
+    from services.trainer.recipes.job import close_lanes, open_lanes
+
+    registry = Registry(mesh.bus)
+    await registry.hold("cfg", config=True)  # held before the trainer starts
+    await registry.create("acme")  # not this trainer's
+    edge, lanes = await open_lanes(mesh_config(mesh, tiny_model),
+                                   online_job(tmp_path, tenants=["", "cfg"]), make_cfg())
+    task = asyncio.create_task(lanes.run())
+    try:
+        await until(lambda: "cfg" in lanes.lanes and lanes.lanes["cfg"].online.started.is_set(),
+                    "the config lanes start", task=task)
+        cfg = lanes.lanes["cfg"].online
+        assert not cfg.learning.is_set()
+        await mesh.feedback("cfg", 1.0)
+        await until(lambda: cfg.queue.qsize() == 1, "the held lane takes its feedback", task=task)
+        await mesh.feedback("", 1.0)
+        await until(lambda: len(steps(tmp_path, "")) == 1, "the default lineage trains", task=task)
+        assert steps(tmp_path, "cfg") == [] and await mesh.kv("cfg") == 0
+        await registry.hold("cfg", False, config=True)
+        await until(lambda: len(steps(tmp_path, "cfg")) == 1, "resumed, it trains", task=task)
+        assert await mesh.kv("cfg") == 1
+
+        await registry.reset("cfg", config=True)
+        await until(lambda: lanes.lanes["cfg"].online is not cfg
+                    and lanes.lanes["cfg"].online.started.is_set(), "the reset restarts the lane",
+                    task=task)
+        assert await mesh.kv("cfg") == 2  # the base model, published by the reset
+        assert sorted(lanes.lanes) == ["", "cfg"]  # acme is left to a trainer that follows
+    finally:
+        await stop(task)
+        await close_lanes(edge, lanes)
+
+
+async def test_config_lanes_end_at_max_steps_beside_the_registry(mesh, tmp_path, make_cfg, tiny_model):
+    """The hold-and-reset follower does not keep a trainer up past its last update (only
+    one that adds lanes from the registry waits for tenants to come)."""
+    from services.trainer.recipes.job import close_lanes, open_lanes
+
+    edge, lanes = await open_lanes(mesh_config(mesh, tiny_model),
+                                   online_job(tmp_path, tenants=[""], max_steps=1), make_cfg())
+    assert lanes.follow is not None
+    task = asyncio.create_task(lanes.run())
+    try:
+        await until(lambda: "" in lanes.lanes, "the lane starts", task=task)
+        await mesh.feedback("", 1.0)
+        summaries = await asyncio.wait_for(task, 90)
+        assert summaries[""]["version"] == 1 and summaries[""]["updates"] == 1
+    finally:
+        if not task.done():
+            await stop(task)
+        await close_lanes(edge, lanes)
+
+
+async def test_a_trainer_of_one_named_lineage_applies_the_registry_s_hold(
+        mesh, tmp_path, make_cfg, tiny_model, caplog):
+    """`[online] tenant = "cfg"` (no lanes; the trainer's wiring, `open_online`): the hold
+    holds its lineage, read before its first update; a reset, which it cannot apply, is
+    logged as an error that names the setting that does."""
+    from services.trainer.recipes import online
+    from services.trainer.recipes.job import close_online, open_online
+
+    registry = Registry(mesh.bus)
+    await registry.hold("cfg", config=True)
+    job = online_job(tmp_path, tenant="cfg")
+    edge, omesh, run_dir = await open_online(mesh_config(mesh, tiny_model), job, make_cfg())
+    task = asyncio.create_task(online.run(job, make_cfg(), tiny_model, omesh, run_dir))
+    try:
+        await mesh.feedback("cfg", 1.0)
+        held_s = 1.5
+        info = None
+        deadline = time.monotonic() + 60
+        while info is None or info.num_ack_pending != 1:  # fetched into the held loop's queue
+            assert time.monotonic() < deadline and not task.done()
+            await asyncio.sleep(0.05)
+            with contextlib.suppress(NotFoundError):  # until the loop has made it
+                info = await mesh.consumer("cfg")
+        await asyncio.sleep(held_s)
+        assert steps(tmp_path, "") == [] and await mesh.kv("cfg") == 0
+        await registry.hold("cfg", False, config=True)
+        await until(lambda: len(steps(tmp_path, "")) == 1, "resumed, it trains", task=task)
+        (step,) = steps(tmp_path, "")
+        assert step["queue_wait_s"] > held_s and await mesh.kv("cfg") == 1
+
+        caplog.set_level("ERROR", logger="services.trainer.recipes.follow")
+        await registry.reset("cfg", config=True)
+        await until(lambda: "train it with [online] tenants = ['cfg'] to apply resets" in caplog.text,
+                    "the reset it cannot apply is an error in its log", task=task)
+        assert await mesh.kv("cfg") == 1
+        await stop(task)
+        # cancelled, the call leaves neither the loop nor the registry's follower running
+        assert not [t for t in asyncio.all_tasks() if t.get_name() in ("online-loop", "registry-hold")]
+    finally:
+        if not task.done():
+            await stop(task)
+        await close_online(edge, omesh)
