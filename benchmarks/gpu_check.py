@@ -1,11 +1,11 @@
 """`scripts/gpu-check.sh`: the prepared check of a CUDA host, in one run under a time budget.
 
 Owns: the stages of the check (the machine, the model, the GPU-marked tests, the online
-update, the rollout, hot-update and update-loop benchmarks, the tenant demo), running each as a subprocess with
-its own timeout taken from what is left of the budget, recording each stage's outcome and key
-figures even when it fails or times out, and writing them all to one JSON (rewritten after
-every stage, so a run cut short still leaves what it measured). Does not own any benchmark (each is its
-`hotloop bench` command) or the tests.
+update, the rollout, hot-update and update-loop benchmarks, the tenant demo), running each as
+a subprocess with its own timeout taken from what is left of the budget, recording each
+stage's outcome and key figures even when it fails or times out, and writing them all to one
+JSON (rewritten after every stage, so a run cut short still leaves what it measured). Does not
+own any benchmark (each is its `hotloop bench` command) or the tests.
 
 `--dry-run` runs every stage tiny on the CPU with a random tiny model (no GPU, no network):
 it checks the plumbing here, not a GPU. Its figures say nothing of what a GPU host does.
@@ -182,11 +182,11 @@ def stages(model: str, work: Path, dry_run: bool, python: str = sys.executable) 
     hot = ["--pushes", "2", "--rank", "4", "--swap", "inflight"] if tiny else ["--pushes", "20"]
     loop = ["--loops", "1", "--max-tokens", "16", "--loop-timeout-s", "120"] if tiny \
         else ["--loops", "20"]
-    # the tenant demo (last: on the 2 CPU cores its targets did not all land in 900 s, docs/
-    # results.md; the aim is that they do here, within its cap)
     # the online update on CUDA against the trainer's one CPU core, same run (no engine)
     step = ["--devices", "cpu", "--batches", "1,2", "--updates", "1"] if tiny \
         else ["--devices", "cuda,cpu", "--batches", "1,2,4,8", "--updates", "3"]
+    # the tenant demo (last: on the 2 CPU cores its targets did not all land in 900 s, docs/
+    # results.md; the aim is that they do here, within its cap)
     tenants = ["--users", "1", "--idle-s", "2", "--idle-answers", "3", "--train-s", "10",
                "--eval-answers", "0", "--max-tokens", "16", "--window", "4",
                "--check-answers", "4"] if tiny else ["--idle-s", "20", "--train-s", "300"]

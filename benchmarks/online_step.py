@@ -36,9 +36,6 @@ __all__ = ["main", "run"]
 
 say = say_as("online-step")
 
-def _p50(xs: list[float]) -> float:
-    return statistics.median(xs) if xs else float("nan")
-
 
 def measure(trainer_cfg: Any, is_cap: float, model_dir: Path, device: str, batches: list[int],
             prompt_tokens: int, completion_tokens: int, updates: int, work: Path) -> list[dict]:
@@ -74,10 +71,11 @@ def measure(trainer_cfg: Any, is_cap: float, model_dir: Path, device: str, batch
             if k:  # the first is the warm-up (kernels, allocator, caches)
                 train.append((t1 - t0) * 1e3)
                 pack.append((t2 - t1) * 1e3)
-        update_ms = _p50([a + b for a, b in zip(train, pack)])
+        update_ms = statistics.median([a + b for a, b in zip(train, pack)])
         row = {"device": policy.cfg.device, "dtype": policy.cfg.dtype,
                "threads": torch.get_num_threads(), "batch": n,
-               "train_ms": _p50(train), "pack_ms": _p50(pack), "update_ms": update_ms,
+               "train_ms": statistics.median(train), "pack_ms": statistics.median(pack),
+               "update_ms": update_ms,
                "rating_ms": update_ms / n, "ratings_per_s": n / (update_ms / 1e3),
                "update_ms_all": [round(a + b, 2) for a, b in zip(train, pack)]}
         say(f"{row['device']} {row['dtype']} batch {n}: update {update_ms:.1f} ms "
@@ -95,19 +93,18 @@ def run(config: str | None, devices: list[str], batches: list[int], prompt_token
         cpu_threads: int | None = None, overrides: list[str] | None = None) -> dict[str, Any]:
     import torch
 
-    from hotloop.config import load
+    from apps import sections
     from hotloop.models import build_shaped_model, resolve
-    from services.trainer.config import OnlineConfig, TrainerConfig
 
-    if any(b < 1 for b in batches) or updates < 1:
+    if not batches or any(b < 1 for b in batches) or updates < 1:
         raise ValueError("batch sizes and --updates must be at least 1")
     unknown = set(devices) - {"cpu", "cuda"}
     if unknown:
         raise ValueError(f"unknown devices {sorted(unknown)}; known: cpu, cuda")
     if "cuda" in devices and not torch.cuda.is_available():
         raise ValueError("--devices names cuda but this host has no CUDA device")
-    _, tc = load("trainer", TrainerConfig, config, overrides)
-    _, job = load("online", OnlineConfig, config, overrides)
+    loaded = sections.load(config, overrides)
+    tc, job = loaded["trainer"], loaded["online"]
     if cpu_threads is not None:
         tc = tc.model_copy(update={"torch_threads": cpu_threads})
     with tempfile.TemporaryDirectory(prefix="hotloop-online-step-") as tmp:

@@ -66,6 +66,7 @@ def test_a_named_shape_trains_random_weights_with_the_colocated_reference(
     (["--shape", "gpt-7"], "unknown shape 'gpt-7'"),
     (["--devices", "tpu"], "unknown devices ['tpu']"),
     (["--batches", "0"], "at least 1"),
+    (["--batches", ","], "at least 1"),
     (["--batches", "two"], "invalid literal"),
     (["--updates", "0"], "at least 1"),
 ])
