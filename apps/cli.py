@@ -439,6 +439,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if argv is None:  # a process of its own (not a test calling main): exit quickly
+        from hotloop import quickexit
+
+        quickexit.arm()
     from hotloop.config import ConfigError  # pydantic only, and only once a command runs
 
     try:

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from hotloop import config as hconfig
-from hotloop import metrics, telemetry
+from hotloop import metrics, quickexit, telemetry
 
 
 WATCH_INTERVAL_S = 2.0  # how often `Running.check` is polled
@@ -57,6 +57,7 @@ def run(name: str, section: type, build: Callable[..., Awaitable[Running]],
     further sections the service reads (each passed by its name). Every section is checked
     before anything starts; a config problem prints them all and exits with status 2."""
     args = parse_args(name)
+    quickexit.arm()  # before the heavy imports: its handler runs after every other
     logging.basicConfig(
         level=os.environ.get("HOTLOOP_LOG_LEVEL", "INFO"),
         format=f"%(asctime)s {name} %(levelname)s %(name)s: %(message)s",
