@@ -1,6 +1,6 @@
 """Keeps a trainer's lineages in step with the tenant registry: the lanes of a multi-tenant
-trainer (`RegistryFollower`; all of it with `[online] follow_registry`), the hold of a trainer
-of one named lineage (`follow_hold`).
+trainer (`RegistryFollower`; all of it with `[online] follow_registry`), and a trainer of one
+named lineage (`FollowedLineage`: its hold and its resets).
 
 The gateway's admin API writes the registry (`hotloop.tenants.Registry`: create, reset, delete);
 this follows its watch and calls the lanes' lifecycle (lanes.py):
@@ -32,6 +32,7 @@ Does not own: the registry (hotloop/tenants.py), the lanes and their lifecycle (
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -49,29 +50,165 @@ async def held_tenants(registry) -> set[str]:
     return {r.name for r in await registry.list() if r.held}
 
 
-async def follow_hold(online, registry, tenant: str, ready=None) -> None:
-    """A trainer of one lineage (`[online] tenant`, no lanes): the registry's hold of it,
-    applied to `online` (an `online.Online`) until cancelled; `ready` (an asyncio.Event) is
-    set once the registry's state at the start was applied. A reset is not applied here (it
-    restarts a lane, and this trainer has none): one made while it runs is logged as an
-    error that names the setting that applies it."""
-    import asyncio
+class FollowedLineage:
+    """A trainer of one named lineage (`[online] tenant`, no lanes) in step with the registry:
+    its hold holds the loop (the registry's state is read before the first update), and its
+    reset stops the loop, publishes the base model as the lineage's next version
+    (`online.reset_lineage`) and starts the loop again from there, as a lane's reset does.
 
-    ready = ready if ready is not None else asyncio.Event()
-    applied: int | None = None
-    async for name, record in registry.watch(ready):
-        if name != tenant:
-            continue
-        online.hold(record is not None and record.held)
-        generation = record.generation if record is not None else 0
-        if applied is None:  # at the start: the resets before it are the lineage's history
-            applied = generation if not ready.is_set() else 0
-        if generation > applied:
-            applied = generation
-            log.error("tenant %r was reset through the admin API (generation %d), but this "
-                      "trainer trains its lineage alone ([online] tenant) and cannot reset it: "
-                      "train it with [online] tenants = [%r] to apply resets", tenant,
-                      generation, tenant)
+    The generation applied is kept in `<run_dir>/registry.json`, as `RegistryFollower` keeps
+    its lanes': a reset made while the trainer was down is applied once the loop started; on a
+    first start the resets on record are history. `run()` returns the loop's summary when it
+    ends (`max_steps`); a failure of the loop or of the following is raised; cancelled,
+    neither task outlives it. `policy`: as built (its adapter is the LoRA init a reset goes
+    back to); else built here."""
+
+    def __init__(self, job, trainer_cfg, model_dir: Path, mesh, run_dir: Path, *,
+                 on_step=None, policy=None, metrics=None) -> None:
+        from .online import OnlineMetrics
+
+        self.job, self.cfg, self.model_dir, self.mesh = job, trainer_cfg, model_dir, mesh
+        self.run_dir, self.on_step, self.policy = Path(run_dir), on_step, policy
+        self.metrics = metrics if metrics is not None else OnlineMetrics()
+        self.state_path = self.run_dir / "registry.json"
+        self.applied: dict[str, int] = (json.loads(self.state_path.read_text())
+                                        if self.state_path.exists() else {})
+        self.held = False
+        self.due: int | None = None  # a reset seen in the replay, applied once the loop runs
+        self.online = None  # the loop (`online.Online`) now, and its task:
+        self.recipe = None
+        self.resetting = False
+        self._fresh: list = []  # the LoRA init, for a reset
+
+    async def run(self) -> dict:
+        import asyncio
+
+        from ..learner.distributed import make_policy
+
+        owned = None
+        if self.policy is None:
+            self.policy = owned = make_policy(self.cfg, self.model_dir)
+        self._fresh = [t.detach().clone() for t in self.policy.trainable_tensors()]
+        self._changed = asyncio.Event()  # a reset started the loop again
+        self._lock = asyncio.Lock()  # one reset at a time
+        ready = asyncio.Event()
+        follower = asyncio.create_task(self._follow(ready), name="registry-hold")
+        replayed = asyncio.ensure_future(ready.wait())  # the hold as it is, before any update
+        try:
+            await asyncio.wait([follower, replayed], return_when=asyncio.FIRST_COMPLETED)
+            if follower.done():
+                follower.result()  # its error
+            self._start()
+            if self.due is not None:  # reset while this trainer was down
+                await self._reset(self.due)
+            while True:
+                self._changed.clear()
+                changed = asyncio.ensure_future(self._changed.wait())
+                waits = [follower, changed] + ([] if self.resetting else [self.recipe])
+                try:
+                    await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    changed.cancel()
+                if follower.done():
+                    follower.result()  # its error stops the loop; it never ends otherwise
+                    raise RuntimeError("the registry's watch ended")
+                if not self.resetting and self.recipe.done():
+                    return self.recipe.result()
+        finally:  # cancelled, failed or done: neither task outlives the call
+            for task in (self.recipe, follower, replayed):
+                if task is not None and not task.done():
+                    task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError, Exception):
+                        await task
+            if owned is not None:
+                owned.close()
+
+    def _start(self) -> None:
+        import asyncio
+
+        from .base import run_recipe
+        from .online import Online
+
+        self.online = Online(self.job, self.cfg, self.model_dir, self.mesh, self.policy,
+                             self.metrics)
+        self.online.hold(self.held)
+        self.recipe = asyncio.create_task(
+            run_recipe(self.online, self.run_dir, progress=False, on_step=self.on_step),
+            name="online-loop")
+
+    async def _follow(self, ready) -> None:
+        tenant = self.job.tenant
+        async for name, record in self.mesh.registry.watch(ready):
+            if name != tenant:
+                continue
+            self.held = record is not None and record.held
+            if self.online is not None:
+                self.online.hold(self.held)
+            generation = record.generation if record is not None else 0
+            known = self.applied.get(tenant)
+            if known is None:  # a first start: the resets on record are the lineage's history
+                known = generation if not ready.is_set() else 0
+                self._save(generation if not ready.is_set() else 0)
+            if generation <= known:
+                continue
+            if self.online is None:  # in the replay: once the loop runs (`run`)
+                self.due = generation
+            else:
+                await self._reset(generation)
+
+    async def _reset(self, generation: int) -> None:
+        async with self._lock:
+            if generation <= self.applied.get(self.job.tenant, 0):
+                return  # applied meanwhile
+            await self._reset_loop(generation)
+
+    async def _reset_loop(self, generation: int) -> None:
+        import asyncio
+
+        from ..learner.tenancy import AdapterState, swap_in
+        from .online import reset_lineage, solo_turn
+
+        self.resetting = True
+        try:
+            recipe = self.recipe
+            # restored first: the reset keeps its step count (the checkpoint it writes is then
+            # the latest) and what its checkpoint had trained
+            started = asyncio.ensure_future(self.online.started.wait())
+            try:
+                await asyncio.wait([started, recipe], return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                started.cancel()
+            recipe.cancel()
+            await asyncio.wait([recipe])  # it stops (and closes); its outcome stays on it
+            if not recipe.cancelled():  # it had ended by itself: `run` reports how
+                log.warning("tenant %r: the loop ended before its reset (generation %d)",
+                            self.job.tenant, generation)
+                return
+
+            def fresh() -> None:
+                swap_in(self.policy, AdapterState.fresh(self._fresh, self.policy.step))
+
+            version = await reset_lineage(self.online, self.run_dir, solo_turn, fresh)
+            self._save(generation)
+            self.due = None
+            log.info("tenant %r reset (generation %d): the base model is version %d",
+                     self.job.tenant, generation, version)
+            self._start()
+        finally:
+            self.resetting = False
+            self._changed.set()
+
+    def _save(self, generation: int) -> None:
+        self.applied[self.job.tenant] = generation
+        save_applied(self.state_path, self.applied)
+
+
+def save_applied(path: Path, applied: dict[str, int]) -> None:
+    """The generations applied, by tenant, written atomically."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    tmp.write_text(json.dumps(applied, sort_keys=True))
+    tmp.replace(path)
 
 
 class RegistryFollower:
@@ -148,7 +285,4 @@ class RegistryFollower:
         lanes.hold_tenant(name, record.held)
 
     def _save(self) -> None:
-        self.state_path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.state_path.with_name(f".{self.state_path.name}.{os.getpid()}")
-        tmp.write_text(json.dumps(self.applied, sort_keys=True))
-        tmp.replace(self.state_path)
+        save_applied(self.state_path, self.applied)

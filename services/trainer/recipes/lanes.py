@@ -63,7 +63,7 @@ from hotloop.tenants import check_tenant
 from ..config import OnlineConfig, TrainerConfig
 from .base import run_recipe
 from .fairshare import FairShare
-from .online import Grant, Online, OnlineMesh, OnlineMetrics, mesh_latest, publish_tolerant
+from .online import Grant, Online, OnlineMesh, OnlineMetrics, reset_lineage
 from .usersfirst import UsersFirst
 
 log = logging.getLogger(__name__)
@@ -301,25 +301,10 @@ class Lanes:
         version."""
         lane = self._lane(tenant)
         await self._stop(lane)
-        online, mesh = lane.online, lane.mesh
-        # what the last checkpoint holds as trained; the rest was never acked: redelivered
-        trained = online.trained - {p.seq for p in online.uncommitted}
-        version = await mesh_latest(mesh) + 1
-        async with self.turns.turn(tenant):
-            self.turns.adapters.reset(tenant)
-            adapter = self.policy.save_adapter(lane.dir / "adapters" / f"v{version}")
-        await publish_tolerant(mesh, version, adapter)
-        shutil.rmtree(adapter)
-        lane.metrics.published.inc()
-        lane.metrics.version = version
-        async with self.turns.turn(tenant):
-            from ..learner.checkpoint import prune_checkpoints
-
-            self.policy.save_checkpoint(lane.dir / "checkpoints", data_position={
-                "version": version, "baseline": 0.0, "trained": sorted(trained)})
-            prune_checkpoints(lane.dir / "checkpoints", self.job.keep_checkpoints)
+        version = await reset_lineage(lane.online, lane.dir, lambda: self.turns.turn(tenant),
+                                      lambda: self.turns.adapters.reset(tenant))
         log.info("tenant %r: reset to the base as version %d", tenant, version)
-        self._start(tenant, lane.dir, mesh, lane.metrics)
+        self._start(tenant, lane.dir, lane.mesh, lane.metrics)
         await self._started(self.lanes[tenant])
         return version
 

@@ -98,7 +98,7 @@ import time
 from collections import deque
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from opentelemetry import trace
 from opentelemetry.context import Context
@@ -424,8 +424,9 @@ async def _wait(queue: FeedbackQueue, intake: asyncio.Task, n: int, timeout: flo
             return False
         put = asyncio.ensure_future(queue.changed())
         watched = {put, intake} | ({publishing} if publishing is not None else set())
-        done, _ = await asyncio.wait(watched, timeout=left, return_when=asyncio.FIRST_COMPLETED)
-        if put not in done:
+        try:
+            done, _ = await asyncio.wait(watched, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+        finally:  # also when the loop is stopped here: no waiter left behind
             put.cancel()
         if intake in done:
             intake.result()  # raises the intake's error
@@ -901,33 +902,40 @@ async def run(job: OnlineConfig, trainer_cfg: TrainerConfig, model_dir: Path, me
               run_dir: Path, on_step=None, policy=None, metrics: OnlineMetrics | None = None) -> dict:
     """Train from feedback until `job.max_steps` updates (0: until cancelled); returns a summary
     (counters, last version). `policy`, `metrics`: as `Online`. With `mesh.registry`, the
-    registry's hold of the lineage holds it (read before the first update, then followed)."""
-    online = Online(job, trainer_cfg, model_dir, mesh, policy, metrics)
+    lineage follows the registry (follow.py, `FollowedLineage`): its hold holds the loop (read
+    before the first update), its reset starts the lineage over from the base model."""
     if mesh.registry is None:
+        online = Online(job, trainer_cfg, model_dir, mesh, policy, metrics)
         return await run_recipe(online, run_dir, progress=False, on_step=on_step)
-    from .follow import follow_hold
+    from .follow import FollowedLineage
 
-    ready = asyncio.Event()
-    follower = asyncio.create_task(follow_hold(online, mesh.registry, job.tenant, ready),
-                                   name="registry-hold")
-    replayed = asyncio.ensure_future(ready.wait())  # the hold as it is, before any update
-    recipe = None
-    try:
-        await asyncio.wait([follower, replayed], return_when=asyncio.FIRST_COMPLETED)
-        if follower.done():
-            follower.result()  # its error
-        recipe = asyncio.create_task(run_recipe(online, run_dir, progress=False, on_step=on_step),
-                                     name="online-loop")
-        await asyncio.wait([recipe, follower], return_when=asyncio.FIRST_COMPLETED)
-        if not recipe.done():
-            follower.result()  # its error stops the loop (below); it never ends otherwise
-        return await recipe
-    finally:  # cancelled, failed or done: neither task outlives the call
-        for task in (recipe, follower, replayed):
-            if task is not None and not task.done():
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await task
+    return await FollowedLineage(job, trainer_cfg, model_dir, mesh, run_dir, on_step=on_step,
+                                 policy=policy, metrics=metrics).run()
+
+
+async def reset_lineage(online: Online, directory: Path, turn, fresh: Callable[[], None]) -> int:
+    """Back to the base, for a loop that was stopped (`online`, on `directory`): `fresh()`, in a
+    `turn()` of the policy, puts the LoRA init and no optimizer state into it; that adapter
+    is published as a version above the lineage's latest and checkpointed with what the loop
+    had trained and checkpointed (the rest was never acked: it is redelivered), so the loop
+    started again on `directory` goes on from the base. Returns the version."""
+    from ..learner.checkpoint import prune_checkpoints
+
+    mesh, policy = online.mesh, online.policy
+    trained = online.trained - {p.seq for p in online.uncommitted}
+    version = await mesh_latest(mesh) + 1
+    async with turn():
+        fresh()
+        adapter = policy.save_adapter(directory / "adapters" / f"v{version}")
+    await publish_tolerant(mesh, version, adapter)
+    shutil.rmtree(adapter)
+    online.metrics.published.inc()
+    online.metrics.version = version
+    async with turn():
+        policy.save_checkpoint(directory / "checkpoints", data_position={
+            "version": version, "baseline": 0.0, "trained": sorted(trained)})
+        prune_checkpoints(directory / "checkpoints", online.job.keep_checkpoints)
+    return version
 
 
 async def publish_tolerant(mesh: OnlineMesh, version: int, adapter: Path) -> None:

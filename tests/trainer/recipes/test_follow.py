@@ -301,11 +301,13 @@ async def test_config_lanes_end_at_max_steps_beside_the_registry(mesh, tmp_path,
         await close_lanes(edge, lanes)
 
 
-async def test_a_trainer_of_one_named_lineage_applies_the_registry_s_hold(
-        mesh, tmp_path, make_cfg, tiny_model, caplog):
+async def test_a_trainer_of_one_named_lineage_applies_the_registry_s_hold_and_reset(
+        mesh, tmp_path, make_cfg, tiny_model):
     """`[online] tenant = "cfg"` (no lanes; the trainer's wiring, `open_online`): the hold
-    holds its lineage, read before its first update; a reset, which it cannot apply, is
-    logged as an error that names the setting that does."""
+    holds its lineage, read before its first update; a reset publishes the base model as its
+    next version and the loop goes on from there; a reset made while it was down is applied
+    once when it is back."""
+    from services.trainer.learner.policy import LoraPolicy
     from services.trainer.recipes import online
     from services.trainer.recipes.job import close_online, open_online
 
@@ -313,7 +315,9 @@ async def test_a_trainer_of_one_named_lineage_applies_the_registry_s_hold(
     await registry.hold("cfg", config=True)
     job = online_job(tmp_path, tenant="cfg")
     edge, omesh, run_dir = await open_online(mesh_config(mesh, tiny_model), job, make_cfg())
-    task = asyncio.create_task(online.run(job, make_cfg(), tiny_model, omesh, run_dir))
+    policy = LoraPolicy(make_cfg())
+    task = asyncio.create_task(online.run(job, make_cfg(), tiny_model, omesh, run_dir,
+                                          policy=policy))
     try:
         await mesh.feedback("cfg", 1.0)
         held_s = 1.5
@@ -330,15 +334,33 @@ async def test_a_trainer_of_one_named_lineage_applies_the_registry_s_hold(
         await until(lambda: len(steps(tmp_path, "")) == 1, "resumed, it trains", task=task)
         (step,) = steps(tmp_path, "")
         assert step["queue_wait_s"] > held_s and await mesh.kv("cfg") == 1
+        assert any(float(b.abs().max()) > 0 for b in b_tensors(policy))  # trained away from base
 
-        caplog.set_level("ERROR", logger="services.trainer.recipes.follow")
+        # reset: the base model is the lineage's next version, checkpointed; training goes on
         await registry.reset("cfg", config=True)
-        await until(lambda: "train it with [online] tenants = ['cfg'] to apply resets" in caplog.text,
-                    "the reset it cannot apply is an error in its log", task=task)
-        assert await mesh.kv("cfg") == 1
+        await until(lambda: '"cfg": 1' in (run_dir / "registry.json").read_text()
+                    if (run_dir / "registry.json").exists() else False,
+                    "the reset is applied and kept for a restart", task=task)
+        assert await mesh.kv("cfg") == 2
+        assert all(float(b.abs().max()) == 0 for b in b_tensors(policy))
+        await mesh.feedback("cfg", 1.0)
+        await until(lambda: len(steps(tmp_path, "")) == 2, "after the reset, it trains again",
+                    task=task)
+        assert await mesh.kv("cfg") == 3
         await stop(task)
         # cancelled, the call leaves neither the loop nor the registry's follower running
         assert not [t for t in asyncio.all_tasks() if t.get_name() in ("online-loop", "registry-hold")]
+
+        # a reset while no trainer runs: applied once when it is back, not again after
+        await registry.reset("cfg", config=True)
+        task = asyncio.create_task(online.run(job, make_cfg(), tiny_model, omesh, run_dir))
+        await until(lambda: '"cfg": 2' in (run_dir / "registry.json").read_text(),
+                    "the missed reset is applied at start", task=task)
+        assert await mesh.kv("cfg") == 4
+        await stop(task)
+        task = asyncio.create_task(online.run(job, make_cfg(), tiny_model, omesh, run_dir))
+        await asyncio.sleep(3)
+        assert not task.done() and await mesh.kv("cfg") == 4
     finally:
         if not task.done():
             await stop(task)
