@@ -115,11 +115,9 @@ class FollowedLineage:
                 if not self.resetting and self.recipe.done():
                     return self.recipe.result()
         finally:  # cancelled, failed or done: neither task outlives the call
-            for task in (self.recipe, follower, replayed):
-                if task is not None and not task.done():
-                    task.cancel()
-                    with contextlib.suppress(asyncio.CancelledError, Exception):
-                        await task
+            await _cancel(follower)  # first: a reset under way there starts the loop again
+            await _cancel(replayed)
+            await _cancel(self.recipe)
             if owned is not None:
                 owned.close()
 
@@ -201,6 +199,16 @@ class FollowedLineage:
     def _save(self, generation: int) -> None:
         self.applied[self.job.tenant] = generation
         save_applied(self.state_path, self.applied)
+
+
+async def _cancel(task) -> None:
+    """Cancel `task` (None or done: nothing) and wait for it to end."""
+    import asyncio
+
+    if task is not None and not task.done():
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await task
 
 
 def save_applied(path: Path, applied: dict[str, int]) -> None:
