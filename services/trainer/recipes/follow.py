@@ -78,17 +78,20 @@ class FollowedLineage:
         self.online = None  # the loop (`online.Online`) now, and its task:
         self.recipe = None
         self.resetting = False
-        self._fresh: list = []  # the LoRA init, for a reset
+        self.adapters = None  # `tenancy.Adapters`: the LoRA init a reset puts back
 
     async def run(self) -> dict:
         import asyncio
 
         from ..learner.distributed import make_policy
+        from ..learner.tenancy import Adapters
 
         owned = None
         if self.policy is None:
             self.policy = owned = make_policy(self.cfg, self.model_dir)
-        self._fresh = [t.detach().clone() for t in self.policy.trainable_tensors()]
+        self.adapters = Adapters(self.policy)  # before any restore: it keeps the init
+        self.adapters.add(self.job.tenant)
+        self.adapters.use(self.job.tenant)
         self._changed = asyncio.Event()  # a reset started the loop again
         self._lock = asyncio.Lock()  # one reset at a time
         ready = asyncio.Event()
@@ -146,7 +149,7 @@ class FollowedLineage:
             known = self.applied.get(tenant)
             if known is None:  # a first start: the resets on record are the lineage's history
                 known = generation if not ready.is_set() else 0
-                self._save(generation if not ready.is_set() else 0)
+                self._save(known)
             if generation <= known:
                 continue
             if self.online is None:  # in the replay: once the loop runs (`run`)
@@ -163,7 +166,6 @@ class FollowedLineage:
     async def _reset_loop(self, generation: int) -> None:
         import asyncio
 
-        from ..learner.tenancy import AdapterState, swap_in
         from .online import reset_lineage, solo_turn
 
         self.resetting = True
@@ -182,11 +184,8 @@ class FollowedLineage:
                 log.warning("tenant %r: the loop ended before its reset (generation %d)",
                             self.job.tenant, generation)
                 return
-
-            def fresh() -> None:
-                swap_in(self.policy, AdapterState.fresh(self._fresh, self.policy.step))
-
-            version = await reset_lineage(self.online, self.run_dir, solo_turn, fresh)
+            version = await reset_lineage(self.online, self.run_dir, solo_turn,
+                                          lambda: self.adapters.reset(self.job.tenant))
             self._save(generation)
             self.due = None
             log.info("tenant %r reset (generation %d): the base model is version %d",
