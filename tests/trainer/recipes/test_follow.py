@@ -306,7 +306,7 @@ async def test_a_trainer_of_one_named_lineage_applies_the_registry_s_hold_and_re
     """`[online] tenant = "cfg"` (no lanes; the trainer's wiring, `open_online`): the hold
     holds its lineage, read before its first update; a reset publishes the base model as its
     next version and the loop goes on from there; a reset made while it was down is applied
-    once when it is back."""
+    once when it is back, and not again after."""
     from services.trainer.learner.policy import LoraPolicy
     from services.trainer.recipes import online
     from services.trainer.recipes.job import close_online, open_online
@@ -359,8 +359,13 @@ async def test_a_trainer_of_one_named_lineage_applies_the_registry_s_hold_and_re
         assert await mesh.kv("cfg") == 4
         await stop(task)
         task = asyncio.create_task(online.run(job, make_cfg(), tiny_model, omesh, run_dir))
-        await asyncio.sleep(3)
-        assert not task.done() and await mesh.kv("cfg") == 4
+        # A reset made now is read after the replay of generation 2 (the registry is read in
+        # commit order), so once it is applied the replay was too: one reset since the start,
+        # version 5, where a replayed generation 2 would have made it 6.
+        await registry.reset("cfg", config=True)
+        await until(lambda: '"cfg": 3' in (run_dir / "registry.json").read_text(),
+                    "the reset made after the third start is applied", task=task)
+        assert await mesh.kv("cfg") == 5
     finally:
         if not task.done():
             await stop(task)
