@@ -134,6 +134,8 @@ def command_main(command: str, bench: str = ""):
         from apps.online_demo import main
     elif name == "demo-tenants":
         from apps.tenant_demo import main
+    elif name == "audit":
+        from apps.audit import main
     elif name == "bench rollout":
         from benchmarks.rollout import main
     elif name == "bench hot-update":
@@ -433,7 +435,26 @@ def build_parser() -> argparse.ArgumentParser:
     dt.add_argument("--out-dir", default="runs")
     dt.add_argument("--run-id", default="", help="default: tenants-<time>")
     dt.add_argument("--quiet", action="store_true", help="no mesh start-up lines")
+    dt.add_argument("--audit-answers", type=int, default=20,
+                    help="at the end, each tenant's adapter is exported and N of its answers are "
+                         "scored under every tenant's adapter and the base (`hotloop audit tenants`; "
+                         "0: no audit)")
     dt.set_defaults(fn=run_module)
+
+    au = sub.add_parser("audit", help="check a run's answers against the weights that should have "
+                        "written them")
+    ausub = au.add_subparsers(dest="what", required=True)
+    at = ausub.add_parser("tenants", help="a tenant demo's run: score each tenant's answers under every "
+                          "tenant's exported adapter and the base; exit 1 if another tenant's explains "
+                          "any better than its own")
+    at.add_argument("run", help="the run directory (runs/<id>, with adapters/ from the demo)")
+    at.add_argument("--answers", type=int, default=20, help="answers sampled per tenant")
+    at.add_argument("--margin", type=float, default=3.0,
+                    help="nats by which another tenant's adapter must explain an answer better "
+                         "than its own to count as served from it")
+    at.add_argument("--model", default=None, help="the base model (default: the one the adapters name)")
+    at.add_argument("--seed", type=int, default=0)
+    at.set_defaults(fn=run_module)
     return p
 
 

@@ -30,7 +30,11 @@ Owns:
   `--keep-rating`; the phase ends once every tenant's target was confirmed, unless
   `--no-stop`, or after `--train-s`),
   evaluation (users only again, until every tenant's final version gave `--eval-answers`
-  answers since its lineage stopped learning: the final shares, `final_answers`);
+  answers since its lineage stopped learning: the final shares, `final_answers`), then each
+  tenant's adapter exported with the tenant's own key and, once the mesh has stopped, the
+  audit (`apps.audit`): a sample of each tenant's answers scored under every tenant's adapter
+  and the base, so the report says from the tokens, not only from the labels, whose weights
+  wrote them;
 - the learning (`training_overrides`): the KL penalty to the base model (`--kl-beta`, its
   reference computed in the trainer), what keeps each lineage near the base model beside what its
   users reward, the learning rate (`--lr`), and each update's baseline (its other feedback);
@@ -69,6 +73,7 @@ from apps.online_demo import (
     start_stack,
     target_share,
 )
+from apps.audit import ADAPTERS
 from apps.processes import sigterm_interrupts
 from apps.simulate import (
     PREFERENCES,
@@ -85,6 +90,9 @@ from apps.simulate import (
 TENANTS = ("short", "direct", "exclaim")
 CROSS_LIMIT = 0.1  # the issue's bound on another preference's rise in a tenant's answers
 PHASE_MAX_S = 600.0  # the longest the idle and evaluation phases wait for their answers
+# the gateway's export headers (services/gateway/http.py; apps import no service)
+POLICY_VERSION_HEADER = "X-Hotloop-Policy-Version"
+ADAPTER_SHA_HEADER = "X-Hotloop-Adapter-Sha256"
 log = logging.getLogger(__name__)
 
 
@@ -278,6 +286,9 @@ class Phases:
     """After training, users only again until every tenant's final version gave this many
     answers since its lineage stopped learning (the final shares, `final_answers`; at most
     `PHASE_MAX_S`). 0: no evaluation."""
+    export: bool = True
+    """At the end (the mesh still up), each tenant's latest adapter is exported with its own
+    key (`GET /v1/adapter`) into `<out>/adapters/`, for the audit (`apps.audit`)."""
 
 
 @dataclass
@@ -294,6 +305,8 @@ class TenantsState:
     training_started: float | None = None
     training_ended: float | None = None
     gateway_counters: dict = field(default_factory=dict)
+    exports: dict = field(default_factory=dict)  # tenant -> exported version, or why not
+    audit: dict | None = None  # `apps.audit.audit_run`'s report, or {"error": ...}
     interrupted: bool = False
     failed: str = ""
     settings: dict = field(default_factory=dict)
@@ -556,6 +569,8 @@ async def run_tenants(state: TenantsState, stack: Stack, keys: dict[str, str], m
         for run in runs:
             run.sim.stop()
         await asyncio.gather(*tasks)
+        if phases.export and state.training_started and not state.failed:
+            state.exports = await export_adapters(stack.target.base_url, keys, state.out / ADAPTERS)
     finally:
         if state.training_started and not state.training_ended:
             state.training_ended = time.time()
@@ -565,6 +580,32 @@ async def run_tenants(state: TenantsState, stack: Stack, keys: dict[str, str], m
             await run.sim.halt(task)
             await run.tracker.poll()
             await run.tracker.close()
+
+
+async def export_adapters(gateway_url: str, keys: dict[str, str], out: Path) -> dict:
+    """Each tenant's latest adapter, exported as its users could (`GET /v1/adapter` with the
+    tenant's key) and unpacked under `out` (`apps.audit.save_export`); tenant -> its version,
+    or the reason it has none (a lineage never trained answers 404)."""
+    import httpx
+
+    from apps.audit import save_export
+
+    got: dict = {}
+    async with httpx.AsyncClient(timeout=60) as http:
+        for tenant, key in keys.items():
+            try:
+                r = await http.get(f"{gateway_url}/v1/adapter",
+                                   headers={"Authorization": f"Bearer {key}"})
+            except httpx.HTTPError as e:
+                got[tenant] = f"export failed: {e!r}"
+                continue
+            if r.status_code != 200:
+                got[tenant] = f"HTTP {r.status_code}: {r.text[:200]}"
+                continue
+            version = int(r.headers[POLICY_VERSION_HEADER])
+            save_export(out, tenant, version, r.headers[ADAPTER_SHA_HEADER], r.content)
+            got[tenant] = version
+    return got
 
 
 async def hold(stack: Stack, tenant: str, held: bool) -> None:
@@ -731,11 +772,24 @@ def tenants_report(state: TenantsState) -> dict:
             "targets_reached": bool(tenants) and all(t["share"]["reached"] for t in tenants),
             "cross_delta_max_le_0_1": bool(tenants) and all(c is not None and c <= CROSS_LIMIT for c in crosses),
             "no_wrong_adapter_answers": sum(t["wrong_adapter_answers"] for t in tenants) == 0,
+            # the tokens' own evidence (`apps.audit`): None where no audit ran
+            "audit_no_other_tenant_answers": (state.audit["other_tenant_answers"] == 0
+                                              if state.audit and "error" not in state.audit else None),
         },
+        "exports": state.exports,
+        "audit": audit_summary(state.audit),
         "training_s": (state.training_ended - state.training_started
                        if state.training_started and state.training_ended else 0.0),
         "settings": state.settings,
     }
+
+
+def audit_summary(audit: dict | None) -> dict | None:
+    """The audit without its per-answer rows (those stay in `tenants-audit.json`)."""
+    if not audit or "error" in audit:
+        return audit
+    return {**audit, "tenants": {t: {k: v for k, v in s.items() if k != "rows"}
+                                 for t, s in audit["tenants"].items()}}
 
 
 def write_tenants_report(state: TenantsState) -> dict:
@@ -788,10 +842,28 @@ def write_tenants_report(state: TenantsState) -> dict:
               "among them (without any, its last `window` answers of training); cross: the same for the other "
               "tenants' preferences, in this tenant's answers, ± the delta's standard error (binomial "
               "sampling noise of both shares)",
+              *audit_lines(state.audit),
               "", "![shares and loop latency per tenant](tenants.png)", "",
               "## Settings", "", "```json", json.dumps(state.settings, indent=2), "```"]
     (out / "tenants-report.md").write_text("\n".join(lines) + "\n")
     return report
+
+
+def audit_lines(audit: dict | None) -> list[str]:
+    """The report's section on the audit (`apps.audit`)."""
+    if audit is None:
+        return []
+    head = ["", "## Which weights wrote the answers (`hotloop audit tenants`)", ""]
+    if "error" in audit:
+        return [*head, f"The audit did not run: {audit['error']}"]
+    from apps.audit import lines
+
+    return [*head, f"Each tenant's adapter exported with its own key at the end; {audit['per_tenant']} "
+            "of its answers from that version (at most) scored under every tenant's adapter and the "
+            "base model (transformers + peft, outside the engine). An answer counts as from another "
+            f"tenant's adapter where that one explains it better than its own by more than "
+            f"{audit['margin_nats']:g} nats: {audit['other_tenant_answers']} of {audit['sampled']}.", "",
+            *lines(audit)]
 
 
 def _plot(state: TenantsState, path: Path) -> None:
@@ -873,7 +945,7 @@ def main(args) -> int:
              if v < 1] + [f"--{k.replace('_', '-')} {v:g}" for k, v in (("idle_s", args.idle_s),
                           ("train_s", args.train_s), ("min_words", args.min_words),
                           ("idle_answers", args.idle_answers), ("eval_answers", args.eval_answers),
-                          ("kl_beta", args.kl_beta)) if v < 0]
+                          ("kl_beta", args.kl_beta), ("audit_answers", args.audit_answers)) if v < 0]
     if args.lr <= 0:
         small.append(f"--lr {args.lr:g}")
     if args.target_factor <= 1:
@@ -896,7 +968,7 @@ def main(args) -> int:
     phases = Phases(idle_s=args.idle_s, idle_answers=args.idle_answers, train_s=args.train_s,
                     target_factor=args.target_factor, until_target=not args.no_stop,
                     stop_rating=not args.keep_rating, check_answers=args.check_answers,
-                    eval_answers=args.eval_answers)
+                    eval_answers=args.eval_answers, export=args.audit_answers > 0)
     learning = training_overrides(args.kl_beta, args.lr, args.max_tokens)
     state = TenantsState(run_id, out, prefs, args.window, trainers=plan.mode, settings={
         "config": config_path, "overrides": args.set, "users_per_tenant": args.users,
@@ -907,7 +979,7 @@ def main(args) -> int:
         "target_factor": args.target_factor, "kl_beta": args.kl_beta,
         "kl_target": KL_TARGET if args.kl_beta > 0 else None, "lr": args.lr,
         "check_margin_se": CHECK_MARGIN_SE, "learning": learning, "trainers": plan.mode,
-        "checks_hold": True})
+        "checks_hold": True, "audit_answers": args.audit_answers})
     # the demo's learning first, so that a --set of the user's overrides it
     overrides = [*learning, *args.set,
                  *tenant_overrides(keys_file, tenants), *plan.overrides]
@@ -929,6 +1001,9 @@ def main(args) -> int:
     if why and not state.failed:
         state.failed = why
         print(f"[demo-tenants] {why}", flush=True)
+    if args.audit_answers > 0 and not state.interrupted and any(
+            isinstance(v, int) for v in state.exports.values()):
+        state.audit = audit(out, args.audit_answers)
     report = write_tenants_report(state)
     for t in report["tenants"]:
         s = t["share"]
@@ -939,6 +1014,23 @@ def main(args) -> int:
               f"v{t['versions']['served']}; wrong adapter {t['wrong_adapter_answers']}", flush=True)
     print(f"[demo-tenants] report: {out / 'tenants-report.md'}", flush=True)
     return 130 if state.interrupted else 1 if state.failed else 0
+
+
+def audit(out: Path, per_tenant: int) -> dict:
+    """`apps.audit.audit_run` on this run, once the mesh has stopped (its cores are free);
+    a failure is the report's, not the run's."""
+    from apps.audit import audit_run
+
+    print(f"[demo-tenants] audit: scoring up to {per_tenant} answers per tenant under every "
+          "tenant's exported adapter and the base", flush=True)
+    try:
+        report = audit_run(out, per_tenant=per_tenant, threads=os.cpu_count())
+    except Exception as e:  # noqa: BLE001 - the run's report is written either way
+        log.exception("the audit failed")
+        return {"error": f"{type(e).__name__}: {e}"}
+    print(f"[demo-tenants] audit: {report['other_tenant_answers']} of {report['sampled']} answers "
+          "better explained by another tenant's adapter than by their own", flush=True)
+    return report
 
 
 def _f(x, spec: str = ".2f") -> str:

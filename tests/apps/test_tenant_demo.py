@@ -216,7 +216,8 @@ def test_the_report_pools_the_base_rates_and_measures_the_other_preferences_rise
     assert "| short | 2 | 3 | 30 (75%) |" in (tmp_path / "tenants-report.md").read_text()
     assert "| 0.160 / 0.120 |" in (tmp_path / "tenants-report.md").read_text()
     assert report["acceptance"] == {"targets_reached": False, "cross_delta_max_le_0_1": False,
-                                    "no_wrong_adapter_answers": False}  # training answers said no tenant
+                                    "no_wrong_adapter_answers": False,  # training answers said no tenant
+                                    "audit_no_other_tenant_answers": None}  # no audit ran
     on_disk = json.loads((tmp_path / "tenants-report.json").read_text())
     assert on_disk == json.loads(json.dumps(report))
     assert (tmp_path / "tenants.png").read_bytes()[:4] == b"\x89PNG"
@@ -366,6 +367,34 @@ def test_a_run_stopped_before_any_answer_still_writes_its_report(tmp_path):
     assert "(interrupted)" in (tmp_path / "tenants-report.md").read_text()
 
 
+def test_the_report_carries_the_audit_s_verdict_and_keeps_its_rows_apart(tmp_path):
+    from apps.tenant_demo import TenantsState, preferences, write_tenants_report
+
+    rows = [{"response_id": "r1", "tokens": 9, "best": "a", "own_minus_other": 6.0, "other": "b",
+             "own_minus_base": 0.5, "wrong": False},
+            {"response_id": "r2", "tokens": 7, "best": "b", "own_minus_other": -4.0, "other": "b",
+             "own_minus_base": -0.3, "wrong": True}]
+    audit = {"model": "m", "margin_nats": 3.0, "per_tenant": 2, "sampled": 2, "other_tenant_answers": 1,
+             "tenants": {"a": {"version": 3, "sha256": "x", "answers": 5, "sampled": 2,
+                               "best": {"own": 1, "base": 0, "other": 1}, "other_tenant_answers": ["r2"],
+                               "own_minus_other_nats": {"min": -4.0, "p50": 1.0},
+                               "own_minus_base_per_token": 0.0125, "rows": rows}}}
+    state = TenantsState("r", tmp_path, preferences(), window=40, exports={"a": 3, "b": "HTTP 404"},
+                         audit=audit)
+    report = write_tenants_report(state)
+    assert report["acceptance"]["audit_no_other_tenant_answers"] is False
+    assert report["exports"] == {"a": 3, "b": "HTTP 404"}
+    assert "rows" not in report["audit"]["tenants"]["a"] and audit["tenants"]["a"]["rows"] == rows
+    md = (tmp_path / "tenants-report.md").read_text()
+    assert "| a | v3 | 2 of 5 | 1 / 0 / 1 | -4.0 / 1.0 | +0.013 | 1 |" in md
+    assert "more than 3 nats: 1 of 2." in md
+
+    state.audit = {"error": "OSError: no space left"}
+    report = write_tenants_report(state)
+    assert report["audit"] == state.audit and report["acceptance"]["audit_no_other_tenant_answers"] is None
+    assert "The audit did not run: OSError: no space left" in (tmp_path / "tenants-report.md").read_text()
+
+
 # ---- a real run --------------------------------------------------------------------------------
 
 
@@ -437,10 +466,12 @@ def test_demo_tenants_trains_each_lane_on_its_own_feedback_and_stops_on_sigterm(
     assert report["trainers"] == "shared" and report["settings"]["kl_beta"] == 0.1
     assert f"online.batch_size={BATCH_SIZE}" in report["settings"]["learning"]  # what it learned with
     assert set(report) == {"run_id", "interrupted", "failed", "trainers", "tenants", "wrong_adapter_answers",
-                           "gateway_wrong_tenant", "acceptance", "training_s", "settings"}
+                           "gateway_wrong_tenant", "acceptance", "training_s", "settings", "exports", "audit"}
+    assert (report["exports"], report["audit"]) == ({}, None)  # interrupted: neither export nor audit
     assert [t["name"] for t in report["tenants"]] == list(TENANTS)
     assert report["wrong_adapter_answers"] == 0 and report["gateway_wrong_tenant"] == 0
-    assert set(report["acceptance"]) == {"targets_reached", "cross_delta_max_le_0_1", "no_wrong_adapter_answers"}
+    assert set(report["acceptance"]) == {"targets_reached", "cross_delta_max_le_0_1", "no_wrong_adapter_answers",
+                                         "audit_no_other_tenant_answers"}
     assert report["acceptance"]["no_wrong_adapter_answers"] is True
     seqs: dict[str, set[int]] = {}
     for t in report["tenants"]:

@@ -303,6 +303,9 @@ async def test_export_streams_the_latest_version_checked_and_only_to_its_tenant(
     from peft import PeftConfig
     from safetensors import safe_open
 
+    from apps.audit import ADAPTERS, load_exports
+    from apps.tenant_demo import export_adapters
+
     _, one, two, _ = rig
     made = (await call("POST", f"{one.admin_url}/tenants", json={"name": "wayne"})).json()
     user = made["api_key"]
@@ -334,6 +337,13 @@ async def test_export_streams_the_latest_version_checked_and_only_to_its_tenant(
         # the tenant's own user gets the same archive; nobody else gets it
         mine = await call("GET", f"{one.base_url}/adapter", user)
         assert mine.status_code == 200 and mine.content == r.content
+        # as the tenant demo exports each tenant's adapter for its audit (apps/audit.py)
+        got = await export_adapters(one.base_url.removesuffix("/v1"), {"wayne": user, "acme": KEY},
+                                    tmp_path / "demo" / ADAPTERS)
+        assert got["wayne"] == 1 and got["acme"].startswith("HTTP 404")
+        (saved,) = load_exports(tmp_path / "demo").values()
+        assert (saved.tenant, saved.version, saved.sha256) == ("wayne", 1, kv.sha256)
+        assert PeftConfig.from_pretrained(saved.path).r == 4
         r = await call("GET", f"{one.base_url}/adapter", KEY)  # acme's user: acme has no version
         assert r.status_code == 404 and "acme" in r.json()["error"]["message"]
         r = await call("GET", f"{one.base_url}/adapter", ANON_KEY)
