@@ -90,6 +90,7 @@ from apps.simulate import (
 TENANTS = ("short", "direct", "exclaim")
 CROSS_LIMIT = 0.1  # the issue's bound on another preference's rise in a tenant's answers
 PHASE_MAX_S = 600.0  # the longest the idle and evaluation phases wait for their answers
+CLOSE_S = 20.0  # the longest the clean-up waits for the users' last requests, and for the trackers
 # the gateway's export headers (services/gateway/http.py; apps import no service)
 POLICY_VERSION_HEADER = "X-Hotloop-Policy-Version"
 ADAPTER_SHA_HEADER = "X-Hotloop-Adapter-Sha256"
@@ -575,11 +576,33 @@ async def run_tenants(state: TenantsState, stack: Stack, keys: dict[str, str], m
         if state.training_started and not state.training_ended:
             state.training_ended = time.time()
         progress.cancel()
+        for run in runs:  # every tenant's users stop asking and rating before anything is awaited
+            run.sim.stop()
         state.gateway_counters = await _gateway_counters(stack, keys)
-        for run, task in zip(runs, tasks):
-            await run.sim.halt(task)
+        await _within(CLOSE_S, "the users' last requests", *(
+            run.sim.halt(task) for run, task in zip(runs, tasks)))
+        for run in runs:
             await run.tracker.poll()
-            await run.tracker.close()
+        await _within(CLOSE_S, "the trackers' bus connections", *(run.tracker.close() for run in runs))
+
+
+async def _within(seconds: float, what: str, *aws) -> None:
+    """Await `aws` together for at most `seconds`; past that, say so and go on (whatever is
+    left is cancelled at the end of the run): a stop, on SIGTERM above all, must reach the
+    mesh's stop and the report, whatever one connection's close does. Seen once (2 cores,
+    another mesh beside it): the demo, signalled, still had one tenant's users rating 90 s
+    later, its clean-up stuck before their turn."""
+    tasks = [asyncio.ensure_future(a) for a in aws]
+    if not tasks:
+        return
+    _, pending = await asyncio.wait(tasks, timeout=seconds)
+    if pending:
+        log.warning("%s: %d of %d did not finish within %g s; going on", what, len(pending),
+                    len(tasks), seconds)
+        print(f"[demo-tenants] {what}: {len(pending)} did not finish within {seconds:g} s; "
+              "going on", flush=True)
+        for t in pending:
+            t.cancel()
 
 
 async def export_adapters(gateway_url: str, keys: dict[str, str], out: Path) -> dict:

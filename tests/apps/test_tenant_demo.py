@@ -7,6 +7,7 @@ process behind. The SIGTERM check is demo-online's too: both stop through
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
 import re
@@ -365,6 +366,33 @@ def test_a_run_stopped_before_any_answer_still_writes_its_report(tmp_path):
     report = write_tenants_report(state)
     assert report["tenants"] == [] and report["interrupted"]
     assert "(interrupted)" in (tmp_path / "tenants-report.md").read_text()
+
+
+def test_the_clean_up_waits_for_what_ends_and_goes_on_past_what_does_not(capsys):
+    """A stop must reach the mesh's stop and the report whatever one close does."""
+    from apps.tenant_demo import _within
+
+    done = []
+
+    async def ends():
+        await asyncio.sleep(0.01)
+        done.append(1)
+
+    async def hangs():
+        await asyncio.Event().wait()
+
+    async def main():
+        await _within(5.0, "quick", ends(), ends())
+        assert done == [1, 1] and "did not finish" not in capsys.readouterr().out
+        t0 = time.monotonic()
+        stuck = asyncio.ensure_future(hangs())
+        await _within(0.2, "the trackers", stuck, ends())
+        assert time.monotonic() - t0 < 2.0 and done == [1, 1, 1]
+        await asyncio.sleep(0)
+        assert stuck.cancelled()  # not left running behind the run
+
+    asyncio.run(main())
+    assert "the trackers: 1 did not finish within 0.2 s; going on" in capsys.readouterr().out
 
 
 def test_the_report_carries_the_audit_s_verdict_and_keeps_its_rows_apart(tmp_path):
