@@ -12,6 +12,9 @@ EXTRA  ?= cpu
 MODEL  ?= smollm2-135m-instruct
 MODEL_STAMP := $(VENV)/.model-$(MODEL)
 PYTEST_ARGS ?=
+# Two pytest workers, a test file each at a time: the suite keeps one core busy on average
+# (waiting on engines and meshes it starts), so two take 14-15 min on 2 cores, not 20-21.
+TEST_WORKERS ?= 2
 
 .PHONY: all install model test test-fast demo demo-online demo-tenants bench protos clean help
 all: help
@@ -44,7 +47,7 @@ $(MODEL_STAMP): $(STAMP)
 model: $(MODEL_STAMP)
 
 test: $(MODEL_STAMP)
-	$(BIN)/python -m pytest -p no:cacheprovider --durations=40 $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile --durations=40 $(PYTEST_ARGS)
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -m "not slow and not real_model" $(PYTEST_ARGS)
