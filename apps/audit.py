@@ -218,9 +218,11 @@ def lines(report: dict) -> list[str]:
     out = ["| tenant | version | sampled of | best: own / base / other | own over the best other, "
            "nats (min / p50) | own over base per token | from another tenant's adapter |",
            "|---|---|---|---|---|---|---|"]
+    def f(x, spec: str) -> str:
+        return "-" if x is None else format(x, spec)
+
     for t, s in report["tenants"].items():
         b, m = s["best"], s["own_minus_other_nats"]
-        f = (lambda x, spec: "-" if x is None else format(x, spec))
         out.append(f"| {t} | v{s['version']} | {s['sampled']} of {s['answers']} | {b['own']} / {b['base']} / "
                    f"{b['other']} | {f(m['min'], '.1f')} / {f(m['p50'], '.1f')} | "
                    f"{f(s['own_minus_base_per_token'], '+.3f')} | {len(s['other_tenant_answers'])} |")

@@ -587,8 +587,8 @@ async def run_tenants(state: TenantsState, stack: Stack, keys: dict[str, str], m
 
 
 async def _within(seconds: float, what: str, *aws) -> None:
-    """Await `aws` together for at most `seconds`; past that, say so and go on (whatever is
-    left is cancelled at the end of the run): a stop, on SIGTERM above all, must reach the
+    """Await `aws` together for at most `seconds`; past that, say so, cancel what is left and
+    go on: a stop, on SIGTERM above all, must reach the
     mesh's stop and the report, whatever one connection's close does. Seen once (2 cores,
     another mesh beside it): the demo, signalled, still had one tenant's users rating 90 s
     later, its clean-up stuck before their turn."""
@@ -609,6 +609,8 @@ async def export_adapters(gateway_url: str, keys: dict[str, str], out: Path) -> 
     """Each tenant's latest adapter, exported as its users could (`GET /v1/adapter` with the
     tenant's key) and unpacked under `out` (`apps.audit.save_export`); tenant -> its version,
     or the reason it has none (a lineage never trained answers 404)."""
+    import tarfile
+
     import httpx
 
     from apps.audit import save_export
@@ -625,8 +627,12 @@ async def export_adapters(gateway_url: str, keys: dict[str, str], out: Path) -> 
             if r.status_code != 200:
                 got[tenant] = f"HTTP {r.status_code}: {r.text[:200]}"
                 continue
-            version = int(r.headers[POLICY_VERSION_HEADER])
-            save_export(out, tenant, version, r.headers[ADAPTER_SHA_HEADER], r.content)
+            try:
+                version = int(r.headers[POLICY_VERSION_HEADER])
+                save_export(out, tenant, version, r.headers[ADAPTER_SHA_HEADER], r.content)
+            except (KeyError, ValueError, OSError, tarfile.TarError) as e:  # the audit skips it
+                got[tenant] = f"export unreadable: {e!r}"
+                continue
             got[tenant] = version
     return got
 
