@@ -13,7 +13,7 @@ MODEL  ?= smollm2-135m-instruct
 MODEL_STAMP := $(VENV)/.model-$(MODEL)
 PYTEST_ARGS ?=
 # Two pytest workers, a test file each at a time: the suite keeps one core busy on average
-# (waiting on engines and meshes it starts), so two take 14-15 min on 2 cores, not 20-21.
+# (waiting on engines and meshes it starts), so two take 12-13 min on 2 cores, not 20-21.
 TEST_WORKERS ?= 2
 
 .PHONY: all install model test test-fast demo demo-online demo-tenants bench protos clean help

@@ -28,7 +28,6 @@ import json
 import random
 import statistics
 import sys
-import tarfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -59,14 +58,17 @@ class Exported:
 
 
 def save_export(out: Path, tenant: str, version: int, sha256: str, tar_bytes: bytes) -> Exported:
-    """Unpack an exported adapter (the tar `GET /v1/adapter` answers) to `out/<tenant>/` and
-    record its version and digest beside it (`out/<tenant>.json`)."""
-    import io
+    """Check an exported adapter (the tar `GET /v1/adapter` answers) against the digest the
+    gateway sent with it, unpack it to `out/<tenant>/` (`hotloop.adapters.unpack`: the two
+    adapter files, nothing else) and record its version and digest beside it
+    (`out/<tenant>.json`). Raises InvalidArgument for bytes that are not what was announced."""
+    from hotloop import adapters
+    from hotloop.errors import InvalidArgument
 
-    target = out / tenant
-    target.mkdir(parents=True, exist_ok=True)
-    with tarfile.open(fileobj=io.BytesIO(tar_bytes)) as tar:
-        tar.extractall(target, filter="data")  # names outside `target` are refused
+    if adapters.sha256(tar_bytes) != sha256:
+        raise InvalidArgument(f"tenant {tenant!r} v{version}: the export's bytes do not match "
+                              f"its digest {sha256[:12]}")
+    target = adapters.unpack(tar_bytes, out / tenant)
     (out / f"{tenant}.json").write_text(json.dumps({"version": version, "sha256": sha256}))
     return Exported(tenant, version, sha256, target)
 

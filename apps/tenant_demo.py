@@ -609,11 +609,10 @@ async def export_adapters(gateway_url: str, keys: dict[str, str], out: Path) -> 
     """Each tenant's latest adapter, exported as its users could (`GET /v1/adapter` with the
     tenant's key) and unpacked under `out` (`apps.audit.save_export`); tenant -> its version,
     or the reason it has none (a lineage never trained answers 404)."""
-    import tarfile
-
     import httpx
 
     from apps.audit import save_export
+    from hotloop.errors import InvalidArgument
 
     got: dict = {}
     async with httpx.AsyncClient(timeout=60) as http:
@@ -630,7 +629,7 @@ async def export_adapters(gateway_url: str, keys: dict[str, str], out: Path) -> 
             try:
                 version = int(r.headers[POLICY_VERSION_HEADER])
                 save_export(out, tenant, version, r.headers[ADAPTER_SHA_HEADER], r.content)
-            except (KeyError, ValueError, OSError, tarfile.TarError) as e:  # the audit skips it
+            except (KeyError, ValueError, OSError, InvalidArgument) as e:  # the audit skips it
                 got[tenant] = f"export unreadable: {e!r}"
                 continue
             got[tenant] = version

@@ -1,15 +1,14 @@
 """`hotloop audit tenants`: answers attributed to the weights that wrote them, by likelihood.
 
-Two tenants' adapters on the tiny model; their answers sampled with HF `generate` from each
-adapter, as the engine would have served them, written as a demo run's request records. Some
+Two tenants' adapters on the tiny model (its output layer sharpened, `sharp`); their answers
+sampled from each adapter with transformers, as the engine would have served them, written as
+a demo run's request records. Some
 answers of tenant `a` are sampled from `b`'s adapter but carry `a`'s label and version: the
 fault the audit is for (a label that says one thing, tokens written by another's weights)."""
 
 from __future__ import annotations
 
-import io
 import json
-import tarfile
 
 import pytest
 
@@ -84,15 +83,13 @@ def record(tenant, k, version, prompt, text, finish, **kw):
 
 
 def export(run_dir, name, adapter_dir, version):
-    """The adapter as `GET /v1/adapter` gives it (a tar of the peft directory), saved the
-    demo's way."""
+    """The adapter as `GET /v1/adapter` gives it (the trainer's archive and its digest), saved
+    the demo's way."""
     from apps.audit import ADAPTERS, save_export
+    from hotloop import adapters
 
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w") as tar:
-        for f in sorted(adapter_dir.iterdir()):
-            tar.add(f, arcname=f.name)
-    return save_export(run_dir / ADAPTERS, name, version, "sha-" + name, buf.getvalue())
+    data = adapters.pack(adapter_dir)
+    return save_export(run_dir / ADAPTERS, name, version, adapters.sha256(data), data)
 
 
 @pytest.fixture(scope="module")
@@ -143,10 +140,27 @@ def test_the_command_samples_and_fails_on_a_wrong_answer_or_refuses_a_run_withou
     code = main(["audit", "tenants", str(run_dir), "--answers", "4", "--model", str(model)])
     report = json.loads((run_dir / "tenants-audit.json").read_text())
     assert report["tenants"]["a"]["sampled"] == 4 and report["tenants"]["b"]["sampled"] == 4
-    assert code == (1 if report["other_tenant_answers"] else 0)
+    drawn = [r["response_id"] for r in report["tenants"]["a"]["rows"]]
+    mis = sorted(r for r in drawn if r.startswith("a-mis-"))  # b's answers drawn among a's 4
+    assert sorted(report["tenants"]["a"]["other_tenant_answers"]) == mis
+    assert code == (1 if mis else 0)
     out = capsys.readouterr().out
     assert "| a | v3 | 4 of 10 |" in out and "sampled answers are better explained" in out
 
     assert main(["audit", "tenants", str(tmp_path)]) == 2
     assert "no exported adapters" in capsys.readouterr().err
     assert main(["audit", "tenants", str(run_dir), "--answers", "0"]) == 2
+
+
+def test_an_export_that_is_not_what_was_announced_is_refused(tmp_path, adapter_factory):
+    from apps.audit import save_export
+    from hotloop import adapters
+    from hotloop.errors import InvalidArgument
+
+    data = adapters.pack(adapter_factory(seed=3, r=4))
+    with pytest.raises(InvalidArgument, match="do not match its digest"):
+        save_export(tmp_path, "a", 1, "0" * 64, data)
+    bad = b"not a tar" + data[9:]  # the digest matches; the archive is not an adapter's
+    with pytest.raises(InvalidArgument):
+        save_export(tmp_path, "a", 1, adapters.sha256(bad), bad)
+    assert not (tmp_path / "a.json").exists()  # nothing recorded for the audit to read
