@@ -35,7 +35,10 @@ with seed + i, so a chunk starting at prompt s is sent seed + s. Each completion
 
 Does not own: the calls themselves (`hotloop.clients`), where the addresses come from
 (`[endpoints]`, filled in by `hotloop up`), or pushing versions to the rollout replicas (the
-publisher pushes to every one). A replica that hangs without failing is not detected here.
+publisher pushes to every one). A replica that hangs without failing is not detected here:
+a rollout whose engine hangs fails its own requests with UNAVAILABLE and stops
+(services/rollout/heartbeat.py), which this re-splits like any failed chunk; a replica whose
+process itself hangs keeps its chunk waiting.
 """
 
 from __future__ import annotations

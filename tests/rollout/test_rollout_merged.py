@@ -75,3 +75,33 @@ async def test_merged_pin_of_old_version_is_refused(rollout):
         [c async for c in stub.Generate(req)]
     assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "merged" in e.value.details()
+
+
+async def test_the_heartbeat_beats_at_every_step_of_a_request_that_returns_only_its_end(rollout):
+    """A whole-mode request (vLLM sends its output once, at the end) still beats the engine's
+    heartbeat at every step, and holds it busy while it runs: the hung-engine rule
+    (services/rollout/heartbeat.py) sees a long request as progress, not as a stall. A call
+    into the engine core holds it busy too."""
+    core, stub = rollout
+    hb = core.heartbeat
+    assert hb.stall_s > 0 and hb.busy == 0
+    steps = hb.steps
+    seen_busy = []
+
+    async def watch():
+        while True:
+            seen_busy.append(hb.busy)
+            await asyncio.sleep(0.01)
+
+    watcher = asyncio.create_task(watch())
+    try:
+        out = await generate(stub, [text_prompt("def add(a, b):")], max_tokens=24)
+    finally:
+        watcher.cancel()
+    (c,) = out
+    assert len(c.token_ids) >= 8  # the tiny random model rarely ends early
+    assert hb.steps - steps >= len(c.token_ids)  # one per token: the decode steps, the prefill's
+    assert max(seen_busy) >= 1 and hb.busy == 0
+    assert hb.stalled() is None
+    await core.engine.collective_rpc("hotloop_status")
+    assert hb.busy == 0
