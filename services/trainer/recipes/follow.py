@@ -124,14 +124,15 @@ class FollowedLineage:
             if owned is not None:
                 owned.close()
 
-    def _start(self) -> None:
+    def _start(self, lease=None) -> None:
+        """Start the loop; `lease`: the lineage's, kept by the loop a reset stopped."""
         import asyncio
 
         from .base import run_recipe
         from .online import Online
 
         self.online = Online(self.job, self.cfg, self.model_dir, self.mesh, self.policy,
-                             self.metrics)
+                             self.metrics, lease=lease)
         self.online.hold(self.held)
         self.recipe = asyncio.create_task(
             run_recipe(self.online, self.run_dir, progress=False, on_step=self.on_step),
@@ -178,19 +179,28 @@ class FollowedLineage:
                 await asyncio.wait([started, recipe], return_when=asyncio.FIRST_COMPLETED)
             finally:
                 started.cancel()
+            self.online.keep_lease()  # held from the stop to the next loop (online.py)
             recipe.cancel()
             await asyncio.wait([recipe])  # it stops (and closes); its outcome stays on it
+            lease = self.online.lease
             if not recipe.cancelled():  # it had ended by itself: `run` reports how
                 log.warning("tenant %r: the loop ended before its reset (generation %d)",
                             self.job.tenant, generation)
+                if lease is not None:
+                    await lease.release()
                 return
-            version = await reset_lineage(self.online, self.run_dir, solo_turn,
-                                          lambda: self.adapters.reset(self.job.tenant))
+            try:
+                version = await reset_lineage(self.online, self.run_dir, solo_turn,
+                                              lambda: self.adapters.reset(self.job.tenant))
+            except BaseException:
+                if lease is not None:
+                    await lease.release()
+                raise
             self._save(generation)
             self.due = None
             log.info("tenant %r reset (generation %d): the base model is version %d",
                      self.job.tenant, generation, version)
-            self._start()
+            self._start(lease)
         finally:
             self.resetting = False
             self._changed.set()

@@ -300,11 +300,18 @@ class Lanes:
         the lineage's latest and checkpointed, then the lane goes on from there. Returns the
         version."""
         lane = self._lane(tenant)
+        lane.online.keep_lease()  # held from the stop to the next loop: no other trainer between
         await self._stop(lane)
-        version = await reset_lineage(lane.online, lane.dir, lambda: self.turns.turn(tenant),
-                                      lambda: self.turns.adapters.reset(tenant))
+        lease = lane.online.lease
+        try:
+            version = await reset_lineage(lane.online, lane.dir, lambda: self.turns.turn(tenant),
+                                          lambda: self.turns.adapters.reset(tenant))
+        except BaseException:
+            if lease is not None:
+                await lease.release()
+            raise
         log.info("tenant %r: reset to the base as version %d", tenant, version)
-        self._start(tenant, lane.dir, lane.mesh, lane.metrics)
+        self._start(tenant, lane.dir, lane.mesh, lane.metrics, lease=lease)
         await self._started(self.lanes[tenant])
         return version
 
@@ -343,10 +350,10 @@ class Lanes:
         return lane
 
     def _start(self, tenant: str, directory: Path, mesh: OnlineMesh,
-               metrics: OnlineMetrics) -> None:
+               metrics: OnlineMetrics, lease=None) -> None:
         online = Online(self.job.for_tenant(tenant), self.cfg, self.model_dir, mesh,
                         policy=self.policy, metrics=metrics, turn=self.turns.of(tenant),
-                        users=self.users)
+                        users=self.users, lease=lease)
         online.hold(tenant in self.held)
 
         def on_step(rec) -> None:

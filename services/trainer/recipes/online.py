@@ -501,7 +501,10 @@ class Online(Recipe):
 
     def __init__(self, job: OnlineConfig, trainer_cfg: TrainerConfig, model_dir: Path,
                  mesh: OnlineMesh, policy=None, metrics: OnlineMetrics | None = None,
-                 turn=None, users: UsersFirst | None = None) -> None:
+                 turn=None, users: UsersFirst | None = None,
+                 lease: LineageLease | None = None) -> None:
+        """`lease`: the lineage's lease, still held by the loop this one follows (a reset's:
+        `keep_lease`); None: `setup` claims it."""
         if trainer_cfg.temperature != 1.0:
             # traffic logprobs are vLLM's raw (T=1) logprobs whatever the user's temperature
             raise SystemExit("online training compares against raw (temperature-1) behaviour logprobs: "
@@ -528,7 +531,8 @@ class Online(Recipe):
         self.updates = 0
         self.intake: asyncio.Task | None = None
         self.publishing: asyncio.Task | None = None  # the latest update's publish, in flight
-        self.lease: LineageLease | None = None  # this run's hold on its lineage (`setup`)
+        self.lease: LineageLease | None = lease  # this run's hold on its lineage (`setup`)
+        self._keep_lease = False  # `cleanup` leaves it held, for the loop that follows
         self.average: PolyakAverage | None = None  # what versions publish (`serve_average`)
 
     async def setup(self, run: Run) -> Schedule:
@@ -539,7 +543,9 @@ class Online(Recipe):
         job, mesh = self.job, self.mesh
         self.run = run
         # one trainer per lineage: refused (LineageTaken) while another live one learns it
-        self.lease = await LineageLease.claim(mesh.bus, job.tenant, Holder.here(str(run.dir)))
+        if self.lease is None:
+            self.lease = await LineageLease.claim(mesh.bus, job.tenant, Holder.here(str(run.dir)))
+        self.lease.check()  # handed over: still this run's
         if self.policy is None:
             self.policy = self.owned = make_policy(self.cfg, self.model_dir)
         self.baseline = EmaBaseline(job.baseline_ema, leave_one_out=job.leave_one_out,
@@ -889,9 +895,16 @@ class Online(Recipe):
                 await self.consumer.close()
         if self.owned is not None:  # a policy it built: stop its other data-parallel ranks
             self.owned.close()
-        if self.lease is not None:  # last: nothing of this run publishes after it
+        if self.lease is not None and not self._keep_lease:  # last: nothing publishes after it
             await self.lease.release()
             self.lease = None
+
+    def keep_lease(self) -> None:
+        """Stop without giving the lineage's lease up: it stays held (and renewed) in
+        `self.lease` for the loop that follows on the same lineage (`reset_lineage` publishes
+        under it, then the next `Online` takes it). Released, another trainer could claim the
+        lineage between the two loops and publish versions of its own beside the reset's."""
+        self._keep_lease = True
 
     def summary(self, records: list[OnlineStepRecord]) -> dict:
         return {"steps": self.steps, "updates": self.updates, "version": self.version,
@@ -922,6 +935,8 @@ async def reset_lineage(online: Online, directory: Path, turn, fresh: Callable[[
     from ..learner.checkpoint import prune_checkpoints
 
     mesh, policy = online.mesh, online.policy
+    if online.lease is not None:  # kept through the stop (`keep_lease`)
+        online.lease.check()
     trained = online.trained - {p.seq for p in online.uncommitted}
     version = await mesh_latest(mesh) + 1
     async with turn():

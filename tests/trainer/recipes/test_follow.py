@@ -336,12 +336,20 @@ async def test_a_trainer_of_one_named_lineage_applies_the_registry_s_hold_and_re
         assert step["queue_wait_s"] > held_s and await mesh.kv("cfg") == 1
         assert any(float(b.abs().max()) > 0 for b in b_tensors(policy))  # trained away from base
 
-        # reset: the base model is the lineage's next version, checkpointed; training goes on
+        # reset: the base model is the lineage's next version, checkpointed; training goes on.
+        # The lineage's lease stays held from the loop's stop to the next loop's start: never
+        # deleted in between, where another trainer could claim it and publish beside the reset.
+        from hotloop.leases import lease_key, leases_kv
+
+        watcher = await (await leases_kv(mesh.bus)).watch(lease_key("cfg"))
         await registry.reset("cfg", config=True)
         await until(lambda: '"cfg": 1' in (run_dir / "registry.json").read_text()
                     if (run_dir / "registry.json").exists() else False,
                     "the reset is applied and kept for a restart", task=task)
         assert await mesh.kv("cfg") == 2
+        await watcher.stop()
+        ops = [e.operation async for e in watcher if e is not None]
+        assert ops and "DEL" not in ops and "PURGE" not in ops, ops
         assert all(float(b.abs().max()) == 0 for b in b_tensors(policy))
         await mesh.feedback("cfg", 1.0)
         await until(lambda: len(steps(tmp_path, "")) == 2, "after the reset, it trains again",

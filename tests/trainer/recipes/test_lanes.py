@@ -203,8 +203,30 @@ async def test_tenants_are_added_reset_and_removed_at_runtime(mesh, tmp_path, ma
         trained_v = steps(tmp_path, "acme")[-1]["version"]
         assert steps(tmp_path, "beta")[0]["seqs"] == [b1]
 
-        # ---- reset acme: base weights, published above its lineage, checkpointed
-        v = await lanes.reset_tenant("acme")
+        # ---- reset acme: base weights, published above its lineage, checkpointed, all of it
+        # under the lineage's lease: released between the loops, another trainer could claim
+        # acme there and publish beside the reset
+        from hotloop.leases import Holder, lease_key, leases_kv
+
+        kv = await leases_kv(mesh.bus)
+        owner = Holder.decode((await kv.get(lease_key("acme"))).value).owner
+        lease = lanes.lanes["acme"].online.lease
+        publisher, at_publish = lanes.lanes["acme"].mesh.publisher, []
+        inner = publisher.publish
+
+        async def publish(version, adapter):
+            entry = await kv.get(lease_key("acme"))  # gone: KeyNotFoundError fails the reset
+            at_publish.append(Holder.decode(entry.value).owner)
+            return await inner(version, adapter)
+
+        publisher.publish = publish
+        try:
+            v = await lanes.reset_tenant("acme")
+        finally:
+            publisher.publish = inner
+        assert at_publish == [owner]
+        assert lanes.lanes["acme"].online.lease is lease and not lease.lost  # handed over
+        assert Holder.decode((await kv.get(lease_key("acme"))).value).owner == owner
         assert v > trained_v
         assert mesh.replica.latest["acme"] == v and await mesh.kv("acme") == v
         ckpt = latest_checkpoint(tmp_path / "run" / "tenants" / "acme" / "checkpoints")
