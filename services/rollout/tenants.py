@@ -187,10 +187,19 @@ class _Slot:
     used: int = 0  # LRU clock of the last acquire or release
     loading: bool = False
     nbytes: int = 0  # the loaded adapter's factors in the worker (its load report)
+    drained_for: object | None = None  # the waiter this slot drains for: no new request holds it
 
 
 class WorkerSlots(TenantSlots):
-    """`n` adapter slots in the CPU worker, filled on demand, least recently used evicted."""
+    """`n` adapter slots in the CPU worker, filled on demand, least recently used evicted.
+
+    Fair under steady load: a version that needs a slot while every slot is held waits in
+    line (first come, first served among the waiters), and marks the resident version it will
+    replace (the one with the fewest requests running, then the least recently used) as
+    draining: that version's running requests finish, its new ones wait in line like any
+    other, and the slot goes to the head of the line once free. Without the mark, tenants whose
+    users keep a request running at every moment would hold their slots for ever, and a quiet
+    tenant's users would be refused after `wait_s` however long it waited."""
 
     def __init__(self, engine, n: int, wait_s: float, metrics: SlotMetrics | None = None):
         self.engine = engine
@@ -198,6 +207,7 @@ class WorkerSlots(TenantSlots):
         self.metrics = metrics if metrics is not None else SlotMetrics()
         self.slots = [_Slot() for _ in range(n)]
         self._cond = asyncio.Condition()
+        self._line: list[object] = []  # requests waiting for a slot, first come first
         self._clock = 0
         self.loads = 0  # adapters loaded into a slot (evictions included), for tests and status
 
@@ -213,36 +223,53 @@ class WorkerSlots(TenantSlots):
         t0 = loop.time()
         deadline = t0 + self.wait_s
         waited = False  # for a slot (every one held), not for a load of this version
+        me = object()  # this request's place in the line, while it waits for a slot
         async with self._cond:
-            while True:
-                k = next((i for i, s in enumerate(self.slots) if s.label == name), None)
-                if k is not None and not self.slots[k].loading:
-                    self._hold(k)
-                    if waited:
-                        self.metrics.waited(loop.time() - t0, refused=False)
-                    return lease
-                if k is None:
-                    k = self._victim()
-                    if k is not None:
-                        break
-                    waited = True
-                left = deadline - loop.time()
-                if left <= 0:
-                    self.metrics.waited(loop.time() - t0, refused=True)
-                    raise ResourceExhausted(
-                        f"all {len(self.slots)} adapter slots are held by running requests of "
-                        f"other versions ({[s.label for s in self.slots]}); {name} waited "
-                        f"{self.wait_s:g}s for one (raise [rollout] tenant_slots)")
-                try:
-                    await asyncio.wait_for(self._cond.wait(), left)
-                except TimeoutError:
-                    pass  # the loop raises with the reason
+            try:
+                while True:
+                    k = next((i for i, s in enumerate(self.slots) if s.label == name), None)
+                    if k is not None and not self.slots[k].loading:
+                        if self.slots[k].drained_for is None:
+                            self._hold(k)
+                            if waited:
+                                self.metrics.waited(loop.time() - t0, refused=False)
+                            return lease
+                        # resident but going: wait in line, and for a slot once it has gone
+                        if me not in self._line:
+                            self._line.append(me)
+                        waited = True
+                    elif k is None:
+                        if me not in self._line:
+                            self._line.append(me)
+                        k = self._victim() if self._line[0] is me else None
+                        if k is not None:
+                            break
+                        self._mark_victim(me)
+                        waited = True
+                    left = deadline - loop.time()
+                    if left <= 0:
+                        self.metrics.waited(loop.time() - t0, refused=True)
+                        raise ResourceExhausted(
+                            f"all {len(self.slots)} adapter slots are held by running requests "
+                            f"of other versions ({[s.label for s in self.slots]}); {name} "
+                            f"waited {self.wait_s:g}s for one (raise [rollout] tenant_slots)")
+                    try:
+                        await asyncio.wait_for(self._cond.wait(), left)
+                    except TimeoutError:
+                        pass  # the loop raises with the reason
+            finally:  # leaving the line (a slot, a refusal, a cancel): what it marked is free
+                if me in self._line:
+                    self._line.remove(me)
+                    for s in self.slots:
+                        if s.drained_for is me:
+                            s.drained_for = None
+                    self._cond.notify_all()
             if waited:
                 self.metrics.waited(loop.time() - t0, refused=False)
             slot = self.slots[k]
             if slot.label is not None:
                 self.metrics.evicted()
-            slot.label, slot.loading = name, True
+            slot.label, slot.loading, slot.drained_for = name, True, None
         # Shielded: a caller that goes away mid-load leaves a loaded slot (released when the
         # load ends), never a slot whose worker state differs from this table.
         task = asyncio.ensure_future(self._load(k, name, archive))
@@ -263,11 +290,24 @@ class WorkerSlots(TenantSlots):
         self.slots[k].used = self._clock
 
     def _victim(self) -> int | None:
-        """An empty slot, else the least recently used one no request holds."""
+        """An empty slot, else the least recently used one no request holds (one draining
+        for a waiter first: it was chosen to go)."""
         free = [i for i, s in enumerate(self.slots) if s.refs == 0 and not s.loading]
         if not free:
             return None
-        return min(free, key=lambda i: (self.slots[i].label is not None, self.slots[i].used))
+        return min(free, key=lambda i: (self.slots[i].label is not None,
+                                         self.slots[i].drained_for is None, self.slots[i].used))
+
+    def _mark_victim(self, me: object) -> None:
+        """Make sure `me` has a slot draining for it, if one can: the resident one with the
+        fewest requests running, then the least recently used, not draining for another."""
+        if any(s.drained_for is me for s in self.slots):
+            return
+        open_ = [i for i, s in enumerate(self.slots)
+                 if s.label is not None and not s.loading and s.drained_for is None]
+        if open_:
+            k = min(open_, key=lambda i: (self.slots[i].refs, self.slots[i].used))
+            self.slots[k].drained_for = me
 
     async def _load(self, k: int, name: str, archive: Path | None) -> None:
         t0 = time.perf_counter()

@@ -89,6 +89,54 @@ async def test_slots_fill_evict_lru_and_never_a_held_one():
     assert "a@v1" not in w.labels and ("hotloop_slot_free", w.labels.index(None)) in w.calls
 
 
+async def test_tenants_that_always_have_a_request_running_do_not_starve_a_waiting_one():
+    """Every slot held by a tenant whose users keep a request running at every moment (each
+    new one starts before the last ends): a third tenant's request is served once the
+    least busy of them has finished what it was running, not refused after `wait_s`. The
+    tenant it replaced waits in line behind it, then gets a slot back, never two at once."""
+    w = Worker(2)
+    slots = WorkerSlots(w, 2, wait_s=5.0)
+    archive = Path("/nowhere")
+    a = [await slots.acquire("a", 1, archive)]
+    b = [await slots.acquire("b", 1, archive), await slots.acquire("b", 1, archive)]
+    c = asyncio.create_task(slots.acquire("c", 1, archive))
+    await asyncio.sleep(0.05)
+    assert not c.done()
+    # a is the least busy (one running): it drains for c; its next user waits in line
+    a_next = asyncio.create_task(slots.acquire("a", 1, archive))
+    b.append(await slots.acquire("b", 1, archive))  # b is not draining: admitted at once
+    await asyncio.sleep(0.05)
+    assert not a_next.done() and not c.done()
+    await slots.release(a.pop())  # a's last running request ends: c takes its slot
+    c_lease = await asyncio.wait_for(c, 1.0)
+    assert sorted(w.labels) == ["b@v1", "c@v1"]
+    # a waits for the next slot to free (b keeps going meanwhile, but b's slot now drains)
+    b_after = asyncio.create_task(slots.acquire("b", 1, archive))
+    await asyncio.sleep(0.05)
+    assert not a_next.done() and not b_after.done()
+    for lease in b:
+        await slots.release(lease)
+    a_lease = await asyncio.wait_for(a_next, 1.0)
+    assert sorted(w.labels) == ["a@v1", "c@v1"] and w.labels.count("a@v1") == 1
+    await slots.release(c_lease)
+    b_lease = await asyncio.wait_for(b_after, 1.0)  # and b is back in c's slot
+    assert sorted(w.labels) == ["a@v1", "b@v1"]
+    assert slots.stats()["refusals"] == 0
+    for lease in (a_lease, b_lease):
+        await slots.release(lease)
+
+
+async def test_a_waiter_that_gives_up_leaves_no_slot_draining():
+    w = Worker(1)
+    slots = WorkerSlots(w, 1, wait_s=0.1)
+    archive = Path("/nowhere")
+    a1 = await slots.acquire("a", 1, archive)
+    with pytest.raises(ResourceExhausted):
+        await slots.acquire("b", 1, archive)  # a1 never ends within its wait
+    a2 = await asyncio.wait_for(slots.acquire("a", 1, archive), 0.05)  # a is not draining now
+    assert w.labels == ["a@v1"] and a2.label == a1.label
+
+
 async def test_slot_metrics_count_loads_evictions_waits_refusals_and_residency():
     from prometheus_client import CollectorRegistry
 
