@@ -28,8 +28,9 @@ Owns:
   `--check-answers` answers of that version confirm the target, so they stop rating for good
   and the lineage stays held, or send them back to rating and resume it (`advance`), unless
   `--keep-rating`; the phase ends once every tenant's target was confirmed, unless
-  `--no-stop`, or after `--train-s`),
-  evaluation (users only again, until every tenant's final version gave `--eval-answers`
+  `--no-stop`, or after `--train-s`; a tenant no check confirmed then goes back to the checked
+  version that met its target best, if it serves another: `rollback_choice`, the admin API's
+  reset with a version), evaluation (users only again, until every tenant's final version gave `--eval-answers`
   answers since its lineage stopped learning: the final shares, `final_answers`), then each
   tenant's adapter exported with the tenant's own key and, once the mesh has stopped, the
   audit (`apps.audit`): a sample of each tenant's answers scored under every tenant's adapter
@@ -255,6 +256,8 @@ class TenantRun:
     # lineage's version against the target (None: rating, or done)
     checks: list[dict] = field(default_factory=list)  # every check: when, which version, on
     # how many answers, their share, accepted or not
+    rollback: dict | None = None  # training ended unconfirmed: the checked version it went
+    # back to (`rollback_choice`), or why it could not
 
 
 @dataclass
@@ -441,6 +444,25 @@ def advance(run: TenantRun, now: float, window: int, check_answers: int,
     return "resumed"
 
 
+def rollback_choice(run: TenantRun) -> dict | None:
+    """For a tenant whose target no check confirmed when training ended: the check whose
+    version met the target best (its share at or above the target, refused only for falling
+    short of the margin), when that version is not the one it serves. The lineage wanders on
+    after a refused check, and ended below where a check had measured it (d9 `short`: two
+    checks at 0.41 of 37 against a target of 0.35, its final version 0.21): the demo then
+    serves that version again, as an operator would (`POST /admin/tenants/<name>/reset` with
+    the version). The choice is made on the check's answers, so the final share is measured
+    on fresh ones only (`learned_until` is set when the version serves)."""
+    if run.reached_at is not None or run.target is None:
+        return None
+    met = [c for c in run.checks if c["version"] and c["share"] is not None
+           and c["share"] >= run.target]
+    if not met:
+        return None
+    best = max(met, key=lambda c: (c["share"], c["version"]))
+    return best if best["version"] != final_version(run) else None
+
+
 def standard_error(p: float | None, n: int) -> float | None:
     """The standard error of a share `p` of `n` answers (binomial)."""
     return (p * (1 - p) / n) ** 0.5 if p is not None and n else None
@@ -551,6 +573,9 @@ async def run_tenants(state: TenantsState, stack: Stack, keys: dict[str, str], m
         state.training_ended = time.time()
         for run in runs:
             run.learned_until = run.learned_until or state.training_ended
+        for run in runs:
+            if running() and (best := rollback_choice(run)) is not None:
+                await roll_back(stack, run, best)
 
         def evaluated(run: TenantRun) -> int:
             last, measured_on = final_answers(run, state.training_started, state.window)
@@ -634,6 +659,42 @@ async def export_adapters(gateway_url: str, keys: dict[str, str], out: Path) -> 
                 continue
             got[tenant] = version
     return got
+
+
+async def roll_back(stack: Stack, run: TenantRun, check: dict, wait_s: float = 60.0) -> None:
+    """Serve `check`'s version of the tenant again (`rollback_choice`): hold the lineage (no
+    queued feedback trains it further), reset it to that version through the admin API (the
+    trainer publishes it as the next version), and wait until the lineage's latest version is
+    above what it was; the final share counts the answers from then (`learned_until`). A
+    failure is recorded in `run.rollback`, and the lineage stays as it was."""
+    import httpx
+
+    url = f"{stack.target.base_url}/admin/tenants/{run.name}"
+    auth = {"Authorization": f"Bearer {stack.info.admin_token()}"}
+    run.rollback = {"to": check["version"], "from": final_version(run),
+                    "check_share": check["share"], "check_answers": check["answers"]}
+    try:
+        await hold(stack, run.name, True)
+        async with httpx.AsyncClient(timeout=30) as http:
+            before = (await http.get(url, headers=auth)).json()["latest_version"]
+            r = await http.post(f"{url}/reset", json={"version": check["version"]}, headers=auth)
+            if r.status_code != 202:
+                raise RuntimeError(f"HTTP {r.status_code}: {r.text[:300]}")
+            deadline = time.monotonic() + wait_s
+            while (latest := (await http.get(url, headers=auth)).json()["latest_version"]) <= before:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"no new version of {run.name} within {wait_s:.0f} s")
+                await asyncio.sleep(0.5)
+    except Exception as e:  # the run goes on with the lineage as it was
+        run.rollback["error"] = f"{type(e).__name__}: {e}"
+        print(f"[demo-tenants] {run.name}: could not go back to v{check['version']}: "
+              f"{run.rollback['error']}", flush=True)
+        return
+    run.rollback["as"] = latest
+    run.learned_until = time.time()
+    print(f"[demo-tenants] {run.name}: no check confirmed its target; back to v{check['version']} "
+          f"(its check: {check['share']:.2f} of {check['answers']}, target {run.target:.2f}), "
+          f"serving as v{latest}", flush=True)
 
 
 async def hold(stack: Stack, tenant: str, held: bool) -> None:
@@ -739,6 +800,7 @@ def tenant_record(state: TenantsState, run: TenantRun) -> dict:
                               "version": c["version"], "answers": c["answers"],
                               "share": c["share"], "accepted": c["accepted"]}
                              for c in run.checks] if t0 else [],
+                  "rollback": run.rollback,
                   "window": len(last), "final_from": measured_on, "final_version": final_version(run),
                   "learned_s": run.learned_until - t0 if run.learned_until and t0 else None,
                   "base_answers": n_base},
@@ -838,6 +900,8 @@ def write_tenants_report(state: TenantsState) -> dict:
         s, lm, fb = t["share"], t["loop_ms"], t["feedback"]
         checks = f" ({len(s['checks'])} checks)" if len(s["checks"]) > 1 else ""
         reached = f"{s['time_to_target_s']:.0f} s{checks}" if s["confirmed"] else "no"
+        if (rb := s.get("rollback")) and "as" in rb:
+            reached += f"; back to v{rb['to']} ({_f(rb['check_share'])} of {rb['check_answers']})"
         cross = ", ".join(f"{k} {_f(c['delta'], '+.2f')} ± {_f(c['se'])}" for k, c in t["cross"].items())
         lines.append(f"| {t['name']} | {t['preference']} | {_f(s['base'])} | {_f(s['final'])} | "
                      f"{_f(s['target'])} | {reached} | {_f(t['cross_delta_max'], '+.2f')} ({cross}) | "
@@ -863,7 +927,9 @@ def write_tenants_report(state: TenantsState) -> dict:
               "rating, and the version it then served met "
               f"the target by {CHECK_MARGIN_SE:g} standard errors in `check_answers` fresh answers (then "
               "its users stop rating; below, they rate again); with `--keep-rating`, its window met "
-              "the target by more than one standard error",
+              "the target by more than one standard error; back to: training ended unconfirmed, "
+              "and the demo served again the checked version that met the target best (its "
+              "check's answers are not in its final share)",
               "- base: the preference's share of every tenant's idle answers (the base model on the same "
               "prompts); final: of the answers the tenant's final version gave to requests sent after "
               "its lineage stopped learning (at its target, or when training ended), the evaluation's "

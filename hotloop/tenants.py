@@ -138,6 +138,9 @@ class TenantRecord:
     revision: int = 0
     """The KV revision this record was read or written at (not stored in the value): higher
     is newer, for every name of the bucket alike."""
+    reset_to: int = 0
+    """What the latest reset went back to: 0 the base model, N the lineage's version N (its
+    adapter published again as the next version; training goes on from it)."""
 
     def key_ids(self) -> list[str]:
         return [k.id for k in self.keys]
@@ -147,7 +150,7 @@ class TenantRecord:
 
         return bus_pb2.TenantRecord(
             name=self.name, generation=self.generation, created_at=self.created_at,
-            config=self.config, held=self.held,
+            config=self.config, held=self.held, reset_to=self.reset_to,
             keys=[bus_pb2.TenantKey(id=k.id, sha256=k.sha256, created_at=k.created_at)
                   for k in self.keys],
         ).SerializeToString()
@@ -158,7 +161,8 @@ class TenantRecord:
 
         p = bus_pb2.TenantRecord.FromString(data)
         return cls(p.name, tuple(TenantKey(k.id, k.sha256, k.created_at) for k in p.keys),
-                   p.generation, p.created_at, p.config, held=p.held, revision=revision)
+                   p.generation, p.created_at, p.config, held=p.held, revision=revision,
+                   reset_to=p.reset_to)
 
 
 def _digest_hex(sha256: str) -> str:
@@ -247,7 +251,7 @@ class Registry:
         return [TenantRecord.from_bytes(e.value, e.revision) for e in entries.values()]
 
     async def create(self, name: str, keys: Sequence[TenantKey] = (), *, config: bool = False,
-                     generation: int = 0, held: bool = False) -> TenantRecord:
+                     generation: int = 0, held: bool = False, reset_to: int = 0) -> TenantRecord:
         """A new record for `name`; `AlreadyExists` if it has one."""
         from nats.js.errors import KeyWrongLastSequenceError
 
@@ -255,7 +259,8 @@ class Registry:
             raise InvalidArgument("the default tenant cannot be created")
         for k in keys:
             _digest_hex(k.sha256)
-        record = TenantRecord(name, tuple(keys), generation, time.time(), config, held)
+        record = TenantRecord(name, tuple(keys), generation, time.time(), config, held,
+                              reset_to=reset_to)
         kv, data = await self._kv(), record.to_bytes()
         try:
             revision = await self.bus.retrying(lambda: kv.create(name, data), f"tenant {name} create")
@@ -300,16 +305,20 @@ class Registry:
 
         return await self._rewrite(name, add)
 
-    async def reset(self, name: str, *, config: bool = False) -> TenantRecord:
+    async def reset(self, name: str, *, config: bool = False, to_version: int = 0) -> TenantRecord:
         """Add 1 to `name`'s generation (a write retried across a bus outage may add 2: a
-        watcher resets once either way). `config`: `name` is a config tenant, whose record is
-        created (at generation 1) by its first reset."""
+        watcher resets once either way), going back to `to_version` (0: the base model; N: the
+        lineage's version N). `config`: `name` is a config tenant, whose record is created (at
+        generation 1) by its first reset."""
+        if to_version < 0:
+            raise InvalidArgument(f"a reset goes back to a version >= 0, not {to_version}")
         if config:
             try:
-                return await self.create(name, config=True, generation=1)
+                return await self.create(name, config=True, generation=1, reset_to=to_version)
             except AlreadyExists:
                 pass  # reset before: bump it below
-        return await self._rewrite(name, lambda r: replace(r, generation=r.generation + 1))
+        return await self._rewrite(name, lambda r: replace(r, generation=r.generation + 1,
+                                                              reset_to=to_version))
 
     async def hold(self, name: str, held: bool = True, *, config: bool = False) -> TenantRecord:
         """Hold `name`'s learning (`held`), or resume it. `config`: `name` is a config tenant,

@@ -4,7 +4,8 @@ Owns:
 - who may use the admin API (`check_admin`: `Authorization: Bearer <[security] admin_token>`,
   compared in constant time; no admin token configured: every admin call is refused, 403);
 - the operations behind the admin endpoints: create a tenant and mint its first key, mint
-  another, list, get, reset, hold and resume, delete (`hotloop.tenants.Registry` holds the
+  another, list, get, reset (to the base model or to one of the lineage's own versions, which
+  its trainer must hold), hold and resume, delete (`hotloop.tenants.Registry` holds the
   records; a key's secret is returned once and only its sha256 is stored), and export a
   tenant's latest version (`export`: read the lineage's `latest_key` in the versions KV,
   stream the archive from the trainer with `TrainerClient.fetch_adapter`, check size and
@@ -266,12 +267,26 @@ class TenantAdmin:
             out.append(_record_view(records.get(name), name, config, await self._latest(name)))
         return out
 
-    async def reset(self, name: str) -> dict:
-        """Start the tenant's lineage over from the base model: the trainer sees the
-        generation go up, resets the lane and publishes a fresh adapter as a new version."""
-        self._name(name)
-        record = await self.registry.reset(name, config=name in self.tenants.config)
-        return {"tenant": name, "generation": record.generation}
+    async def reset(self, name: str, version: int = 0) -> dict:
+        """Start the tenant's lineage over from the base model, or (`version` N) from its own
+        version N: the trainer sees the generation go up, resets the lane and publishes that
+        adapter (a fresh one for the base) as a new version, and training goes on from it. A
+        version above the lineage's latest, or one its trainer does not hold, is refused here
+        (InvalidArgument, NotFound), before anything is written."""
+        if not await self.exists(self._name(name)):
+            raise NotFound(f"no tenant {name!r}")
+        if version < 0:
+            raise InvalidArgument(f"a reset goes back to a version >= 0, not {version}")
+        if version:
+            latest = await self._latest(name)
+            if version > latest:
+                raise InvalidArgument(f"tenant {name!r} has no version {version}: its latest "
+                                      f"is {latest}")
+            _, chunks = await self._fetch(name, version)  # it is stored: the trainer has it
+            await chunks.aclose()
+        record = await self.registry.reset(name, config=name in self.tenants.config,
+                                           to_version=version)
+        return {"tenant": name, "generation": record.generation, "to_version": version}
 
     async def hold(self, name: str, held: bool = True) -> dict:
         """Hold the tenant's learning (`held`), or resume it: the trainer that follows the
@@ -298,15 +313,27 @@ class TenantAdmin:
     async def export(self, name: str) -> Export:
         """Tenant `name`'s latest version, fetched from the trainer and checked against the
         versions KV. NotFound: no such tenant, or no version yet."""
-        from hotloop.clients import TrainerClient
-
         if not await self.exists(self._name(name)):
             raise NotFound(f"no tenant {name!r}")
         info = await self.bus.kv_get(hbus.latest_key(name), common_pb2.VersionInfo)
         if info is None or info.version == 0:
             raise NotFound(f"tenant {name!r} has no adapter version yet (it is served the base model)")
+        _, chunks = await self._fetch(name, info.version, info.sha256)
+        try:
+            return await _checked(name, info, chunks)
+        finally:
+            await chunks.aclose()  # read to its end, or not: the trainer's client is closed
+
+    async def _fetch(self, name: str, version: int, sha256: str = ""):
+        """(the trainer's record of `version` of `name`'s lineage, its archive's chunks) from
+        the first trainer that holds it (with `sha256`, that very one: the announced); the
+        chunks' generator closes the trainer's client when it ends or is closed. NotFound or
+        Unavailable: no trainer had it."""
+        from hotloop.clients import TrainerClient
+
+        info = await self.bus.kv_get(hbus.latest_key(name), common_pb2.VersionInfo)
         said = await self.bus.kv_get(hbus.announced_key(name), bus_pb2.WeightsUpdated)
-        recorded = hbus.recorded_address(said, info)  # a gateway started after the announcement
+        recorded = hbus.recorded_address(said, info) if info is not None else ""
         addresses = list(dict.fromkeys(
             a for a in (self.fetch_from.get(name), recorded, self.trainer) if a))
         if not addresses:
@@ -316,16 +343,35 @@ class TenantAdmin:
         for address in addresses:
             client = TrainerClient(address, self.admin_token)
             try:
-                got, chunks = await client.fetch_adapter(info.version, FETCH_TIMEOUT_S, tenant=name)
-                if (got.version, got.sha256) != (info.version, info.sha256):
-                    raise Unavailable(f"trainer at {address} holds another v{info.version} of "
+                got, chunks = await client.fetch_adapter(version, FETCH_TIMEOUT_S, tenant=name)
+                if sha256 and (got.version, got.sha256) != (version, sha256):
+                    await _close(chunks)
+                    raise Unavailable(f"trainer at {address} holds another v{version} of "
                                       f"tenant {name!r} than the one announced")
-                return await _checked(name, info, chunks)
             except (NotFound, Unavailable) as e:
-                err = e  # the next address may hold it
-            finally:
                 await client.close()
+                err = e  # the next address may hold it
+                continue
+            except BaseException:
+                await client.close()
+                raise
+
+            async def owned(chunks=chunks, client=client):
+                try:
+                    async for chunk in chunks:
+                        yield chunk
+                finally:
+                    await _close(chunks)  # unread: the call is cancelled
+                    await client.close()
+
+            return got, owned()
         raise err
+
+
+async def _close(chunks) -> None:
+    aclose = getattr(chunks, "aclose", None)
+    if aclose is not None:
+        await aclose()
 
 
 async def _checked(name: str, info, chunks: AsyncIterator[bytes]) -> Export:

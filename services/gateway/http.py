@@ -31,7 +31,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client.exposition import choose_encoder
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from hotloop.errors import (
@@ -112,6 +112,14 @@ class CompletionRequest(_Body):
 
 class TenantBody(_Body):
     name: str
+
+
+class ResetBody(BaseModel):
+    # forbid: a misspelt field would otherwise reset to the base model, silently
+    model_config = ConfigDict(extra="forbid")
+
+    version: int = Field(0, ge=0)
+    """The lineage's own version to go back to (0: the base model)."""
 
 
 class FeedbackBody(_Body):
@@ -560,8 +568,9 @@ def build_app(core: GatewayCore, admin: TenantAdmin | None = None) -> FastAPI:
         return await a.add_key(name)
 
     @app.post("/admin/tenants/{name}/reset", status_code=202)
-    async def reset_tenant(name: str, a: TenantAdmin = Depends(operator)):
-        return await a.reset(name)
+    async def reset_tenant(name: str, body: ResetBody | None = None,
+                           a: TenantAdmin = Depends(operator)):
+        return await a.reset(name, body.version if body is not None else 0)
 
     @app.post("/admin/tenants/{name}/hold", status_code=202)
     async def hold_tenant(name: str, a: TenantAdmin = Depends(operator)):

@@ -338,6 +338,37 @@ def test_a_check_needs_its_target_plus_its_margin(tmp_path):
     assert verdict(19, margin_se=1.0) == "accepted" and verdict(18, margin_se=1.0) == "resumed"
 
 
+def test_an_unconfirmed_tenant_goes_back_to_the_checked_version_that_met_its_target_best(tmp_path):
+    """`rollback_choice`: training ended and no check confirmed the tenant's target: the check
+    whose share met the target best (refused for the margin only), unless the tenant serves
+    that version already; none when no check met the target, or one was accepted."""
+    from apps.tenant_demo import rollback_choice
+
+    run = TenantRun("short", PREFERENCES["short"](), sim=None,
+                    tracker=LoopTracker("nats://unused", tmp_path, "short"))
+
+    class Sim:
+        records: list[Record] = []
+
+    run.sim, run.target = Sim(), 0.35
+    run.tracker.published_at.update({v: float(v) for v in range(1, 216)})
+
+    def check(version: int, share: float, accepted: bool = False) -> dict:
+        return {"at": 0.0, "paused_at": 0.0, "version": version, "answers": 37, "share": share,
+                "accepted": accepted}
+
+    assert rollback_choice(run) is None  # no check at all
+    run.checks = [check(12, 0.20), check(30, 0.34)]
+    assert rollback_choice(run) is None  # none at the target
+    run.checks += [check(27, 0.41), check(204, 0.41), check(90, 0.38)]
+    assert rollback_choice(run)["version"] == 204  # the best share; of equals, the later
+    run.tracker.published_at = {v: float(v) for v in range(1, 205)}
+    assert rollback_choice(run) is None  # it serves v204 already
+    run.tracker.published_at[215] = 215.0
+    run.reached_at = 1.0
+    assert rollback_choice(run) is None  # confirmed: nothing to go back to
+
+
 def test_a_block_is_read_once(tmp_path):
     """A block below the bar stays below it: read again, later, it does not pause the tenant,
     and neither do the answers of a block not yet complete."""

@@ -181,7 +181,8 @@ async def test_a_reset_bumps_the_generation_and_a_watcher_sees_it(rig):
     async with watching(one.bus, lambda name, record: (
             name, record and record.generation, record and record.config)) as seen:
         r = await call("POST", f"{two.admin_url}/tenants/umbrella/reset")
-        assert r.status_code == 202 and r.json() == {"tenant": "umbrella", "generation": 1}
+        assert r.status_code == 202 and r.json() == {"tenant": "umbrella", "generation": 1,
+                                                     "to_version": 0}
         assert await asyncio.wait_for(seen.get(), 10) == ("umbrella", 1, False)
         # a config tenant can be reset too: its record carries the generation only
         r = await call("POST", f"{one.admin_url}/tenants/acme/reset")
@@ -385,6 +386,42 @@ async def test_export_streams_the_latest_version_checked_and_only_to_its_tenant(
     await call("DELETE", f"{one.admin_url}/tenants/wayne")
     r = await call("POST", f"{one.admin_url}/tenants", json={"name": "wayne"})
     assert r.status_code == 409 and "still holds version 1" in r.json()["error"]["message"]
+
+
+async def test_a_reset_to_a_version_is_checked_against_the_lineage_and_its_trainer(
+        rig, tmp_path, adapter_factory):
+    """`POST /admin/tenants/<name>/reset {"version": N}` goes back to the lineage's own version
+    N (the trainer publishes it again and trains on from it, tests/trainer/recipes): refused
+    before anything is written for a version above the latest, one its trainer does not hold,
+    a negative one or a misspelt field; accepted, the record says where to go back to."""
+    _, one, _, _ = rig
+    await call("POST", f"{one.admin_url}/tenants", json={"name": "rolly"})
+    registry = Registry(one.bus)
+    trainer = await Trainer().start(tmp_path, one.bus, "rolly")
+    try:
+        for v in (1, 2):
+            await trainer.publisher.publish(v, adapter_factory(seed=v, r=4))
+        url = f"{one.admin_url}/tenants/rolly/reset"
+        r = await call("POST", url, json={"version": 3})
+        assert r.status_code == 400 and "no version 3: its latest is 2" in r.text, r.text
+        for body in ({"version": -1}, {"versoin": 1}, {"version": "two"}):
+            assert (await call("POST", url, json=body)).status_code == 400, body
+        (trainer.publisher.store.dir / "v1.json").unlink()  # a version the store lost
+        r = await call("POST", url, json={"version": 1})
+        assert r.status_code == 404 and "not in the trainer's store" in r.text, r.text
+        assert (await registry.get("rolly")).generation == 0  # nothing was written
+        r = await call("POST", url, json={"version": 2})
+        assert r.status_code == 202 and r.json() == {"tenant": "rolly", "generation": 1,
+                                                     "to_version": 2}
+        assert ((rec := await registry.get("rolly")).generation, rec.reset_to) == (1, 2)
+        r = await call("POST", url)  # no body: to the base model
+        assert r.status_code == 202 and r.json()["to_version"] == 0
+        assert ((rec := await registry.get("rolly")).generation, rec.reset_to) == (2, 0)
+        assert (await call("POST", f"{one.admin_url}/tenants/nobody/reset",
+                           json={"version": 1})).status_code == 404
+    finally:
+        await trainer.stop()
+        await call("DELETE", f"{one.admin_url}/tenants/rolly")
 
 
 async def _async(value):

@@ -86,20 +86,22 @@ class DeadLetter(_message.Message):
     def __init__(self, subject: _Optional[str] = ..., payload: _Optional[bytes] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class TenantRecord(_message.Message):
-    __slots__ = ("name", "keys", "generation", "created_at", "config", "held")
+    __slots__ = ("name", "keys", "generation", "created_at", "config", "held", "reset_to")
     NAME_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     CREATED_AT_FIELD_NUMBER: _ClassVar[int]
     CONFIG_FIELD_NUMBER: _ClassVar[int]
     HELD_FIELD_NUMBER: _ClassVar[int]
+    RESET_TO_FIELD_NUMBER: _ClassVar[int]
     name: str
     keys: _containers.RepeatedCompositeFieldContainer[TenantKey]
     generation: int
     created_at: float
     config: bool
     held: bool
-    def __init__(self, name: _Optional[str] = ..., keys: _Optional[_Iterable[_Union[TenantKey, _Mapping]]] = ..., generation: _Optional[int] = ..., created_at: _Optional[float] = ..., config: _Optional[bool] = ..., held: _Optional[bool] = ...) -> None: ...
+    reset_to: int
+    def __init__(self, name: _Optional[str] = ..., keys: _Optional[_Iterable[_Union[TenantKey, _Mapping]]] = ..., generation: _Optional[int] = ..., created_at: _Optional[float] = ..., config: _Optional[bool] = ..., held: _Optional[bool] = ..., reset_to: _Optional[int] = ...) -> None: ...
 
 class TenantKey(_message.Message):
     __slots__ = ("id", "sha256", "created_at")

@@ -496,6 +496,29 @@ class LoraPolicy:
             for p, t in zip(params, own):
                 p.data = t
 
+    def read_adapter(self, files: dict[str, Any]) -> list[torch.Tensor]:
+        """The tensors of an adapter this policy saved (`save_adapter`'s files, by name: an
+        archive's members, `hotloop.adapters.read_archive`), in `trainable_tensors` order, on
+        the policy's device and dtype. An adapter of another shape (another rank, other
+        layers or modules) is a ValueError naming what differs."""
+        from safetensors.torch import load
+
+        data = files.get("adapter_model.safetensors")
+        if data is None:
+            raise ValueError("not an adapter: no adapter_model.safetensors")
+        saved = load(bytes(data))
+        out = []
+        for name, p in self.trainable_parameters():
+            key = name.replace(".default", "")  # how peft names a saved adapter's tensors
+            t = saved.pop(key, None)
+            if t is None or t.shape != p.shape:
+                got = "missing" if t is None else f"shape {tuple(t.shape)}"
+                raise ValueError(f"{key}: {got}, this policy's is {tuple(p.shape)}")
+            out.append(t.to(device=p.device, dtype=p.dtype))
+        if saved:
+            raise ValueError(f"{len(saved)} tensors this policy does not train, e.g. {next(iter(saved))}")
+        return out
+
     def save_checkpoint(self, root: Path, data_position: dict[str, Any] | None = None,
                         extras: dict[str, Callable[[Path], None]] | None = None) -> Path:
         """Checkpoint adapter, optimizer, step and RNG states under `root` (checkpoint.py);

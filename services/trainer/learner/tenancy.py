@@ -121,11 +121,12 @@ class Adapters:
         swap_in(self.policy, self._states[tenant])
         self.current = tenant
 
-    def reset(self, tenant: str) -> None:
-        """Put `tenant` back at the fresh init with no optimizer state; its step count stays
+    def reset(self, tenant: str, params: list[torch.Tensor] | None = None) -> None:
+        """Put `tenant` back at the fresh init (or at `params`, tensors in the policy's order:
+        a version of its own it goes back to) with no optimizer state; its step count stays
         (checkpoint names keep increasing, so the reset one is the latest)."""
         step = self.state(tenant).step
-        self._states[tenant] = AdapterState.fresh(self._initial, step)
+        self._states[tenant] = AdapterState.fresh(self._initial if params is None else params, step)
         if tenant == self.current:
             swap_in(self.policy, self._states[tenant])
 

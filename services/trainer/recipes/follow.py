@@ -10,7 +10,9 @@ this follows its watch and calls the lanes' lifecycle (lanes.py):
   `[online] tenants` lists them. Several trainers that follow the registry split its tenants
   first come, first served: the first to claim a tenant's lineage (`hotloop.leases`) learns it,
   and the others, refused, leave it alone.
-- a record whose generation is above the one this process last applied: `reset_tenant`.
+- a record whose generation is above the one this process last applied: `reset_tenant`, to
+  the base model or to the lineage's version `reset_to` (read from its store; one the store
+  does not hold is logged and skipped: the admin API checked it was there).
 - every record of a lane here: `hold_tenant(name, record.held)` (the registry's state, so a
   hold made while the trainer was down holds its lane from the start).
 - a deleted name with a lane here: the lane is reset first (so every replica's newest version
@@ -38,9 +40,14 @@ import logging
 import os
 from pathlib import Path
 
+from hotloop.errors import NotFound
 from hotloop.leases import LineageTaken
 
 log = logging.getLogger(__name__)
+
+
+def _to(version: int) -> str:
+    return f"its v{version}" if version else "the base model"
 
 
 async def held_tenants(registry) -> set[str]:
@@ -74,7 +81,8 @@ class FollowedLineage:
         self.applied: dict[str, int] = (json.loads(self.state_path.read_text())
                                         if self.state_path.exists() else {})
         self.held = False
-        self.due: int | None = None  # a reset seen in the replay, applied once the loop runs
+        self.due: tuple[int, int] | None = None  # a reset (generation, to version) seen in
+        # the replay, applied once the loop runs
         self.online = None  # the loop (`online.Online`) now, and its task:
         self.recipe = None
         self.resetting = False
@@ -103,7 +111,7 @@ class FollowedLineage:
                 follower.result()  # its error
             self._start()
             if self.due is not None:  # reset while this trainer was down
-                await self._reset(self.due)
+                await self._reset(*self.due)
             while True:
                 self._changed.clear()
                 changed = asyncio.ensure_future(self._changed.wait())
@@ -153,22 +161,33 @@ class FollowedLineage:
                 self._save(known)
             if generation <= known:
                 continue
+            to = record.reset_to if record is not None else 0
             if self.online is None:  # in the replay: once the loop runs (`run`)
-                self.due = generation
+                self.due = (generation, to)
             else:
-                await self._reset(generation)
+                await self._reset(generation, to)
 
-    async def _reset(self, generation: int) -> None:
+    async def _reset(self, generation: int, to_version: int = 0) -> None:
         async with self._lock:
             if generation <= self.applied.get(self.job.tenant, 0):
                 return  # applied meanwhile
-            await self._reset_loop(generation)
+            await self._reset_loop(generation, to_version)
 
-    async def _reset_loop(self, generation: int) -> None:
+    async def _reset_loop(self, generation: int, to_version: int) -> None:
         import asyncio
 
-        from .online import reset_lineage, solo_turn
+        from .online import read_version, reset_lineage, solo_turn
 
+        params = None
+        if to_version:
+            try:
+                params = read_version(self.policy, self.mesh.publisher.store, to_version)
+            except NotFound as e:  # the gateway checked it was stored; gone since
+                log.error("tenant %r: reset (generation %d) to v%d not applied: %s",
+                          self.job.tenant, generation, to_version, e)
+                self._save(generation)
+                self.due = None
+                return
         self.resetting = True
         try:
             recipe = self.recipe
@@ -191,15 +210,15 @@ class FollowedLineage:
                 return
             try:
                 version = await reset_lineage(self.online, self.run_dir, solo_turn,
-                                              lambda: self.adapters.reset(self.job.tenant))
+                                              lambda: self.adapters.reset(self.job.tenant, params))
             except BaseException:
                 if lease is not None:
                     await lease.release()
                 raise
             self._save(generation)
             self.due = None
-            log.info("tenant %r reset (generation %d): the base model is version %d",
-                     self.job.tenant, generation, version)
+            log.info("tenant %r reset (generation %d) to %s: version %d",
+                     self.job.tenant, generation, _to(to_version), version)
             self._start(lease)
         finally:
             self.resetting = False
@@ -293,9 +312,13 @@ class RegistryFollower:
         if known is None:  # nothing applied here yet: a new lane is the base model already
             known = record.generation if (replay or added) else 0
         if record.generation > known:
-            version = await lanes.reset_tenant(name)
-            log.info("tenant %r reset (generation %d): the base model is version %d", name,
-                     record.generation, version)
+            try:
+                version = await lanes.reset_tenant(name, record.reset_to)
+                log.info("tenant %r reset (generation %d) to %s: version %d", name,
+                         record.generation, _to(record.reset_to), version)
+            except NotFound as e:  # the gateway checked it was stored; gone since
+                log.error("tenant %r: reset (generation %d) to v%d not applied: %s", name,
+                          record.generation, record.reset_to, e)
         if self.applied.get(name) != record.generation:
             self.applied[name] = record.generation
             self._save()

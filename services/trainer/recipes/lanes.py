@@ -63,7 +63,7 @@ from hotloop.tenants import check_tenant
 from ..config import OnlineConfig, TrainerConfig
 from .base import run_recipe
 from .fairshare import FairShare
-from .online import Grant, Online, OnlineMesh, OnlineMetrics, reset_lineage
+from .online import Grant, Online, OnlineMesh, OnlineMetrics, read_version, reset_lineage
 from .usersfirst import UsersFirst
 
 log = logging.getLogger(__name__)
@@ -192,6 +192,7 @@ class Lanes:
         self.held: set[str] = set()  # tenants whose lineage is held (`hold_tenant`); set
         # before `run` for the config tenants' lanes to start held
         self._changed = asyncio.Event()
+        self._resetting: set[str] = set()  # lanes stopped by a reset, about to start again
         self._ready = asyncio.Event()  # the policy is built: lanes can be added
         self.follow: Callable[[Lanes], Any] | None = None  # (lanes) -> a coroutine run beside them
         if registry is not None:
@@ -224,13 +225,14 @@ class Lanes:
                 for task in [lane.task for lane in lanes] + ([follower] if follower else []):
                     if task.done() and not task.cancelled() and task.exception():
                         raise task.exception()
-                # a follower that adds lanes keeps the trainer up for the tenants to come
-                if lanes and all(lane.task.done() for lane in lanes) and (
-                        follower is None or not self.job.follow_registry):
+                # a follower that adds lanes keeps the trainer up for the tenants to come; a
+                # lane being reset was stopped to start again, not ended
+                if lanes and all(lane.task.done() for lane in lanes) and not self._resetting \
+                        and (follower is None or not self.job.follow_registry):
                     break
                 changed = asyncio.ensure_future(self._changed.wait())
-                await asyncio.wait([*(lane.task for lane in lanes), changed,
-                                    *([follower] if follower else [])],
+                await asyncio.wait([*(lane.task for lane in lanes if not lane.task.done()),
+                                    changed, *([follower] if follower else [])],
                                    return_when=asyncio.FIRST_COMPLETED)
                 changed.cancel()
             for lane in lanes:
@@ -295,23 +297,33 @@ class Lanes:
             raise
         log.info("tenant %r: lane started in %s", tenant, directory)
 
-    async def reset_tenant(self, tenant: str) -> int:
-        """Back to the base: a fresh adapter and optimizer, published as a new version above
-        the lineage's latest and checkpointed, then the lane goes on from there. Returns the
-        version."""
+    async def reset_tenant(self, tenant: str, to_version: int = 0) -> int:
+        """Back to the base (or to the lineage's own `to_version`, read from its store): that
+        adapter with no optimizer state, published as a new version above the lineage's latest
+        and checkpointed, then the lane goes on from there. Returns the version. A version
+        the store does not hold is NotFound, and the lane goes on untouched."""
         lane = self._lane(tenant)
-        lane.online.keep_lease()  # held from the stop to the next loop: no other trainer between
-        await self._stop(lane)
-        lease = lane.online.lease
+        params = (read_version(self.policy, lane.mesh.publisher.store, to_version)
+                  if to_version else None)
+        self._resetting.add(tenant)  # `run` does not take the stopped lane for an ended one
         try:
-            version = await reset_lineage(lane.online, lane.dir, lambda: self.turns.turn(tenant),
-                                          lambda: self.turns.adapters.reset(tenant))
-        except BaseException:
-            if lease is not None:
-                await lease.release()
-            raise
-        log.info("tenant %r: reset to the base as version %d", tenant, version)
-        self._start(tenant, lane.dir, lane.mesh, lane.metrics, lease=lease)
+            lane.online.keep_lease()  # held from the stop to the next loop: no trainer between
+            await self._stop(lane)
+            lease = lane.online.lease
+            try:
+                version = await reset_lineage(lane.online, lane.dir,
+                                              lambda: self.turns.turn(tenant),
+                                              lambda: self.turns.adapters.reset(tenant, params))
+            except BaseException:
+                if lease is not None:
+                    await lease.release()
+                raise
+            log.info("tenant %r: reset to %s as version %d", tenant,
+                     f"its v{to_version}" if to_version else "the base", version)
+            self._start(tenant, lane.dir, lane.mesh, lane.metrics, lease=lease)
+        finally:
+            self._resetting.discard(tenant)
+            self._changed.set()
         await self._started(self.lanes[tenant])
         return version
 

@@ -926,6 +926,15 @@ async def run(job: OnlineConfig, trainer_cfg: TrainerConfig, model_dir: Path, me
                                  policy=policy, metrics=metrics).run()
 
 
+def read_version(policy, store, version: int) -> list:
+    """The tensors of `version` of a lineage, from its trainer's store (`VersionStore`), in
+    the policy's order: what a reset to that version puts back. NotFound: not stored."""
+    from hotloop.adapters import read_archive
+
+    store.get(version)  # NotFound, with the reason
+    return policy.read_adapter(read_archive(store.archive(version)))
+
+
 async def reset_lineage(online: Online, directory: Path, turn, fresh: Callable[[], None]) -> int:
     """Back to the base, for a loop that was stopped (`online`, on `directory`): `fresh()`, in a
     `turn()` of the policy, puts the LoRA init and no optimizer state into it; that adapter

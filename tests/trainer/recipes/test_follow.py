@@ -378,3 +378,47 @@ async def test_a_trainer_of_one_named_lineage_applies_the_registry_s_hold_and_re
         if not task.done():
             await stop(task)
         await close_online(edge, omesh)
+
+
+async def test_a_one_lineage_trainer_resets_to_the_version_the_registry_names(
+        mesh, tmp_path, make_cfg, tiny_model):
+    """A registry reset with `to_version` N (the admin API's reset with a version) publishes
+    the lineage's version N again as its next version; one its store does not hold is logged
+    and skipped (the gateway checks before it writes), training going on."""
+    import torch
+
+    from hotloop.adapters import read_archive
+    from services.trainer.learner.policy import LoraPolicy
+    from services.trainer.recipes import online
+    from services.trainer.recipes.job import close_online, open_online
+
+    registry = Registry(mesh.bus)
+    job = online_job(tmp_path, tenant="cfg")
+    edge, omesh, run_dir = await open_online(mesh_config(mesh, tiny_model), job, make_cfg())
+    policy = LoraPolicy(make_cfg())
+    task = asyncio.create_task(online.run(job, make_cfg(), tiny_model, omesh, run_dir,
+                                          policy=policy))
+    try:
+        for i in range(2):
+            await mesh.feedback("cfg", 1.0)
+            await until(lambda: len(steps(tmp_path, "")) == i + 1, f"update {i + 1}", task=task)
+        assert await mesh.kv("cfg") == 2
+        store = omesh.publisher.store
+        await registry.reset("cfg", config=True, to_version=9)  # not stored: skipped
+        await until(lambda: '"cfg": 1' in (run_dir / "registry.json").read_text()
+                    if (run_dir / "registry.json").exists() else False, "the reset is seen",
+                    task=task)
+        assert await mesh.kv("cfg") == 2 and not task.done()
+        await registry.reset("cfg", config=True, to_version=1)
+        await until(lambda: '"cfg": 2' in (run_dir / "registry.json").read_text(),
+                    "the reset to v1 is applied", task=task)
+        assert await mesh.kv("cfg") == 3
+        v1, v3 = (policy.read_adapter(read_archive(store.archive(v))) for v in (1, 3))
+        assert all(torch.equal(a, b) for a, b in zip(v1, v3))
+        await mesh.feedback("cfg", 1.0)
+        await until(lambda: len(steps(tmp_path, "")) == 3, "it trains on", task=task)
+        assert await mesh.kv("cfg") == 4
+    finally:
+        if not task.done():
+            await stop(task)
+        await close_online(edge, omesh)

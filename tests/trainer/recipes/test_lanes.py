@@ -330,3 +330,50 @@ async def test_turns_one_at_a_time_short_ones_first_and_a_stopped_waiter_leaves_
     turns.remove("a")
     with pytest.raises(KeyError):
         turns.adapters.use("a")
+
+
+async def test_a_reset_to_one_of_its_versions_publishes_it_again_and_trains_on_from_it(
+        mesh, tmp_path, make_cfg, tiny_model):
+    """`reset_tenant(t, to_version=N)` (the admin API's reset with a version): the lineage's
+    version N, read from its store, is published as the next version with no optimizer state,
+    and training goes on from it. A version the store does not hold is NotFound, and the lane
+    goes on untouched."""
+    import torch
+
+    from hotloop.adapters import read_archive
+    from hotloop.errors import NotFound
+    from services.trainer.learner.policy import LoraPolicy
+
+    policy = LoraPolicy(make_cfg())
+    lanes = mesh.lanes(tmp_path, ["acme"], policy, make_cfg(), tiny_model)
+    task = asyncio.create_task(lanes.run())
+    try:
+        await until(lambda: "acme" in lanes.lanes and lanes.lanes["acme"].online.started.is_set(),
+                    "acme consumes", task=task)
+        for i, score in enumerate((1.0, -1.0, 1.0)):
+            await mesh.feedback("acme", score)
+            await until(lambda: len(steps(tmp_path, "acme")) == i + 1, f"update {i + 1}", task=task)
+        first, last = steps(tmp_path, "acme")[0]["version"], steps(tmp_path, "acme")[-1]["version"]
+        store = lanes.store("acme")
+        want = policy.read_adapter(read_archive(store.archive(first)))
+        now = policy.read_adapter(read_archive(store.archive(last)))
+        assert not all(torch.equal(a, b) for a, b in zip(want, now))  # training moved it
+
+        online = lanes.lanes["acme"].online
+        with pytest.raises(NotFound, match="not in the trainer's store"):
+            await lanes.reset_tenant("acme", to_version=last + 5)
+        assert lanes.lanes["acme"].online is online and not task.done()  # untouched
+
+        v = await lanes.reset_tenant("acme", to_version=first)
+        assert v == last + 1 and mesh.replica.latest["acme"] == v and await mesh.kv("acme") == v
+        again = policy.read_adapter(read_archive(store.archive(v)))
+        assert all(torch.equal(a, b) for a, b in zip(again, want))
+        state = lanes.turns.adapters.state("acme")
+        assert all(torch.equal(t, w) for t, w in zip(state.params, want)) and not state.optimizer
+        seq = await mesh.feedback("acme")
+        await until(lambda: len(steps(tmp_path, "acme")) == 4, "acme trains on", task=task)
+        rec = steps(tmp_path, "acme")[-1]
+        assert rec["version"] == v + 1 and rec["seqs"] == [seq]
+    finally:
+        await stop(task)
+        await mesh.rollout.close()
