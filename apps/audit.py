@@ -12,8 +12,10 @@ with how far the two lineages moved apart; an answer served from B's adapter und
 shows the other way round.
 
 What it reports, per tenant: how many sampled answers each model explains best; the answers
-another tenant's adapter explains better than the tenant's own by more than `margin` nats (a
-likelihood ratio of e^3 by default: the audit's wrong-adapter verdict); and how much more likely
+another tenant's adapter explains best of all the models, and better than the tenant's own by
+more than `margin` nats (a likelihood ratio of e^3 by default: the audit's wrong-adapter
+verdict; an answer the base model explains best is base-like, not another adapter's, however
+a lineage barely off the base scores it); and how much more likely
 its answers are under its own adapter than under the base, per token (a lineage served as the
 base model would show ~0 or below). Two adapters that barely moved from the base cannot be told
 apart, and the audit says so (`separable`: the median margin of its own adapter over the others).
@@ -150,7 +152,12 @@ def verdicts(answer: Answer, scores: dict[str, float], others: list[str], margin
             "best": max(models, key=lambda n: scores[n]),
             "own_minus_other": own - scores[best_other] if best_other else None,
             "other": best_other, "own_minus_base": own - scores["base"],
-            "wrong": best_other is not None and scores[best_other] - own > margin}
+            # another tenant's adapter explains it best of all, and its own by the margin: an
+            # answer the base explains best is no evidence of another adapter (d12: a base-like
+            # answer of `direct`'s, 10.8 nats likelier under the base than under its own
+            # adapter, was 4.4 likelier under `short`'s, a lineage barely off the base)
+            "wrong": best_other is not None and scores[best_other] - own > margin
+            and scores[best_other] >= scores["base"]}
 
 
 def summarize(tenant: str, exported: Exported, n_answers: int, rows: list[dict]) -> dict:
@@ -246,7 +253,7 @@ def main(args) -> int:
         return 2
     print("\n".join(lines(report)))
     n = report["other_tenant_answers"]
-    print(f"{n} of {report['sampled']} sampled answers are better explained by another tenant's adapter "
-          f"than by their own (by more than {report['margin_nats']:g} nats); "
+    print(f"{n} of {report['sampled']} sampled answers are best explained by another tenant's adapter, "
+          f"and better than by their own by more than {report['margin_nats']:g} nats; "
           f"{Path(args.run) / 'tenants-audit.json'}")
     return 1 if n else 0

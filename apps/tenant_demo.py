@@ -955,8 +955,9 @@ def audit_lines(audit: dict | None) -> list[str]:
     return [*head, f"Each tenant's adapter exported with its own key at the end; {audit['per_tenant']} "
             "of its answers from that version (at most) scored under every tenant's adapter and the "
             "base model (transformers + peft, outside the engine). An answer counts as from another "
-            f"tenant's adapter where that one explains it better than its own by more than "
-            f"{audit['margin_nats']:g} nats: {audit['other_tenant_answers']} of {audit['sampled']}.", "",
+            f"tenant's adapter where that one explains it best of all, and better than its own by "
+            f"more than {audit['margin_nats']:g} nats: {audit['other_tenant_answers']} of "
+            f"{audit['sampled']}.", "",
             *lines(audit)]
 
 
@@ -1123,7 +1124,8 @@ def audit(out: Path, per_tenant: int) -> dict:
         log.exception("the audit failed")
         return {"error": f"{type(e).__name__}: {e}"}
     print(f"[demo-tenants] audit: {report['other_tenant_answers']} of {report['sampled']} answers "
-          "better explained by another tenant's adapter than by their own", flush=True)
+          "best explained by another tenant's adapter (and better than by their own by the margin)",
+          flush=True)
     return report
 
 

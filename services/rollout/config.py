@@ -32,8 +32,9 @@ class RolloutConfig(ServiceSection):
     """An engine that holds requests (or a call into its core) and makes no step for this
     long is hung: its requests fail with UNAVAILABLE (the gateway re-routes those without a
     token yet) and the service stops with exit code 1, to be restarted (services/rollout/
-    heartbeat.py). 0: never. Keep it well above the longest step (a long prefill on a slow
-    CPU takes seconds) and the longest weight swap."""
+    heartbeat.py). 0: never. Keep it well above the longest stretch in which no request gets a
+    token (a long prompt's whole prefill, on a slow CPU with nothing else decoding: seconds at
+    `max_model_len` 1024 here) and the longest weight swap."""
     tenant_slot_wait_s: float = Field(30.0, gt=0)
     """Longest a tenant's request waits for a slot while every slot is held by running
     requests of other versions; then it fails with RESOURCE_EXHAUSTED."""

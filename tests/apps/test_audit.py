@@ -164,3 +164,21 @@ def test_an_export_that_is_not_what_was_announced_is_refused(tmp_path, adapter_f
     with pytest.raises(InvalidArgument):
         save_export(tmp_path, "a", 1, adapters.sha256(bad), bad)
     assert not (tmp_path / "a.json").exists()  # nothing recorded for the audit to read
+
+
+def test_an_answer_the_base_explains_best_is_not_another_tenant_s():
+    """`verdicts`: another tenant's adapter is the verdict only where it explains the answer
+    best of all the models, and its own adapter by more than the margin. A base-like answer
+    (d12: 10.8 nats less likely under its own adapter than under the base) that a lineage
+    barely off the base explains 4.4 nats better than its own is not."""
+    from apps.audit import Answer, verdicts
+
+    a = Answer("direct", 136, "r1", "p", "text", cut_off=False)
+    base_like = {"tokens": 139, "base": -300.0, "direct": -310.8, "short": -306.4, "exclaim": -330.0}
+    v = verdicts(a, base_like, ["short", "exclaim"], margin=3.0)
+    assert (v["best"], v["other"], v["wrong"]) == ("base", "short", False)
+    assert v["own_minus_other"] == pytest.approx(-4.4) and v["own_minus_base"] == pytest.approx(-10.8)
+    served_by_short = {**base_like, "short": -299.0}  # now short's adapter explains it best
+    assert verdicts(a, served_by_short, ["short", "exclaim"], margin=3.0)["wrong"] is True
+    close = {**base_like, "short": -299.0, "direct": -301.0}  # best, but within the margin
+    assert verdicts(a, close, ["short", "exclaim"], margin=3.0)["wrong"] is False

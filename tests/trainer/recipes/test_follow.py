@@ -301,23 +301,34 @@ async def test_config_lanes_end_at_max_steps_beside_the_registry(mesh, tmp_path,
         await close_lanes(edge, lanes)
 
 
+async def one_lineage(mesh, tmp_path, make_cfg, tiny_model):
+    """A trainer of the one named lineage "cfg" (`[online] tenant`; the trainer's wiring,
+    `open_online`), running: (job, edge, its mesh, run dir, policy, task)."""
+    from services.trainer.learner.policy import LoraPolicy
+    from services.trainer.recipes import online
+    from services.trainer.recipes.job import open_online
+
+    job = online_job(tmp_path, tenant="cfg")
+    edge, omesh, run_dir = await open_online(mesh_config(mesh, tiny_model), job, make_cfg())
+    policy = LoraPolicy(make_cfg())
+    task = asyncio.create_task(online.run(job, make_cfg(), tiny_model, omesh, run_dir,
+                                          policy=policy))
+    return job, edge, omesh, run_dir, policy, task
+
+
 async def test_a_trainer_of_one_named_lineage_applies_the_registry_s_hold_and_reset(
         mesh, tmp_path, make_cfg, tiny_model):
     """`[online] tenant = "cfg"` (no lanes; the trainer's wiring, `open_online`): the hold
     holds its lineage, read before its first update; a reset publishes the base model as its
     next version and the loop goes on from there; a reset made while it was down is applied
     once when it is back, and not again after."""
-    from services.trainer.learner.policy import LoraPolicy
     from services.trainer.recipes import online
-    from services.trainer.recipes.job import close_online, open_online
+    from services.trainer.recipes.job import close_online
 
     registry = Registry(mesh.bus)
     await registry.hold("cfg", config=True)
-    job = online_job(tmp_path, tenant="cfg")
-    edge, omesh, run_dir = await open_online(mesh_config(mesh, tiny_model), job, make_cfg())
-    policy = LoraPolicy(make_cfg())
-    task = asyncio.create_task(online.run(job, make_cfg(), tiny_model, omesh, run_dir,
-                                          policy=policy))
+    job, edge, omesh, run_dir, policy, task = await one_lineage(mesh, tmp_path, make_cfg,
+                                                                tiny_model)
     try:
         await mesh.feedback("cfg", 1.0)
         held_s = 1.5
@@ -388,16 +399,11 @@ async def test_a_one_lineage_trainer_resets_to_the_version_the_registry_names(
     import torch
 
     from hotloop.adapters import read_archive
-    from services.trainer.learner.policy import LoraPolicy
-    from services.trainer.recipes import online
-    from services.trainer.recipes.job import close_online, open_online
+    from services.trainer.recipes.job import close_online
 
     registry = Registry(mesh.bus)
-    job = online_job(tmp_path, tenant="cfg")
-    edge, omesh, run_dir = await open_online(mesh_config(mesh, tiny_model), job, make_cfg())
-    policy = LoraPolicy(make_cfg())
-    task = asyncio.create_task(online.run(job, make_cfg(), tiny_model, omesh, run_dir,
-                                          policy=policy))
+    job, edge, omesh, run_dir, policy, task = await one_lineage(mesh, tmp_path, make_cfg,
+                                                                tiny_model)
     try:
         for i in range(2):
             await mesh.feedback("cfg", 1.0)
