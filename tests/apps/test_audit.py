@@ -145,7 +145,7 @@ def test_the_command_samples_and_fails_on_a_wrong_answer_or_refuses_a_run_withou
     assert sorted(report["tenants"]["a"]["other_tenant_answers"]) == mis
     assert code == (1 if mis else 0)
     out = capsys.readouterr().out
-    assert "| a | v3 | 4 of 10 |" in out and "sampled answers are better explained" in out
+    assert "| a | v3 | 4 of 10 |" in out and "sampled answers are best explained" in out
 
     assert main(["audit", "tenants", str(tmp_path)]) == 2
     assert "no exported adapters" in capsys.readouterr().err
