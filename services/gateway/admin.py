@@ -326,9 +326,9 @@ class TenantAdmin:
 
     async def _fetch(self, name: str, version: int, sha256: str = ""):
         """(the trainer's record of `version` of `name`'s lineage, its archive's chunks) from
-        the first trainer that holds it (with `sha256`, that very one: the announced); the
-        chunks' generator closes the trainer's client when it ends or is closed. NotFound or
-        Unavailable: no trainer had it."""
+        the first trainer that holds it (with `sha256`, that very one: the announced); close
+        the chunks (`aclose`) when done with them: that closes the trainer's client. NotFound
+        or Unavailable: no trainer had it."""
         from hotloop.clients import TrainerClient
 
         info = await self.bus.kv_get(hbus.latest_key(name), common_pb2.VersionInfo)
@@ -356,15 +356,7 @@ class TenantAdmin:
                 await client.close()
                 raise
 
-            async def owned(chunks=chunks, client=client):
-                try:
-                    async for chunk in chunks:
-                        yield chunk
-                finally:
-                    await _close(chunks)  # unread: the call is cancelled
-                    await client.close()
-
-            return got, owned()
+            return got, _Chunks(chunks, client)
         raise err
 
 
@@ -372,6 +364,23 @@ async def _close(chunks) -> None:
     aclose = getattr(chunks, "aclose", None)
     if aclose is not None:
         await aclose()
+
+
+class _Chunks:
+    """A trainer's archive chunks with the client they come over: `aclose` closes both, read
+    or not (an async generator never started runs no `finally`, so it cannot own the client)."""
+
+    def __init__(self, chunks: AsyncIterator[bytes], client) -> None:
+        self.chunks, self.client = chunks, client
+
+    def __aiter__(self) -> AsyncIterator[bytes]:
+        return self.chunks.__aiter__()
+
+    async def aclose(self) -> None:
+        try:
+            await _close(self.chunks)  # unread: the call is cancelled
+        finally:
+            await self.client.close()
 
 
 async def _checked(name: str, info, chunks: AsyncIterator[bytes]) -> Export:
