@@ -345,7 +345,7 @@ class TenantAdmin:
             try:
                 got, chunks = await client.fetch_adapter(version, FETCH_TIMEOUT_S, tenant=name)
                 if sha256 and (got.version, got.sha256) != (version, sha256):
-                    await _close(chunks)
+                    await chunks.aclose()
                     raise Unavailable(f"trainer at {address} holds another v{version} of "
                                       f"tenant {name!r} than the one announced")
             except (NotFound, Unavailable) as e:
@@ -360,12 +360,6 @@ class TenantAdmin:
         raise err
 
 
-async def _close(chunks) -> None:
-    aclose = getattr(chunks, "aclose", None)
-    if aclose is not None:
-        await aclose()
-
-
 class _Chunks:
     """A trainer's archive chunks with the client they come over: `aclose` closes both, read
     or not (an async generator never started runs no `finally`, so it cannot own the client)."""
@@ -378,7 +372,7 @@ class _Chunks:
 
     async def aclose(self) -> None:
         try:
-            await _close(self.chunks)  # unread: the call is cancelled
+            await self.chunks.aclose()  # unread: the call is cancelled
         finally:
             await self.client.close()
 

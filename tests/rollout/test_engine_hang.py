@@ -80,8 +80,9 @@ async def test_a_hung_engine_fails_its_requests_with_unavailable_and_the_service
             assert e is not None, "a request on a hung engine ended as if served"
             assert e.code() == grpc.StatusCode.UNAVAILABLE, (e.code(), e.details())
             assert "hung" in e.details(), e.details()
-        # the bound plus the 2 s poll, not the request's own length
-        assert STALL_S < waited < STALL_S + 10, waited
+        # the bound (counted from the last step, a moment before the stop) plus the 2 s poll,
+        # not the request's own length; wide: a loaded machine delays the poll
+        assert STALL_S - 1 < waited < STALL_S + 10, waited
         await ch.close()
 
         assert proc.wait(timeout=60) == 1
