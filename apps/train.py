@@ -23,8 +23,11 @@ def load_job(config_path: str | None, overrides: list[str], algorithm: str, mesh
     from apps import sections
 
     patch = {"trainer": {"algorithm": "ppo"}} if algorithm == "ppo" else None
+    from hotloop.grpcutil import configure
+
     loaded = sections.load(config_path, overrides, patch)
     mesh_cfg = mesh.apply(loaded.mesh) if mesh is not None else loaded.mesh
+    configure(mesh_cfg.grpc)  # the job's clients ping as the mesh's do
     return mesh_cfg, loaded[algorithm], loaded["trainer"]
 
 

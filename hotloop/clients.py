@@ -43,17 +43,15 @@ def direct_channel(address: str, reconnect_backoff_ms: tuple[int, int],
     that failed to connect fails every call at once until its backoff (1 s, x1.6 per failure,
     up to 120 s by default) runs out, so with the defaults a caller's retry, or a health
     probe, would not really try to connect for up to two minutes after the server came back.
-    `min_reconnect_backoff_ms`: gRPC's floor on a connect attempt (default 20 s), for callers
-    whose retries are shorter than that."""
+    `min_reconnect_backoff_ms`: gRPC's floor on a connect attempt (`[grpc] connect_timeout_s`,
+    20 s), for callers whose retries are shorter than that. Like every channel, it pings a
+    server that stops answering (`grpcutil.client_options`)."""
     options = [
-        ("grpc.max_receive_message_length", grpcutil.MAX_MESSAGE_BYTES),
-        ("grpc.max_send_message_length", grpcutil.MAX_MESSAGE_BYTES),
+        *grpcutil.client_options(connect_timeout_ms=min_reconnect_backoff_ms),
         ("grpc.enable_retries", 0),
         ("grpc.initial_reconnect_backoff_ms", reconnect_backoff_ms[0]),
         ("grpc.max_reconnect_backoff_ms", reconnect_backoff_ms[1]),
     ]
-    if min_reconnect_backoff_ms is not None:
-        options.append(("grpc.min_reconnect_backoff_ms", min_reconnect_backoff_ms))
     return grpc.aio.insecure_channel(address, options=options)
 
 
@@ -292,7 +290,9 @@ class LoadWatch:
     Iterate it; `cancel()` from any thread ends the iteration with a cancelled RpcError."""
 
     def __init__(self, address: str) -> None:
-        self._channel = grpc.insecure_channel(address)  # tiny messages: default limits
+        # a sync channel (read on a thread); pings like the others, so a frozen replica's
+        # watch ends rather than leaving its last load standing
+        self._channel = grpc.insecure_channel(address, options=grpcutil.client_options())
         self._call = rollout_pb2_grpc.RolloutStub(self._channel).WatchLoad(rollout_pb2.WatchLoadRequest())
 
     def __iter__(self):

@@ -100,6 +100,36 @@ class TelemetryConfig(Section):
     """OTLP/gRPC endpoint for the `otlp` exporter."""
 
 
+class GrpcConfig(Section):
+    """How every gRPC client of a process finds out that the server at the other end stopped
+    answering without closing its connection: a replica's process frozen (stopped, swapping,
+    a deadlock below Python), its host gone or cut off by the network. Without this a call to
+    it waits until the kernel gives up on the TCP connection (~15 minutes on Linux); a
+    balanced client's chunk, a user's stream and a weight push with it. With it the call fails
+    with UNAVAILABLE after at most `keepalive_s + keepalive_timeout_s`, so the balanced
+    clients move its work to the other replicas and the gateway routes the user elsewhere;
+    a retry that reconnects waits up to `connect_timeout_s` more for the handshake. Every
+    server accepts the pings (down to one every 0.5 s)."""
+
+    keepalive_s: float = Field(10.0, ge=0)
+    """While a call is open, a client pings the server when nothing came from it for this
+    long (HTTP/2 PING; free on a healthy connection). 0: no pings (gRPC's default)."""
+    keepalive_timeout_s: float = Field(10.0, gt=0)
+    """A ping not acknowledged within this ends the connection and fails its calls with
+    UNAVAILABLE."""
+    connect_timeout_s: float = Field(20.0, gt=0)
+    """The longest one connection attempt (TCP and HTTP/2 handshake) may take; gRPC's
+    default, 20 s. A frozen process's kernel still accepts the TCP connection, so a
+    reconnect to it waits this long before the call fails."""
+
+    @field_validator("keepalive_s")
+    @classmethod
+    def _ping_rate(cls, s: float) -> float:
+        if 0 < s < 1:  # the servers refuse pings closer than 0.5 s (ENHANCE_YOUR_CALM)
+            raise ValueError(f"{s:g}: ping at most once a second (or 0: never)")
+        return s
+
+
 class SecurityConfig(Section):
     admin_token: str = ""
     """Bearer token required on admin RPCs (PushAdapter). Empty: admin RPCs are refused.
@@ -184,6 +214,7 @@ class MeshConfig(Section):
     nats: NatsConfig = NatsConfig()
     telemetry: TelemetryConfig = TelemetryConfig()
     security: SecurityConfig = SecurityConfig()
+    grpc: GrpcConfig = GrpcConfig()
     endpoints: Endpoints = Endpoints()
     tenants: Annotated[dict[str, TenantConfig], AfterValidator(_tenants)] = {}
     """`[tenants.<name>]`: the tenants and their users' key ids. None: every user is in the

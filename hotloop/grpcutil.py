@@ -2,8 +2,10 @@
 
 Owns: `create_server(...) -> (server, port)` following grpc's Python examples (bind port 0
 in tests), the admin-token interceptor, settling request streams before a status goes out,
-mapping of `hotloop.errors` to status codes, and client channels whose service config retries
-UNAVAILABLE a bounded number of times.
+mapping of `hotloop.errors` to status codes, client channels whose service config retries
+UNAVAILABLE a bounded number of times, and the keepalive pings with which every client channel
+finds a server that stopped answering without closing its connection (`[grpc]`,
+`client_options`; the servers accept them).
 Does not own: any service's messages or logic.
 
 Why request streams are settled: a grpc.aio client that is still writing when the server's
@@ -29,6 +31,7 @@ import logging
 import signal
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -51,6 +54,62 @@ _OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
 ]
+# A server accepts a client's keepalive pings down to this interval; closer ones count as
+# abuse, and a client that keeps sending them gets GOAWAY "too_many_pings" (gRPC's default
+# floor is 5 minutes, which would end every call of a client pinging every 10 s).
+MIN_PING_INTERVAL_MS = 500
+_SERVER_OPTIONS = [*_OPTIONS,
+                   ("grpc.http2.min_ping_interval_without_data_ms", MIN_PING_INTERVAL_MS)]
+
+
+@dataclass(frozen=True)
+class Liveness:
+    """The process's `[grpc]` settings as its channels use them (`hotloop.config.GrpcConfig`
+    says what each does)."""
+
+    keepalive_s: float = 10.0
+    keepalive_timeout_s: float = 10.0
+    connect_timeout_s: float = 20.0
+
+
+_liveness = Liveness()
+
+
+def configure(cfg: Any) -> Liveness:
+    """Use `cfg` (a `[grpc]` section) for every channel this process opens from now on;
+    returns the settings it replaces. A service calls it before it builds any client."""
+    global _liveness
+    previous = _liveness
+    _liveness = Liveness(cfg.keepalive_s, cfg.keepalive_timeout_s, cfg.connect_timeout_s)
+    return previous
+
+
+def client_options(connect_timeout_ms: int | None = None) -> list[tuple[str, Any]]:
+    """The options every client channel of this process is built with: message limits, and
+    the pings that find a server which stopped answering (`configure`). `connect_timeout_ms`
+    replaces the configured connect timeout (a caller with short retries of its own)."""
+    live = _liveness
+    options: list[tuple[str, Any]] = [
+        *_OPTIONS,
+        ("grpc.min_reconnect_backoff_ms",
+         connect_timeout_ms if connect_timeout_ms is not None else _ms(live.connect_timeout_s)),
+    ]
+    if live.keepalive_s > 0:
+        options += [
+            ("grpc.keepalive_time_ms", _ms(live.keepalive_s)),
+            ("grpc.keepalive_timeout_ms", _ms(live.keepalive_timeout_s)),
+            # what gRPC 1.85 waits for an unacknowledged ping (default 1 minute, whatever
+            # the keepalive timeout says)
+            ("grpc.http2.ping_timeout_ms", _ms(live.keepalive_timeout_s)),
+            # keep pinging a stream on which nothing moves (a request queued in the engine)
+            ("grpc.http2.max_pings_without_data", 0),
+            ("grpc.keepalive_permit_without_calls", 0),
+        ]
+    return options
+
+
+def _ms(seconds: float) -> int:
+    return max(1, round(seconds * 1000))
 
 
 class AdminAuthInterceptor(grpc.aio.ServerInterceptor):
@@ -291,7 +350,7 @@ async def create_server(
     ]
     if admin_methods:
         interceptors.append(AdminAuthInterceptor(admin_methods, admin_token))
-    server = grpc.aio.server(options=_OPTIONS, interceptors=interceptors)
+    server = grpc.aio.server(options=_SERVER_OPTIONS, interceptors=interceptors)
     for add in add_servicers:
         add(server)
     health_servicer = health.aio.HealthServicer()
@@ -390,7 +449,7 @@ def channel(address: str, max_attempts: int = 5) -> grpc.aio.Channel:
     target (a name that resolves to several replicas: a headless Kubernetes service, a
     compose service with replicas) is balanced call by call over its addresses, skipping
     those that are down (gRPC's round_robin; its default would hold to the first address)."""
-    options = [*_OPTIONS, ("grpc.enable_retries", 1),
+    options = [*client_options(), ("grpc.enable_retries", 1),
                ("grpc.service_config", _service_config(max_attempts))]
     if address.startswith("dns:"):
         options.append(("grpc.lb_policy_name", "round_robin"))

@@ -35,10 +35,11 @@ with seed + i, so a chunk starting at prompt s is sent seed + s. Each completion
 
 Does not own: the calls themselves (`hotloop.clients`), where the addresses come from
 (`[endpoints]`, filled in by `hotloop up`), or pushing versions to the rollout replicas (the
-publisher pushes to every one). A replica that hangs without failing is not detected here:
-a rollout whose engine hangs fails its own requests with UNAVAILABLE and stops
-(services/rollout/heartbeat.py), which this re-splits like any failed chunk; a replica whose
-process itself hangs keeps its chunk waiting.
+publisher pushes to every one), nor finding a replica that hangs without failing: a rollout
+whose engine hangs fails its own requests with UNAVAILABLE and stops
+(services/rollout/heartbeat.py), and a replica whose process freezes fails its calls through
+the channel's keepalive pings (`[grpc]`, `grpcutil.client_options`); either is re-split here
+like any failed chunk.
 """
 
 from __future__ import annotations

@@ -73,8 +73,9 @@ def run(name: str, section: type, build: Callable[..., Awaitable[Running]],
 
 
 async def _main(name, mesh, cfg, build, port_file) -> None:
-    from hotloop.grpcutil import serve_until_signal
+    from hotloop.grpcutil import configure, serve_until_signal
 
+    configure(mesh.grpc)  # before `build` opens its clients
     telemetry.setup(name, mesh.telemetry, mesh.run_dir)
     log = logging.getLogger(name)
     host = getattr(cfg, "host", "127.0.0.1")

@@ -214,3 +214,25 @@ def test_grpc_fork_support_is_off_in_hotloop_processes_and_the_children_they_sta
     out = subprocess.run([sys.executable, "-c", probe], env={**env, "GRPC_ENABLE_FORK_SUPPORT": "1"},
                          capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["1", "1"]
+
+
+def test_every_client_channel_pings_as_configured_and_zero_turns_the_pings_off():
+    from pydantic import ValidationError
+
+    from hotloop.config import GrpcConfig
+
+    with pytest.raises(ValidationError, match="at most once a second"):
+        GrpcConfig(keepalive_s=0.5)  # faster than the servers accept
+    previous = grpcutil.configure(GrpcConfig(keepalive_s=3, keepalive_timeout_s=2, connect_timeout_s=5))
+    try:
+        opts = dict(grpcutil.client_options())
+        assert (opts["grpc.keepalive_time_ms"], opts["grpc.keepalive_timeout_ms"],
+                opts["grpc.http2.ping_timeout_ms"], opts["grpc.min_reconnect_backoff_ms"]) == \
+            (3000, 2000, 2000, 5000)
+        assert dict(grpcutil.client_options(connect_timeout_ms=100))["grpc.min_reconnect_backoff_ms"] == 100
+        grpcutil.configure(GrpcConfig(keepalive_s=0))
+        assert not any("keepalive" in k or "ping" in k for k, _ in grpcutil.client_options())
+    finally:
+        grpcutil.configure(previous)
+    # and the servers accept pings that often
+    assert dict(grpcutil._SERVER_OPTIONS)["grpc.http2.min_ping_interval_without_data_ms"] <= 1000
