@@ -74,6 +74,10 @@ class CompletionLogprobs:
     logprobs: Tensor  # [B, Tc] float32, 0 where ~mask
     mask: Tensor  # [B, Tc] bool
     entropy: Tensor | None = None  # [B, Tc] float32 (detached), 0 where ~mask
+    # [N, V] float32 (detached): every completion token's whole log-distribution, in the
+    # batch's token order (`keep_distributions`); a later pass's `kl_to`
+    distributions: Tensor | None = None
+    kl: Tensor | None = None  # [B, Tc] float32, 0 where ~mask: KL(this || kl_to) per token
 
     def rows(self) -> list[list[float]]:
         """Unpadded logprobs per row, as plain floats (what crosses a service edge)."""
@@ -561,6 +565,8 @@ def completion_logprobs(
     hidden: CompletionHidden | None = None,
     prompts: PromptStates | None = None,
     trunk: Trunk | None = None,
+    keep_distributions: bool = False,
+    kl_to: Tensor | None = None,
 ) -> CompletionLogprobs:
     """log p(c_t | prompt, c_<t) for every completion token, [B, Tc], differentiable.
 
@@ -573,6 +579,10 @@ def completion_logprobs(
     critic reads the same states), so the body runs once. `prompts`: the states of the
     batch's shared prompts (see `plan_batches`). `trunk`: the states below the layers that
     differ (`trunk_states`), when another forward of this batch shares them.
+    `keep_distributions`: also return every token's whole log-distribution ([N, V], detached:
+    the reference's, for the policy's pass). `kl_to`: such distributions of the same batch;
+    returns the exact KL(this || kl_to) of each token's next-token distribution, summed over
+    the vocabulary, differentiable (`[trainer.loss] kl_estimator = "full"`).
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
@@ -580,9 +590,13 @@ def completion_logprobs(
     ch = hidden if hidden is not None else completion_hidden(model, batch, prompts, trunk)
     h = ch.hidden  # [N, H]
     targets = batch.completion_ids.to(h.device)[ch.rows, ch.cols]  # [N]
+    if kl_to is not None and kl_to.shape[0] != h.shape[0]:
+        raise ValueError(f"kl_to has {kl_to.shape[0]} tokens' distributions for {h.shape[0]} tokens")
 
     token_lp: list[Tensor] = []
     token_ent: list[Tensor] = []
+    kept: list[Tensor] = []
+    token_kl: list[Tensor] = []
     for start in range(0, h.shape[0], chunk_tokens):
         logits = head(h[start : start + chunk_tokens]).float()  # [C, V]
         if temperature != 1.0:
@@ -592,10 +606,21 @@ def completion_logprobs(
         if with_entropy:
             with torch.no_grad():
                 token_ent.append(-(logp.exp() * logp).sum(-1))  # [C]
+        if keep_distributions:
+            kept.append(logp.detach())
+        if kl_to is not None:
+            ref = kl_to[start : start + chunk_tokens].to(logp.device)
+            token_kl.append((logp.exp() * (logp - ref)).sum(-1))  # [C]
 
     # index_put keeps the graph: gradients flow back only into the gathered rows.
     out = ch.scatter(torch.cat(token_lp)) if token_lp else ch.scatter(h.new_zeros(0))
-    entropy = None
+    entropy = kl = None
     if with_entropy:
         entropy = ch.scatter(torch.cat(token_ent)) if token_ent else ch.scatter(h.new_zeros(0))
-    return CompletionLogprobs(logprobs=out, mask=ch.mask, entropy=entropy)
+    if kl_to is not None:
+        kl = ch.scatter(torch.cat(token_kl)) if token_kl else ch.scatter(h.new_zeros(0))
+    distributions = None
+    if keep_distributions:
+        distributions = torch.cat(kept) if kept else h.new_zeros(0, 0)
+    return CompletionLogprobs(logprobs=out, mask=ch.mask, entropy=entropy,
+                              distributions=distributions, kl=kl)

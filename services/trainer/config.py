@@ -73,8 +73,21 @@ class LossSettings(_Strict):
     """Dual-clip / truncated importance sampling: for A < 0 an importance ratio above this cap
     stops growing the loss. None disables it. Must exceed 1 + clip_eps_high."""
     kl_beta: float = Field(0.0, ge=0.0)
-    """Coefficient of the k3 KL estimate to the reference (frozen base) model; 0 turns the KL
-    term (and the need for reference logprobs) off."""
+    """Coefficient of the KL term to the reference (frozen base) model (`kl_estimator`); 0
+    turns the KL term (and the need for reference logprobs) off."""
+    kl_estimator: Literal["k3", "full"] = "k3"
+    """How the KL term to the reference is computed at each completion token. "k3": Schulman's
+    estimate from the sampled token's two logprobs (what a reference service returns). Its
+    value estimates KL(policy || reference), but as a loss its gradient is, in expectation
+    over the sampled tokens, that of the other direction, KL(reference || policy): it pulls up
+    what the reference finds likely and the policy does not, and hardly resists the policy
+    putting mass where the reference puts little (an end-of-answer token at every position, a
+    style the base rarely writes) unless that very token is sampled. "full": the exact
+    KL(policy || reference) over the whole vocabulary at every position, differentiated
+    exactly: every token the policy made likelier than the base costs, sampled or not. Needs
+    the reference's whole distributions, so the colocated reference on one rank with LoRA on
+    the top layers (`[online] reference = "colocated"`, `[trainer.lora] top_layers`); ~25 MB
+    per 128 tokens of a 49k vocabulary held during a step."""
     aggregation: Literal["token", "sequence", "constant"] = "token"
     """How per-token losses become one number: "token" sums over all tokens of the batch and
     divides by their count (long completions weigh more); "sequence" averages each sequence,

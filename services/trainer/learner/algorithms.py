@@ -95,14 +95,20 @@ def aggregate(
 
 
 def _with_kl(pg: Tensor, logprobs: Tensor, ref_logprobs: Tensor | None,
-             cfg: LossSettings) -> tuple[Tensor, Tensor | None]:
-    """The per-token loss [B, T]: `pg` plus kl_beta * k3 to the reference, and that k3 term
-    [B, T] (None when kl_beta is 0)."""
+             cfg: LossSettings, kl: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+    """The per-token loss [B, T]: `pg` plus kl_beta * the KL term, and that term [B, T] (None
+    when kl_beta is 0). `kl`: the exact per-token KL the forward computed
+    (`kl_estimator = "full"`); else k3 from `ref_logprobs`."""
     if cfg.kl_beta <= 0:
         return pg, None
-    if ref_logprobs is None:
+    if cfg.kl_estimator == "full":
+        if kl is None:
+            raise ValueError('kl_estimator "full" needs the exact per-token KL (the colocated '
+                             "reference's distributions)")
+    elif ref_logprobs is None:
         raise ValueError("kl_beta > 0 needs ref_logprobs")
-    kl = k3_kl(logprobs, ref_logprobs)
+    else:
+        kl = k3_kl(logprobs, ref_logprobs)
     return pg + cfg.kl_beta * kl, kl
 
 
@@ -132,9 +138,9 @@ def _watch(metrics: dict[str, float], mean: Callable[[Tensor], float], logprobs:
 def policy_loss(
     logprobs: Tensor, old_logprobs: Tensor, ref_logprobs: Tensor | None, advantages: Tensor,
     mask: Tensor, cfg: LossSettings, *, normalizer: float | None = None,
-    entropy: Tensor | None = None,
+    entropy: Tensor | None = None, kl: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
-    """Clipped importance-ratio policy-gradient loss plus beta * k3 KL. Returns (loss, metrics).
+    """Clipped importance-ratio policy-gradient loss plus beta * KL. Returns (loss, metrics).
 
     logprobs:      [B, T] current policy, differentiable.
     old_logprobs:  [B, T] the rollout engine's logprobs of the sampled tokens (no recompute:
@@ -149,7 +155,7 @@ def policy_loss(
     Per token, with r = exp(logp - old):
         pg = -min(r * A, clip(r, 1 - eps_low, 1 + eps_high) * A)
         (A < 0 and ratio_cap: pg = min(pg, -ratio_cap * A), the dual clip)
-        kl = exp(ref - logp) - (ref - logp) - 1      (k3, >= 0)
+        kl = exp(ref - logp) - (ref - logp) - 1      (k3, >= 0; or `kl`, the exact one)
         loss_t = pg + kl_beta * kl
     and `cfg.aggregation` turns loss_t into a scalar. Metrics are token means over this call.
     """
@@ -164,7 +170,7 @@ def policy_loss(
         # Only A < 0 needs it: for A > 0 the min above already stops at 1 + eps_high.
         pg = torch.where(advantages < 0, torch.minimum(pg, -cfg.ratio_cap * advantages), pg)
 
-    per_token, kl = _with_kl(pg, logprobs, ref_logprobs, cfg)
+    per_token, kl = _with_kl(pg, logprobs, ref_logprobs, cfg, kl)
     loss = aggregate(per_token, mask, cfg.aggregation, normalizer, cfg.norm_tokens)
 
     with torch.no_grad():
@@ -202,7 +208,7 @@ def truncated_is_weights(logprobs: Tensor, behaviour_logprobs: Tensor, cap: floa
 def tis_reinforce_loss(
     logprobs: Tensor, old_logprobs: Tensor, ref_logprobs: Tensor | None, advantages: Tensor,
     mask: Tensor, cfg: LossSettings, *, is_cap: float, normalizer: float | None = None,
-    entropy: Tensor | None = None,
+    entropy: Tensor | None = None, kl: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """REINFORCE with truncated importance sampling plus beta * k3 KL. Returns (loss, metrics).
 
@@ -223,7 +229,7 @@ def tis_reinforce_loss(
     advantages = advantages.to(logprobs.dtype)
     w = truncated_is_weights(logprobs, old_logprobs, is_cap)  # [B, T]
     pg = -w * advantages * logprobs  # [B, T]
-    per_token, kl = _with_kl(pg, logprobs, ref_logprobs, cfg)
+    per_token, kl = _with_kl(pg, logprobs, ref_logprobs, cfg, kl)
     loss = aggregate(per_token, mask, cfg.aggregation, normalizer, cfg.norm_tokens)
 
     with torch.no_grad():
@@ -425,8 +431,10 @@ class Algorithm:
         *,
         normalizer: float | None = None,
         entropy: Tensor | None = None,
+        kl: Tensor | None = None,
     ) -> tuple[Tensor, dict[str, float]]:
-        """This algorithm's objective (`policy_loss` unless built otherwise)."""
+        """This algorithm's objective (`policy_loss` unless built otherwise); `kl`: the exact
+        per-token KL to the reference (`kl_estimator = "full"`)."""
         return self._loss(
             logprobs,
             old_logprobs,
@@ -436,6 +444,7 @@ class Algorithm:
             self.loss_cfg,
             normalizer=normalizer,
             entropy=entropy,
+            kl=kl,
         )
 
 

@@ -138,10 +138,13 @@ class _Base:
             self.seconds += time.perf_counter() - t
         return self.prompts
 
-    def score(self, policy: LoraPolicy, mb: MicroBatch) -> tuple[Trunk, torch.Tensor]:
-        """(the micro-batch's trunk, its reference logprobs [B, Tc])."""
+    def score(self, policy: LoraPolicy, mb: MicroBatch
+              ) -> tuple[Trunk, torch.Tensor, torch.Tensor | None]:
+        """(the micro-batch's trunk, its reference logprobs [B, Tc], and with
+        `kl_estimator = "full"` the reference's whole distributions [N, V])."""
         assert policy.split is not None
         cfg = policy.cfg
+        full = cfg.loss.kl_estimator == "full"
         with torch.no_grad(), policy.autocast():
             trunk = trunk_states(policy.model, mb.batch, policy.split, self.prompts)
             t = time.perf_counter()
@@ -149,9 +152,9 @@ class _Base:
                 ref = completion_logprobs(policy.model, mb.batch,
                                           chunk_tokens=cfg.logprob_chunk_tokens,
                                           temperature=cfg.temperature, prompts=self.base_prompts,
-                                          trunk=trunk).logprobs
+                                          trunk=trunk, keep_distributions=full)
             self.seconds += time.perf_counter() - t
-        return trunk, ref
+        return trunk, ref.logprobs, ref.distributions
 
 
 class LoraPolicy:
@@ -264,6 +267,12 @@ class LoraPolicy:
         """
         if not samples:
             raise ValueError("train_step needs at least one sample")
+        if self.cfg.loss.kl_beta > 0 and self.cfg.loss.kl_estimator == "full" and not (
+                reference and self.split is not None and self.dp.world == 1):
+            raise ValueError(
+                '[trainer.loss] kl_estimator = "full" needs the reference\'s whole distributions: '
+                "the colocated reference ([online] reference = \"colocated\"), one rank and LoRA "
+                "on the top layers ([trainer.lora] top_layers)")
         if reference and (self.split is None or self.dp.world > 1):
             # whole forwards: the base's, then the step's (the ranks take the samples as given)
             t = time.perf_counter()
@@ -385,9 +394,9 @@ class LoraPolicy:
         loss (its share of the batch's) and its metrics as token sums. With `base`, the
         micro-batch's reference logprobs first, from the trunk the policy's forward shares."""
         cfg = self.cfg
-        trunk, ref = None, mb.ref_logprobs
+        trunk, ref, ref_dists = None, mb.ref_logprobs, None
         if base is not None:
-            trunk, ref = base.score(self, mb)
+            trunk, ref, ref_dists = base.score(self, mb)
         with self.autocast():
             hidden = completion_hidden(self.model, mb.batch, leaves, trunk)
             out = completion_logprobs(
@@ -397,7 +406,9 @@ class LoraPolicy:
                 temperature=cfg.temperature,
                 with_entropy=cfg.log_entropy,
                 hidden=hidden,
+                kl_to=ref_dists,
             )
+        del ref_dists  # [N, V]: freed before the backward
         dev = out.logprobs.device  # the batch is assembled on the CPU
         loss, m = self.algorithm.loss(
             out.logprobs,
@@ -407,6 +418,7 @@ class LoraPolicy:
             out.mask,
             normalizer=normalizer,
             entropy=out.entropy,
+            kl=out.kl,
         )
         n = m.pop("tokens")
         sums = {k: v * n for k, v in m.items()}

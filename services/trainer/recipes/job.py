@@ -178,6 +178,10 @@ async def run_job(mesh_cfg: MeshConfig, job, trainer_cfg: TrainerConfig, config_
         write, default_id = report.write, ""
         if trainer_cfg.loss.kl_beta > 0 and not ep.reference:
             raise SystemExit("kl_beta > 0 needs the reference service: no endpoint configured")
+        if trainer_cfg.loss.kl_beta > 0 and trainer_cfg.loss.kl_estimator == "full":
+            raise SystemExit('[trainer.loss] kl_estimator = "full" needs the colocated reference, '
+                             "which GRPO does not have (its reference service returns sampled "
+                             'tokens\' logprobs): use "k3"')
     telemetry.setup("trainer", mesh_cfg.telemetry, mesh_cfg.run_dir)
     model_dir = models.resolve(mesh_cfg.model.name)
     run_id = job.run_id or default_id + time.strftime("%Y%m%d-%H%M%S")
@@ -233,6 +237,11 @@ def _check_online_mesh(mesh_cfg: MeshConfig, trainer_cfg: TrainerConfig, job) ->
     if trainer_cfg.loss.kl_beta > 0 and job.reference == "service" and not ep.reference:
         raise SystemExit("kl_beta > 0 with [online] reference = 'service' needs the reference "
                          "service: no endpoint configured (or use reference = 'colocated')")
+    if trainer_cfg.loss.kl_beta > 0 and trainer_cfg.loss.kl_estimator == "full" and (
+            job.reference != "colocated" or trainer_cfg.lora.top_layers is None):
+        raise SystemExit('[trainer.loss] kl_estimator = "full" needs the reference\'s whole '
+                         "distributions: [online] reference = 'colocated' and [trainer.lora] "
+                         "top_layers set")
 
 
 async def open_online(mesh_cfg: MeshConfig, job, trainer_cfg: TrainerConfig,

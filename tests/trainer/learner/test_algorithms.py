@@ -181,3 +181,41 @@ def test_make_algorithm_dispatch() -> None:
         TrainerConfig(algorithm="unknown")
     with pytest.raises(ValidationError):
         TrainerConfig(lora={"rank": 8})  # misspelled key is an error
+
+
+def test_k3_as_a_loss_follows_the_other_kl_and_the_full_one_follows_its_own() -> None:
+    """Why `kl_estimator = "full"`: over the tokens the policy samples, the gradient of k3 is
+    the gradient of KL(reference || policy), not of KL(policy || reference), which k3's value
+    estimates; the exact KL's gradient is its own. A policy that puts mass on a token the
+    reference almost never writes (an early end of the answer) is pulled back hard by the
+    one and hardly by the other."""
+    ref = torch.log_softmax(torch.tensor([2.0, 1.0, 0.0, -6.0]), dim=0)  # token 3: ~0.04%
+    logits = torch.tensor([2.0, 1.0, 0.0, 0.0], requires_grad=True)  # the policy: token 3 ~9%
+
+    def grad(f) -> torch.Tensor:
+        (g,) = torch.autograd.grad(f(torch.log_softmax(logits, dim=0)), logits)
+        return g
+
+    p = torch.log_softmax(logits, dim=0).exp().detach()
+    # the expectation over the sampled token, exactly: each token weighted by its probability
+    k3_loss = grad(lambda lp: (p * k3_kl(lp, ref)).sum())
+    reverse = grad(lambda lp: (lp.exp() * (lp - ref)).sum())  # KL(policy || reference), "full"
+    forward = grad(lambda lp: (ref.exp() * (ref - lp)).sum())  # KL(reference || policy)
+    torch.testing.assert_close(k3_loss, forward)
+    assert not torch.allclose(k3_loss, reverse, atol=1e-3)
+    # the pull down on the token the reference never writes, each way
+    assert -reverse[3] < 0 and -forward[3] < 0
+    assert reverse[3] > 4 * forward[3]
+
+
+def test_the_full_kl_term_is_the_one_given() -> None:
+    cfg = LossSettings(kl_beta=0.5, kl_estimator="full")
+    lp = torch.tensor([[-1.0, -2.0]], requires_grad=True)
+    exact = torch.tensor([[0.3, 0.1]], requires_grad=True)
+    mask = torch.ones(1, 2, dtype=torch.bool)
+    loss, m = policy_loss(lp, lp.detach(), None, torch.zeros(1), mask, cfg, kl=exact)
+    assert m["kl"] == pytest.approx(0.2)
+    loss.backward()
+    torch.testing.assert_close(exact.grad, torch.full((1, 2), 0.25))  # beta / tokens
+    with pytest.raises(ValueError, match="full"):
+        policy_loss(lp, lp.detach(), torch.zeros(1, 2), torch.zeros(1), mask, cfg)

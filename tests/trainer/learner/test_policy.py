@@ -352,3 +352,41 @@ def test_an_adapter_of_the_top_layers_is_what_the_replicas_merge(make_cfg, tmp_p
 def test_more_top_layers_than_the_model_has_is_a_clear_error(make_cfg) -> None:
     with pytest.raises(ValueError, match="top_layers = 5, but the model has 4 decoder layers"):
         LoraPolicy(make_cfg(lora={"r": 4, "alpha": 8.0, "top_layers": 5}))
+
+
+def test_the_full_kl_of_a_step_is_the_exact_kl_and_its_gradient(make_cfg, grouped_pairs) -> None:
+    """`kl_estimator = "full"` with the colocated reference: the step's KL is the exact
+    KL(policy || base) of every completion token's next-token distribution (computed here
+    from two whole forwards, adapter on and off), and with no advantage its update is that
+    KL's gradient times kl_beta, over shared prompts and several micro-batches."""
+    kw = {"lora": {"r": 4, "alpha": 8.0, "top_layers": 2}, "share_prompts": True,
+          "loss": {"kl_beta": 0.3, "kl_estimator": "full"}, "optimizer": {"max_grad_norm": 1e9},
+          "micro_batch_tokens": 80}
+    pol, check = LoraPolicy(make_cfg(**kw)), LoraPolicy(make_cfg(**kw))
+    for p in (pol, check):
+        _perturb_adapter(p)
+    pairs = [(p, c) for p, c in grouped_pairs(3, 4, seed=5) if c]
+    samples = _samples(pol, pairs, [0.0] * len(pairs), with_ref=False)
+    with pytest.raises(ValueError, match="colocated reference"):
+        pol.train_step(samples)  # no reference of its own: only sampled tokens' logprobs
+    m = pol.train_step(samples, reference=True)
+    assert m.micro_batches > 1
+
+    # the same KL, from whole forwards: sum over the tokens, over the batch's token count
+    check.model.train()
+    total, tokens = 0.0, 0
+    kls = []
+    for p, c in pairs:
+        ids = torch.tensor([p + c])
+        with torch.no_grad(), check.model.disable_adapter():
+            ref = torch.log_softmax(check.model(ids).logits[0].float(), dim=-1)
+        logp = torch.log_softmax(check.model(ids).logits[0].float(), dim=-1)
+        rows = slice(len(p) - 1, len(p) + len(c) - 1)  # the positions that predict c
+        kls.append((logp[rows].exp() * (logp[rows] - ref[rows])).sum(-1))
+        tokens += len(c)
+    total = torch.cat(kls).sum()
+    assert m.extra["kl"] == pytest.approx(float(total.detach()) / tokens, rel=1e-4)
+    assert m.extra["kl"] > 1e-4
+    (0.3 * total / tokens).backward()
+    for (n, a), (_, b) in zip(pol.trainable_parameters(), check.trainable_parameters()):
+        torch.testing.assert_close(a.grad, b.grad, atol=1e-6, rtol=1e-4, msg=n)
