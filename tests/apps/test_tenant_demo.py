@@ -594,5 +594,7 @@ def test_training_overrides_are_what_the_trainer_loads():
     assert online.batch_window_s == 0.0  # an update takes what has arrived, it does not wait
     assert (trainer.loss.kl_beta, trainer.optimizer.lr) == (0.1, 2e-3)
     assert (trainer.loss.aggregation, trainer.loss.norm_tokens) == ("constant", 96)
+    # the exact KL, and what it needs: the colocated reference, LoRA on the top layers
+    assert trainer.loss.kl_estimator == "full" and trainer.lora.top_layers is not None
     _, no_kl = load("trainer", TrainerConfig, config, training_overrides(kl_beta=0.0, lr=1e-3, max_tokens=96))
     assert no_kl.loss.kl_beta == 0.0
