@@ -74,6 +74,11 @@ DRAIN_TIMEOUT_S = 5.0
 """Bound on draining subscriptions at close (nats-py waits 30 s by default)."""
 REQUEST_TIMEOUT_S = 5.0
 """One JetStream request's wait for its answer (a retry may follow, see `OUTAGE_S`)."""
+# `[nats] ping_interval_s`'s default, and the unanswered pings after which the connection is
+# stale (nats-py's default count; its default interval, 120 s, kept a client on a frozen
+# server for ~6 minutes)
+PING_INTERVAL_S = 10.0
+MAX_OUTSTANDING_PINGS = 2
 
 M = TypeVar("M", bound=Message)
 
@@ -219,10 +224,13 @@ class Bus:
 
     @classmethod
     async def connect(cls, url: str, name: str, timeout_s: float = 10.0,
-                      outage_s: float = OUTAGE_S, replicas: int = 1) -> "Bus":
+                      outage_s: float = OUTAGE_S, replicas: int = 1,
+                      ping_interval_s: float = PING_INTERVAL_S) -> "Bus":
         """Connect to `url` (one server, or several of one cluster comma-separated) within
         `timeout_s` (BusError if no server answers by then). `outage_s`: how long JetStream
-        requests ride out a lost server afterwards. `replicas`: see `Bus.replicas`."""
+        requests ride out a lost server afterwards. `replicas`: see `Bus.replicas`.
+        `ping_interval_s`: `[nats] ping_interval_s` (a server that stops answering is left
+        after `MAX_OUTSTANDING_PINGS` + 1 of them)."""
         from nats.aio.client import Client
 
         async def _quiet(e: Exception) -> None:  # reconnects are logged once, not per traceback
@@ -242,7 +250,8 @@ class Bus:
             await asyncio.wait_for(nc.connect(
                 servers(url), name=name, connect_timeout=2, allow_reconnect=True, max_reconnect_attempts=-1,
                 reconnect_time_wait=RECONNECT_WAIT_S, drain_timeout=DRAIN_TIMEOUT_S, error_cb=_quiet,
-                reconnected_cb=_reconnected,
+                reconnected_cb=_reconnected, ping_interval=ping_interval_s,
+                max_outstanding_pings=MAX_OUTSTANDING_PINGS,
             ), timeout_s)
         except TimeoutError:
             last = nc.last_error

@@ -47,7 +47,7 @@ async def build(mesh: MeshConfig, cfg: GatewayConfig) -> service.Running:
         raise SystemExit(f"gateway: [endpoints] rollout: {e}") from None
 
     bus = await Bus.connect(mesh.nats.url, "gateway", mesh.nats.connect_timeout_s,
-                            replicas=mesh.nats.replicas)
+                            replicas=mesh.nats.replicas, ping_interval_s=mesh.nats.ping_interval_s)
     router = Router(await discovery.refresh(), cfg.routing,
                     cfg.health_interval_s, cfg.health_timeout_s, cfg.health_failures,
                     cfg.max_version_lag)

@@ -33,7 +33,7 @@ async def build(mesh: MeshConfig, cfg: RolloutConfig) -> service.Running:
         from hotloop.proto.v1 import bus_pb2
 
         bus = await hbus.Bus.connect(mesh.nats.url, "rollout", mesh.nats.connect_timeout_s,
-                                     replicas=mesh.nats.replicas)
+                                     replicas=mesh.nats.replicas, ping_interval_s=mesh.nats.ping_interval_s)
 
     address: dict = {}  # known once the server is bound
     unannounced: list[tuple[Version, float]] = []  # loaded before that (catch-up at start-up)

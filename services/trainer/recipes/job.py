@@ -133,7 +133,7 @@ async def open_edge(mesh_cfg: MeshConfig, trainer_cfg: TrainerConfig, run_dir: P
         from hotloop.bus import Bus
 
         bus = await Bus.connect(mesh_cfg.nats.url, "trainer", mesh_cfg.nats.connect_timeout_s,
-                                replicas=mesh_cfg.nats.replicas)
+                                replicas=mesh_cfg.nats.replicas, ping_interval_s=mesh_cfg.nats.ping_interval_s)
     reference = References.connect(ep.reference) if ep.reference else None
     try:
         dtype = await check_dtype(trainer_cfg, reference)
