@@ -151,7 +151,7 @@ def training_overrides(kl_beta: float, lr: float, max_tokens: int) -> list[str]:
     """The demo's learning: the KL penalty to the base model (`[trainer.loss] kl_beta`), the
     exact KL over the vocabulary at every token (`kl_estimator = "full"`: with k3 lineages
     learned what their users did not ask for beside what they did, `exclaim` going short in
-    d4, d8, d10 and d13; with the exact KL none did in d14, docs/results.md), its reference
+    d4, d8, d10 and d13; with the exact KL none did in d14-d16, docs/results.md), its reference
     from the trainer's own base with the adapter disabled (`[online] reference =
     "colocated"`: on 2 cores a reference process slowed the engine and the trainer; and only
     there are the base's whole distributions at hand), the LoRA learning rate (`[trainer.optimizer] lr`), each
