@@ -85,9 +85,8 @@ class LossSettings(_Strict):
     style the base rarely writes) unless that very token is sampled. "full": the exact
     KL(policy || reference) over the whole vocabulary at every position, differentiated
     exactly: every token the policy made likelier than the base costs, sampled or not. Needs
-    the reference's whole distributions, so the colocated reference on one rank with LoRA on
-    the top layers (`[online] reference = "colocated"`, `[trainer.lora] top_layers`); ~25 MB
-    per 128 tokens of a 49k vocabulary held during a step."""
+    the reference's whole distributions, so the colocated reference on one rank (`[online]
+    reference = "colocated"`); ~25 MB per 128 tokens of a 49k vocabulary held during a step."""
     aggregation: Literal["token", "sequence", "constant"] = "token"
     """How per-token losses become one number: "token" sums over all tokens of the batch and
     divides by their count (long completions weigh more); "sequence" averages each sequence,

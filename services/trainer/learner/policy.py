@@ -119,19 +119,21 @@ class Interrupted(Exception):
 
 @dataclass
 class _Base:
-    """The colocated reference inside one `train_step` (`reference=True`, `split` set): the
-    layers below the split run once per micro-batch without a graph, the layers above run
-    with the adapter off for the reference, then with it on (and a graph) for the policy."""
+    """The colocated reference inside one `train_step` (`reference=True`, with `split` set,
+    or for `kl_estimator = "full"`): the layers below the split run once per micro-batch
+    without a graph, the layers above (every layer without a split) run with the adapter off
+    for the reference, then with it on (and a graph) for the policy."""
 
     seconds: float = 0.0  # in the reference's forwards, trunk excluded
     prompts: PromptTrunk | None = None
     base_prompts: PromptStates | None = None
 
-    def prompts_of(self, policy: LoraPolicy, shared: PromptSet) -> PromptTrunk:
-        """The shared prompts' trunk, and their states under the base (kept for `score`)."""
-        assert policy.split is not None
+    def prompts_of(self, policy: LoraPolicy, shared: PromptSet) -> PromptTrunk | None:
+        """The shared prompts' trunk (None without a split: the whole body differs), and their
+        states under the base (kept for `score`)."""
         with torch.no_grad(), policy.autocast():
-            self.prompts = prompt_trunk(policy.model, shared, policy.split)
+            if policy.split is not None:
+                self.prompts = prompt_trunk(policy.model, shared, policy.split)
             t = time.perf_counter()
             with policy.model.disable_adapter():
                 self.base_prompts = prompt_states(policy.model, shared, self.prompts)
@@ -139,14 +141,15 @@ class _Base:
         return self.prompts
 
     def score(self, policy: LoraPolicy, mb: MicroBatch
-              ) -> tuple[Trunk, torch.Tensor, torch.Tensor | None]:
+              ) -> tuple[Trunk | None, torch.Tensor, torch.Tensor | None]:
         """(the micro-batch's trunk, its reference logprobs [B, Tc], and with
-        `kl_estimator = "full"` the reference's whole distributions [N, V])."""
-        assert policy.split is not None
+        `kl_estimator = "full"` the reference's whole distributions [N, V]). Without a split
+        (LoRA on every layer) the trunk is None and the reference runs the whole body."""
         cfg = policy.cfg
         full = cfg.loss.kl_estimator == "full"
         with torch.no_grad(), policy.autocast():
-            trunk = trunk_states(policy.model, mb.batch, policy.split, self.prompts)
+            trunk = (None if policy.split is None else
+                     trunk_states(policy.model, mb.batch, policy.split, self.prompts))
             t = time.perf_counter()
             with policy.model.disable_adapter():
                 ref = completion_logprobs(policy.model, mb.batch,
@@ -267,13 +270,12 @@ class LoraPolicy:
         """
         if not samples:
             raise ValueError("train_step needs at least one sample")
-        if self.cfg.loss.kl_beta > 0 and self.cfg.loss.kl_estimator == "full" and not (
-                reference and self.split is not None and self.dp.world == 1):
+        full = self.cfg.loss.kl_beta > 0 and self.cfg.loss.kl_estimator == "full"
+        if full and not (reference and self.dp.world == 1):
             raise ValueError(
                 '[trainer.loss] kl_estimator = "full" needs the reference\'s whole distributions: '
-                "the colocated reference ([online] reference = \"colocated\"), one rank and LoRA "
-                "on the top layers ([trainer.lora] top_layers)")
-        if reference and (self.split is None or self.dp.world > 1):
+                "the colocated reference ([online] reference = \"colocated\") on one rank")
+        if reference and (self.dp.world > 1 or (self.split is None and not full)):
             # whole forwards: the base's, then the step's (the ranks take the samples as given)
             t = time.perf_counter()
             ref = self.base_logprobs([(s.prompt_ids, s.completion_ids) for s in samples])

@@ -237,11 +237,10 @@ def _check_online_mesh(mesh_cfg: MeshConfig, trainer_cfg: TrainerConfig, job) ->
     if trainer_cfg.loss.kl_beta > 0 and job.reference == "service" and not ep.reference:
         raise SystemExit("kl_beta > 0 with [online] reference = 'service' needs the reference "
                          "service: no endpoint configured (or use reference = 'colocated')")
-    if trainer_cfg.loss.kl_beta > 0 and trainer_cfg.loss.kl_estimator == "full" and (
-            job.reference != "colocated" or trainer_cfg.lora.top_layers is None):
+    if (trainer_cfg.loss.kl_beta > 0 and trainer_cfg.loss.kl_estimator == "full"
+            and job.reference != "colocated"):
         raise SystemExit('[trainer.loss] kl_estimator = "full" needs the reference\'s whole '
-                         "distributions: [online] reference = 'colocated' and [trainer.lora] "
-                         "top_layers set")
+                         "distributions: [online] reference = 'colocated'")
 
 
 async def open_online(mesh_cfg: MeshConfig, job, trainer_cfg: TrainerConfig,

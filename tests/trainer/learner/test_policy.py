@@ -354,12 +354,15 @@ def test_more_top_layers_than_the_model_has_is_a_clear_error(make_cfg) -> None:
         LoraPolicy(make_cfg(lora={"r": 4, "alpha": 8.0, "top_layers": 5}))
 
 
-def test_the_full_kl_of_a_step_is_the_exact_kl_and_its_gradient(make_cfg, grouped_pairs) -> None:
+@pytest.mark.parametrize("top_layers", [2, None])
+def test_the_full_kl_of_a_step_is_the_exact_kl_and_its_gradient(
+        make_cfg, grouped_pairs, top_layers) -> None:
     """`kl_estimator = "full"` with the colocated reference: the step's KL is the exact
     KL(policy || base) of every completion token's next-token distribution (computed here
     from two whole forwards, adapter on and off), and with no advantage its update is that
-    KL's gradient times kl_beta, over shared prompts and several micro-batches."""
-    kw = {"lora": {"r": 4, "alpha": 8.0, "top_layers": 2}, "share_prompts": True,
+    KL's gradient times kl_beta, over shared prompts and several micro-batches; with LoRA on
+    the top layers (the trunk below them shared) and on every layer."""
+    kw = {"lora": {"r": 4, "alpha": 8.0, "top_layers": top_layers}, "share_prompts": True,
           "loss": {"kl_beta": 0.3, "kl_estimator": "full"}, "optimizer": {"max_grad_norm": 1e9},
           "micro_batch_tokens": 80}
     pol, check = LoraPolicy(make_cfg(**kw)), LoraPolicy(make_cfg(**kw))
