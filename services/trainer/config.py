@@ -259,6 +259,14 @@ class TrainerConfig(_Strict):
         return self
 
     @model_validator(mode="after")
+    def _full_kl_on_one_rank(self) -> TrainerConfig:
+        if self.loss.kl_beta > 0 and self.loss.kl_estimator == "full" and self.data_parallel > 1:
+            raise ValueError('loss.kl_estimator = "full" needs the reference\'s whole '
+                             "distributions in the step, which the ranks do not share: use "
+                             'data_parallel = 1 or kl_estimator = "k3"')
+        return self
+
+    @model_validator(mode="after")
     def _ppo_kl_in_reward(self) -> TrainerConfig:
         if self.algorithm == "ppo" and self.loss.kl_beta > 0:
             raise ValueError("PPO folds the KL penalty into the reward ([trainer.ppo] kl_coef, "

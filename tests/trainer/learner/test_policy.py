@@ -372,6 +372,8 @@ def test_the_full_kl_of_a_step_is_the_exact_kl_and_its_gradient(
     samples = _samples(pol, pairs, [0.0] * len(pairs), with_ref=False)
     with pytest.raises(ValueError, match="colocated reference"):
         pol.train_step(samples)  # no reference of its own: only sampled tokens' logprobs
+    with pytest.raises(ValueError, match="data_parallel = 1"):
+        make_cfg(**kw, data_parallel=2)  # refused at load, not at the first update
     m = pol.train_step(samples, reference=True)
     assert m.micro_batches > 1
 
