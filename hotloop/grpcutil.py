@@ -31,7 +31,6 @@ import logging
 import signal
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
-from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -39,6 +38,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from hotloop import adapters, errors
+from hotloop.config import GrpcConfig
 
 log = logging.getLogger(__name__)
 
@@ -62,25 +62,14 @@ _SERVER_OPTIONS = [*_OPTIONS,
                    ("grpc.http2.min_ping_interval_without_data_ms", MIN_PING_INTERVAL_MS)]
 
 
-@dataclass(frozen=True)
-class Liveness:
-    """The process's `[grpc]` settings as its channels use them (`hotloop.config.GrpcConfig`
-    says what each does)."""
-
-    keepalive_s: float = 10.0
-    keepalive_timeout_s: float = 10.0
-    connect_timeout_s: float = 20.0
+_liveness = GrpcConfig()
 
 
-_liveness = Liveness()
-
-
-def configure(cfg: Any) -> Liveness:
-    """Use `cfg` (a `[grpc]` section) for every channel this process opens from now on;
+def configure(cfg: GrpcConfig) -> GrpcConfig:
+    """Use `cfg` (the `[grpc]` section) for every channel this process opens from now on;
     returns the settings it replaces. A service calls it before it builds any client."""
     global _liveness
-    previous = _liveness
-    _liveness = Liveness(cfg.keepalive_s, cfg.keepalive_timeout_s, cfg.connect_timeout_s)
+    previous, _liveness = _liveness, cfg
     return previous
 
 

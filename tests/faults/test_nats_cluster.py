@@ -192,8 +192,9 @@ async def test_a_frozen_server_is_left_for_another_within_the_ping_bound(tmp_pat
         took = time.monotonic() - t0
         assert bus.nc.connected_url.port != victim.port
         assert not ack.duplicate
-        # three pings, a reconnect and the stream's leader election; well under OUTAGE_S
-        assert took < 20, took
+        # three pings, a reconnect and the stream's leader election (5-8.5 s alone, measured
+        # above); without the pings the publish is still waiting at 60 s
+        assert took < 30, took
         print(f"\nfrozen server left, feedback stored {took:.2f}s after the freeze")
     finally:
         if victim is not None and victim.proc is not None and victim.proc.poll() is None:
