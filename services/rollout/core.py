@@ -64,7 +64,7 @@ import time
 import uuid
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import aclosing, asynccontextmanager, nullcontext
+from contextlib import AsyncExitStack, aclosing, asynccontextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -732,7 +732,7 @@ class RolloutCore:
                     self._latest)
         yield gauge("hotloop_rollout_versions_held", "Versions held (the base model included).",
                     len(held))
-        yield gauge("hotloop_rollout_requests_running", "Generate calls admitted and not finished.",
+        yield gauge("hotloop_rollout_requests_running", "Generate calls admitted and still generating.",
                     sum(h.in_flight for h in held))
         yield gauge("hotloop_rollout_user_requests_running",
                     "Priority-0 (users') Generate calls in flight.", self.users.foreground)
@@ -919,7 +919,23 @@ class RolloutCore:
 
         admitted = (self._admitted_tenant(req.tenant, req.pin_version) if req.tenant
                     else self._admitted(req.pin_version))
-        async with admitted as adm:
+        # The admission (the version's in-flight count, a tenant's slot lease) lasts while the
+        # engine generates, not while the caller reads: the engine never waits for a reader
+        # (its outputs queue here), and a reader that stops reading (a client frozen, a user
+        # whose socket no longer drains behind the gateway) held them until its stream ended,
+        # blocking drain swaps, the retiring of its version and a slot other tenants wait for.
+        admission = AsyncExitStack()
+        adm = await admission.enter_async_context(admitted)
+        ended: asyncio.Future | None = None
+
+        def end_admission() -> asyncio.Future:
+            nonlocal ended
+            if ended is None:
+                ended = asyncio.ensure_future(admission.aclose())
+            return ended
+
+        tasks: list[asyncio.Task] = []
+        try:
             version = adm.version
             queue: asyncio.Queue = asyncio.Queue()
 
@@ -949,6 +965,8 @@ class RolloutCore:
                 await queue.put((i, None))  # this prompt is done
 
             tasks = [asyncio.create_task(one(i, p)) for i, p in enumerate(ids)]
+            asyncio.gather(*tasks, return_exceptions=True).add_done_callback(
+                lambda _: end_admission())
             sent: dict[tuple[int, int], int] = {}  # stream: tokens sent per sample
             self._streams.add(queue)  # `check_engine` fails it when the engine hangs
             try:
@@ -989,10 +1007,12 @@ class RolloutCore:
                         )
             finally:
                 self._streams.discard(queue)
-                for t in tasks:
-                    t.cancel()  # a cancelled client aborts its engine requests
-                # Wait for the aborts to reach the engine before the request counts as done.
-                await asyncio.gather(*tasks, return_exceptions=True)
+        finally:
+            for t in tasks:
+                t.cancel()  # a cancelled client aborts its engine requests
+            # Wait for the aborts to reach the engine before the request counts as done.
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await asyncio.shield(end_admission())
 
     def _spans(self, admitted: int, request_id: str, c, n_tokens: int) -> list[tuple[int, int]]:
         """(version, first token) spans of one sample's first `n_tokens` tokens."""

@@ -105,3 +105,23 @@ async def test_the_heartbeat_beats_at_every_step_of_a_request_that_returns_only_
     assert hb.stalled() is None
     await core.engine.collective_rpc("hotloop_status")
     assert hb.busy == 0
+
+
+async def test_a_reader_that_stops_reading_does_not_hold_back_a_drain_swap(rollout, adapter_factory):
+    """A drain swap waits for the engine's requests, not for their readers: a caller that
+    stopped reading (a frozen client) held it until `swap_drain_timeout_s` failed the push."""
+    from services.rollout.core import GenerateInput, PromptIn, Sampling
+
+    core, stub = rollout
+    prompt = "def mul(a, b):"
+    ref = (await generate(stub, [text_prompt(prompt)], max_tokens=16, temperature=0))[0]
+    old = core.latest
+    gen = core.generate(GenerateInput([PromptIn(text=prompt)], Sampling(
+        max_tokens=16, temperature=0), stream=True))
+    got = [await anext(gen)]  # one delta read, then the reader stops
+    resp = await asyncio.wait_for(push(stub, adapters.pack(adapter_factory(seed=9, scale=5.0)),
+                                       old + 1), 20)  # the fixture's drain timeout: 30 s
+    assert resp.loaded.version == core.latest == old + 1
+    got += [c async for c in gen]  # the reader comes back: the old version's answer, whole
+    assert [t for c in got for t in c.token_ids] == list(ref.token_ids)
+    assert {c.policy_version for c in got} == {old} and got[-1].final

@@ -243,3 +243,42 @@ async def test_metrics_show_slot_loads_evictions_and_residency(rollout, adapter_
     assert after.value("hotloop_rollout_tenant_resident_adapter_bytes") == st["resident_bytes"] > 0
     assert st["resident_adapters"] == 2
     assert set(core.tenant_slots()["resident"]) == {"m1@v1", "m2@v1"}
+
+
+async def test_a_reader_that_stops_reading_holds_neither_slot_nor_version_once_generated(
+        rollout, adapter_factory):
+    """A caller that stops reading its stream (a frozen client, a user behind the gateway
+    whose socket no longer drains) keeps the stream open, not its adapter: once the engine has
+    generated the answer, the slot goes to other tenants and the version can retire; the
+    reader still gets every token of the version it was admitted on."""
+    from services.rollout.core import GenerateInput, PromptIn, Sampling
+
+    core, stub = rollout
+    await push(stub, "slow", adapters.pack(adapter_factory(seed=81, scale=5.0)), 1)
+    for t, s in (("p", 82), ("q", 83)):
+        await push(stub, t, adapters.pack(adapter_factory(seed=s, scale=5.0)), 1)
+    ref = await greedy(stub, "slow", max_tokens=24)
+    gen = core.generate(GenerateInput([PromptIn(text=PROMPT)], Sampling(
+        max_tokens=24, temperature=0), tenant="slow", stream=True))
+    got = [await anext(gen)]  # one delta read, then the reader stops
+
+    def leases() -> int:
+        st = core.tenant_slots()
+        return sum(n for label, n in zip(st["resident"], st["held"]) if label == "slow@v1")
+
+    deadline = time.monotonic() + 30
+    while leases():  # the engine finishes the answer without the reader
+        assert time.monotonic() < deadline, "a reader that stopped reading still holds its slot"
+        await asyncio.sleep(0.05)
+    # two other tenants take both slots without waiting for the reader: slow@v1 is evicted
+    for t in ("p", "q"):
+        await asyncio.wait_for(greedy(stub, t, max_tokens=4), 30)
+    assert "slow@v1" not in core.tenant_slots()["resident"]
+    # and its next versions retire v1 (keep_versions = 3) while the reader's stream is open
+    for v in (2, 3, 4):
+        await push(stub, "slow", adapters.pack(adapter_factory(seed=81 + 10 * v, scale=5.0)), v)
+    assert [v.version for v in core.tenants()["slow"][1]] == [2, 3, 4]
+    got += [c async for c in gen]  # the reader comes back: the answer v1 gave, whole
+    assert [t for c in got for t in c.token_ids] == list(ref.token_ids)
+    assert all(c.tenant == "slow" and c.version_spans == [(1, 0)] for c in got)
+    assert got[-1].final
