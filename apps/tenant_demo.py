@@ -145,6 +145,7 @@ KL_HORIZON = 20  # feedback over which the KL coefficient may move by e^0.2 (the
 BATCH_SIZE = 4  # feedback one update of a lineage takes, newest first (the mesh's: 2)
 MAX_WAIT_S = 30.0  # feedback that waited longer for its lineage's turn is shed (the mesh's: 3)
 CHECK_MARGIN_SE = 1.5  # a check confirms a version at its target plus this many standard errors
+SERVE_AVERAGE = 0.8  # users are served a running average of each lineage's adapter (d19-d20)
 
 
 def training_overrides(kl_beta: float, lr: float, max_tokens: int) -> list[str]:
@@ -170,9 +171,15 @@ def training_overrides(kl_beta: float, lr: float, max_tokens: int) -> list[str]:
     KL of 0.3-0.7; those that met their targets did at 0.03-0.1 (b2). A rating below the
     baseline weighs `NEGATIVE_WEIGHT` of itself (`[online] negative_weight`): `bullets`, three
     ratings in four at -1, stayed at its base over 242 updates without it (b9) and met its
-    target with it in 2 of 5 runs (b10-b14), in none of 9 before. Serving each lineage's
-    running average (`[online] serve_average` 0.8) did not help and slowed `exclaim` (c1, c2):
-    the demo leaves it off. The coefficient moves at most e^0.2 per `KL_HORIZON` feedback
+    target with it in 2 of 5 runs (b10-b14), in none of 9 before. Users are served each
+    lineage's running average (`[online] serve_average` = `SERVE_AVERAGE`: after each update
+    s <- 0.8 s + 0.2 theta, published as the version): on 2 cores an update holds one rating
+    once the first queue is gone, adjacent versions then differ by as much as 0.4 in a
+    preference's share (d18 `short`: v58 at 0.16 inside a stretch at 0.43), and the version a
+    check holds is one of the tens a block of answers spans; averaged, a version moves a fifth
+    of an update. With the k3 estimate it slowed `exclaim` (c1, c2, c4); with the exact KL
+    every check it made confirmed or refused what the blocks had seen (d19, d20 in
+    docs/results.md). The coefficient moves at most e^0.2 per `KL_HORIZON` feedback
     (`[online] kl_horizon`): at the mesh's 2 it rose to 0.64 in c5 and `short`, met, fell back
     to 0.00; at 20 it stayed at 0.11-0.16 (c6, c7). Three lanes take turns on one trainer core
     at ~2 s of trainer time per feedback (before the step shared the layers below the adapter
@@ -189,6 +196,7 @@ def training_overrides(kl_beta: float, lr: float, max_tokens: int) -> list[str]:
           ] if kl_beta > 0 else ["trainer.loss.kl_beta=0"]
     return [*kl, f"trainer.optimizer.lr={lr:g}", "online.leave_one_out=true",
             f"online.negative_weight={NEGATIVE_WEIGHT:g}", f"online.kl_horizon={KL_HORIZON}",
+            f"online.serve_average={SERVE_AVERAGE:g}",
             f"online.batch_size={BATCH_SIZE}", f"online.max_wait_s={MAX_WAIT_S:g}",
             "trainer.loss.aggregation=constant", f"trainer.loss.norm_tokens={max_tokens}"]
 

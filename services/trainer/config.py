@@ -334,10 +334,11 @@ class OnlineConfig(_Strict):
     tenants"). At 0.8 a version moves a fifth of an update and follows the trained adapter
     ~4 updates behind. Users are served s, and the trainer learns from answers sampled from s
     (the truncated importance weight, `is_cap`, corrects for the difference). The average is
-    checkpointed with the lineage; a reset starts it over at the base. In the tenant demo 0.8
-    did not help: its checks refused as often, and with `kl_target` its fastest lineage
-    learned slower, the controller steering the KL of a trained adapter that runs ahead of
-    the served one (docs/results.md, "Many tenants", c1 and c2)."""
+    checkpointed with the lineage; a reset starts it over at the base (or at the version it
+    goes back to). The tenant demo serves 0.8: there a check holds one of the tens of versions
+    a block of answers spans, and without the average adjacent versions differed by up to
+    0.4 (d18); with the k3 estimate it had slowed the fastest lineage instead (c1, c2, c4;
+    docs/results.md, "Many tenants")."""
     kl_target: float | None = Field(None, gt=0.0)
     """Adaptive KL per lineage (Ziegler et al. 2019, as PPO's `kl_target`): raise the KL
     coefficient above `[trainer.loss] kl_beta` (> 0; never below it) while the per-token KL of

@@ -21,8 +21,9 @@ import pytest
 
 from apps.online_demo import LoopTracker
 from apps.simulate import PREFERENCES, TENANT_PROMPTS, Bullets, Direct, Exclaim, Question, Record, list_items
-from apps.tenant_demo import (BATCH_SIZE, KL_HORIZON, MAX_WAIT_S, NEGATIVE_WEIGHT, TENANTS, TenantRun, key_id,
-                              make_keys, tenant_overrides, trainer_plan, training_overrides, wrong_adapter)
+from apps.tenant_demo import (BATCH_SIZE, KL_HORIZON, MAX_WAIT_S, NEGATIVE_WEIGHT, SERVE_AVERAGE, TENANTS,
+                              TenantRun, key_id, make_keys, tenant_overrides, trainer_plan,
+                              training_overrides, wrong_adapter)
 from benchmarks import gpu_check
 
 REPO = Path(__file__).resolve().parents[2]
@@ -592,6 +593,7 @@ def test_training_overrides_are_what_the_trainer_loads():
     assert online.leave_one_out and online.negative_weight == NEGATIVE_WEIGHT
     assert online.reference == "colocated" and online.kl_target == 0.1
     assert online.batch_window_s == 0.0  # an update takes what has arrived, it does not wait
+    assert online.serve_average == SERVE_AVERAGE > 0  # users get the lineage's running average
     assert (trainer.loss.kl_beta, trainer.optimizer.lr) == (0.1, 2e-3)
     assert (trainer.loss.aggregation, trainer.loss.norm_tokens) == ("constant", 96)
     # the exact KL, and what it needs: the colocated reference, LoRA on the top layers
