@@ -191,7 +191,10 @@ async def test_a_frozen_server_is_left_for_another_within_the_ping_bound(tmp_pat
         ack = await asyncio.wait_for(bus.js_publish_once(FEEDBACK, fb, msg_id="frozen:0:u"), 60)
         took = time.monotonic() - t0
         assert bus.nc.connected_url.port != victim.port
-        assert not ack.duplicate
+        # stored once: a retry whose first try was stored but not acked in time (the election)
+        # is answered as a duplicate, which is the id doing its job (CI saw it once)
+        assert ack.seq >= 1
+        assert (await bus.js.stream_info("FEEDBACK")).state.messages == 1
         # three pings, a reconnect and the stream's leader election (5-8.5 s alone, measured
         # above); without the pings the publish is still waiting at 60 s
         assert took < 30, took
