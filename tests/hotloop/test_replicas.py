@@ -21,6 +21,7 @@ from hotloop.errors import Unavailable
 from hotloop.proto.v1 import reference_pb2, reference_pb2_grpc, reward_pb2, reward_pb2_grpc
 from hotloop.proto.v1 import rollout_pb2, rollout_pb2_grpc
 from hotloop.replicas import References, Replicas, Rewards, Rollouts, split
+from tests.clock import Clock
 
 
 class Held:
@@ -115,14 +116,6 @@ def test_split_gives_contiguous_near_equal_runs():
     # its first prompt's: a chunk must be contiguous)
     assert split([1, 2, 5, 6, 7], 2) == [[1, 2], [5, 6, 7]]
     assert split([1, 3, 5], 2) == [[1], [3], [5]]
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def test_a_failed_replica_sits_out_its_cooldown_and_all_are_tried_when_all_failed():

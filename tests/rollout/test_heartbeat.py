@@ -5,58 +5,51 @@ from __future__ import annotations
 import pytest
 
 from services.rollout.heartbeat import Heartbeat
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 1000.0
-
-    def __call__(self) -> float:
-        return self.t
+from tests.clock import Clock
 
 
 def test_an_idle_engine_is_never_stalled_however_long_since_its_last_step():
-    clock = Clock()
+    clock = Clock(1000.0)
     hb = Heartbeat(5.0, clock)
     assert hb.stalled() is None
     hb.step()
-    clock.t += 3600
+    clock.now += 3600
     assert hb.stalled() is None
 
 
 def test_busy_without_a_step_counts_from_when_it_became_busy_not_from_the_last_step():
-    clock = Clock()
+    clock = Clock(1000.0)
     hb = Heartbeat(5.0, clock)
     hb.step()
-    clock.t += 100  # idle for long: no debt carried into the next request
+    clock.now += 100  # idle for long: no debt carried into the next request
     hb.begin()
-    clock.t += 5.0
+    clock.now += 5.0
     assert hb.stalled() is None  # exactly the bound is not past it
-    clock.t += 0.5
+    clock.now += 0.5
     assert hb.stalled() == pytest.approx(5.5)
 
 
 def test_steps_keep_a_busy_engine_alive_and_the_quiet_is_counted_from_the_last():
-    clock = Clock()
+    clock = Clock(1000.0)
     hb = Heartbeat(5.0, clock)
     with hb.working():
         for _ in range(10):
-            clock.t += 4.0
+            clock.now += 4.0
             hb.step()
             assert hb.stalled() is None
-        clock.t += 6.0
+        clock.now += 6.0
         assert hb.stalled() == pytest.approx(6.0)
     assert hb.busy == 0 and hb.stalled() is None  # the work ended: nothing is waiting on it
     assert hb.steps == 10
 
 
 def test_a_second_request_does_not_restart_the_clock_of_a_busy_engine():
-    clock = Clock()
+    clock = Clock(1000.0)
     hb = Heartbeat(5.0, clock)
     hb.begin()
-    clock.t += 4.0
+    clock.now += 4.0
     hb.begin()  # arrives while the first still waits: the engine has been quiet 4 s already
-    clock.t += 2.0
+    clock.now += 2.0
     assert hb.stalled() == pytest.approx(6.0)
     hb.end()
     assert hb.stalled() == pytest.approx(6.0)  # one still in it
@@ -66,8 +59,8 @@ def test_a_second_request_does_not_restart_the_clock_of_a_busy_engine():
 
 
 def test_zero_never_calls_an_engine_stalled():
-    clock = Clock()
+    clock = Clock(1000.0)
     hb = Heartbeat(0.0, clock)
     hb.begin()
-    clock.t += 1e6
+    clock.now += 1e6
     assert hb.stalled() is None

@@ -5,14 +5,7 @@ from __future__ import annotations
 import math
 
 from services.trainer.recipes.budget import FINAL_EVAL_MARGIN, StepBudget
-
-
-class Clock:
-    def __init__(self, now: float = 100.0) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
+from tests.clock import Clock
 
 
 def steps_taken(budget: StepBudget, clock: Clock, step_s: float, most: int = 100) -> int:
