@@ -115,7 +115,9 @@ class GrpcConfig(Section):
     with UNAVAILABLE after at most `keepalive_s + keepalive_timeout_s`, so the balanced
     clients move its work to the other replicas and the gateway routes the user elsewhere;
     a retry that reconnects waits up to `connect_timeout_s` more for the handshake. Every
-    server accepts the pings (down to one every 0.5 s)."""
+    server accepts the pings (down to one every 0.5 s) and pings its own clients the same way:
+    a frozen client's calls end after the same bound, so their handlers stop waiting on
+    streams nobody reads."""
 
     keepalive_s: float = Field(10.0, ge=0)
     """While a call is open, a client pings the server when nothing came from it for this

@@ -4,8 +4,8 @@ Owns: `create_server(...) -> (server, port)` following grpc's Python examples (b
 in tests), the admin-token interceptor, settling request streams before a status goes out,
 mapping of `hotloop.errors` to status codes, client channels whose service config retries
 UNAVAILABLE a bounded number of times, and the keepalive pings with which every client channel
-finds a server that stopped answering without closing its connection (`[grpc]`,
-`client_options`; the servers accept them).
+finds a server that stopped answering without closing its connection, and every server a
+client that did (`[grpc]`, `client_options`, `server_options`).
 Does not own: any service's messages or logic.
 
 Why request streams are settled: a grpc.aio client that is still writing when the server's
@@ -66,8 +66,9 @@ _liveness = GrpcConfig()
 
 
 def configure(cfg: GrpcConfig) -> GrpcConfig:
-    """Use `cfg` (the `[grpc]` section) for every channel this process opens from now on;
-    returns the settings it replaces. A service calls it before it builds any client."""
+    """Use `cfg` (the `[grpc]` section) for every channel and server this process opens from
+    now on; returns the settings it replaces. A service calls it before it builds any client
+    or server."""
     global _liveness
     previous, _liveness = _liveness, cfg
     return previous
@@ -83,18 +84,37 @@ def client_options(connect_timeout_ms: int | None = None) -> list[tuple[str, Any
         ("grpc.min_reconnect_backoff_ms",
          connect_timeout_ms if connect_timeout_ms is not None else _ms(live.connect_timeout_s)),
     ]
-    if live.keepalive_s > 0:
-        options += [
-            ("grpc.keepalive_time_ms", _ms(live.keepalive_s)),
-            ("grpc.keepalive_timeout_ms", _ms(live.keepalive_timeout_s)),
-            # what gRPC 1.85 waits for an unacknowledged ping (default 1 minute, whatever
-            # the keepalive timeout says)
-            ("grpc.http2.ping_timeout_ms", _ms(live.keepalive_timeout_s)),
-            # keep pinging a stream on which nothing moves (a request queued in the engine)
-            ("grpc.http2.max_pings_without_data", 0),
-            ("grpc.keepalive_permit_without_calls", 0),
-        ]
-    return options
+    return options + _pings(live)
+
+
+def server_options() -> list[tuple[str, Any]]:
+    """The options every server of this process is built with: message limits, the clients'
+    pings accepted down to `MIN_PING_INTERVAL_MS`, and pings of its own (`configure`) on a
+    connection with a call open. A client process that froze (stopped, swapping, its host cut
+    off) keeps its calls open on the server: a response stream's handler, blocked on a window
+    the client no longer reads, waits with its queued outputs until the call's deadline, and a
+    call without one for ever. Unanswered pings end the connection after `keepalive_s +
+    keepalive_timeout_s`, which cancels its calls: the handlers run their cleanup. A client
+    that is alive but reads slowly answers the pings; its calls stay (flow control, not a
+    fault)."""
+    return [*_SERVER_OPTIONS, *_pings(_liveness)]
+
+
+def _pings(live: GrpcConfig) -> list[tuple[str, Any]]:
+    """Keepalive pings while a call is open, either end (none with `keepalive_s` 0)."""
+    if live.keepalive_s <= 0:
+        return []
+    return [
+        ("grpc.keepalive_time_ms", _ms(live.keepalive_s)),
+        ("grpc.keepalive_timeout_ms", _ms(live.keepalive_timeout_s)),
+        # what gRPC 1.85 waits for an unacknowledged ping (default 1 minute, whatever the
+        # keepalive timeout says)
+        ("grpc.http2.ping_timeout_ms", _ms(live.keepalive_timeout_s)),
+        # keep pinging a call on which nothing moves (a request queued in the engine, a
+        # response stream whose window the other end no longer reads)
+        ("grpc.http2.max_pings_without_data", 0),
+        ("grpc.keepalive_permit_without_calls", 0),
+    ]
 
 
 def _ms(seconds: float) -> int:
@@ -339,7 +359,7 @@ async def create_server(
     ]
     if admin_methods:
         interceptors.append(AdminAuthInterceptor(admin_methods, admin_token))
-    server = grpc.aio.server(options=_SERVER_OPTIONS, interceptors=interceptors)
+    server = grpc.aio.server(options=server_options(), interceptors=interceptors)
     for add in add_servicers:
         add(server)
     health_servicer = health.aio.HealthServicer()

@@ -230,8 +230,12 @@ def test_every_client_channel_pings_as_configured_and_zero_turns_the_pings_off()
                 opts["grpc.http2.ping_timeout_ms"], opts["grpc.min_reconnect_backoff_ms"]) == \
             (3000, 2000, 2000, 5000)
         assert dict(grpcutil.client_options(connect_timeout_ms=100))["grpc.min_reconnect_backoff_ms"] == 100
+        # the servers ping their clients on the same settings
+        server = dict(grpcutil.server_options())
+        assert (server["grpc.keepalive_time_ms"], server["grpc.keepalive_timeout_ms"]) == (3000, 2000)
         grpcutil.configure(GrpcConfig(keepalive_s=0))
         assert not any("keepalive" in k or "ping" in k for k, _ in grpcutil.client_options())
+        assert not any("keepalive" in k for k, _ in grpcutil.server_options())
     finally:
         grpcutil.configure(previous)
     # and the servers accept pings that often
