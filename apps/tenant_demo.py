@@ -40,7 +40,8 @@ Owns:
   reference computed in the trainer), what keeps each lineage near the base model beside what its
   users reward, the learning rate (`--lr`), and each update's baseline (its other feedback);
 - the report `runs/<id>/tenants-report.{json,md}` and `tenants.png`: per tenant its share of
-  its preference (base, final, target), the other preferences' rise in its answers, the loop
+  its preference (base, final, target), the other preferences' rise in its answers, how long
+  its answers are (cut off at the token limit, median words: `length`), the loop
   latency of its lineage (`LoopTracker` on the tenant's subject and its lane's metrics), the
   feedback its trainer trained and whose it was, its training turns (updates, tokens, time
   waiting for its turn: the fairness), and answers served from another lineage than the key's.
@@ -342,6 +343,15 @@ def base_rates(state: TenantsState) -> dict[str, float | None]:
     from the base model on the same prompts, so pooling is one sample three times the size."""
     idle = [r for run in state.runs.values() for r in ok_records(run.sim.records, "idle")]
     return {name: share(idle, pref) for name, pref in state.prefs.items()}
+
+
+def length(records: list[Record]) -> dict[str, float | None]:
+    """How long `records`' answers are: the share cut off at the token limit and the median
+    word count. Beside the preferences, what a lineage learns unasked: no user rates length but
+    `short`'s, and the KL to the base holds it loosely (docs/results.md, d14-d22: most lineages
+    went to answers that never end, two to short greetings)."""
+    return {"cut_off": sum(r.cut_off for r in records) / len(records) if records else None,
+            "words_p50": percentile((r.words for r in records if r.words is not None), 50)}
 
 
 def final_window(run: TenantRun, since: float, window: int) -> list[Record]:
@@ -818,6 +828,10 @@ def tenant_record(state: TenantsState, run: TenantRun) -> dict:
                   "base_answers": n_base},
         "cross": cross,
         "cross_delta_max": max(deltas) if deltas else None,
+        # base: every tenant's idle answers, as the shares'; final: the final share's answers
+        "length": {"base": length([r for other in state.runs.values()
+                                   for r in ok_records(other.sim.records, "idle")]),
+                   "final": length(last)},
         "loop_ms": loop_summary(tracker.loops(sim.feedback_sent, sim.clock)),
         "versions": {"trained": tracker.trained_version, "served": sim.clock.latest,
                      "announced": sorted(tracker.published_at)},
@@ -905,9 +919,10 @@ def write_tenants_report(state: TenantsState) -> dict:
              f"trainer never sees; trainers: {report['trainers']}; {report['training_s']:.0f} s of training.",
              "",
              "| tenant | preference | base | final | target | confirmed after | cross max (rise of others) "
+             "| cut off (median words), base -> final "
              "| loop p50 / p95 ms (p50 to live + after) | versions | feedback sent / trained "
              "| wrong adapter |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for t in report["tenants"]:
         s, lm, fb = t["share"], t["loop_ms"], t["feedback"]
         checks = f" ({len(s['checks'])} checks)" if len(s["checks"]) > 1 else ""
@@ -917,6 +932,7 @@ def write_tenants_report(state: TenantsState) -> dict:
         cross = ", ".join(f"{k} {_f(c['delta'], '+.2f')} ± {_f(c['se'])}" for k, c in t["cross"].items())
         lines.append(f"| {t['name']} | {t['preference']} | {_f(s['base'])} | {_f(s['final'])} | "
                      f"{_f(s['target'])} | {reached} | {_f(t['cross_delta_max'], '+.2f')} ({cross}) | "
+                     f"{_length(t['length']['base'])} -> {_length(t['length']['final'])} | "
                      f"{_f(lm['p50'], '.0f')} / {_f(lm['p95'], '.0f')} ({_f(lm.get('to_live_p50'), '.0f')} "
                      f"+ {_f(lm.get('after_live_p50'), '.0f')}) | {t['versions']['served']} | "
                      f"{fb['sent']} / {fb['trained']} | {t['wrong_adapter_answers']} |")
@@ -947,12 +963,17 @@ def write_tenants_report(state: TenantsState) -> dict:
               "its lineage stopped learning (at its target, or when training ended), the evaluation's "
               "among them (without any, its last `window` answers of training); cross: the same for the other "
               "tenants' preferences, in this tenant's answers, ± the delta's standard error (binomial "
-              "sampling noise of both shares)",
+              "sampling noise of both shares); cut off: the share of the same answers ended by the "
+              "token limit, not the model (what no user but `short`'s rates)",
               *audit_lines(state.audit),
               "", "![shares and loop latency per tenant](tenants.png)", "",
               "## Settings", "", "```json", json.dumps(state.settings, indent=2), "```"]
     (out / "tenants-report.md").write_text("\n".join(lines) + "\n")
     return report
+
+
+def _length(x: dict) -> str:
+    return f"{_f(x['cut_off'])} ({_f(x['words_p50'], '.0f')})"
 
 
 def audit_lines(audit: dict | None) -> list[str]:

@@ -158,12 +158,17 @@ def test_the_report_pools_the_base_rates_and_measures_the_other_preferences_rise
         def __init__(self, idle: list[str], training: list[tuple[str, int, int]],
                      evaluated: list[str] = (), final: int = 0):
             self.records = [Record(ts=1.0, user=0, phase="idle", prompt=0, answer=a, tenant="x",
-                                   version=0, last_version=0) for a in idle]
+                                   version=0, last_version=0, **ending(a)) for a in idle]
             self.records += [Record(ts=10.0 + i, user=0, phase="training", prompt=0, answer=a,
-                                    version=v, last_version=lv) for i, (a, v, lv) in enumerate(training)]
+                                    version=v, last_version=lv, **ending(a))
+                             for i, (a, v, lv) in enumerate(training)]
             self.records += [Record(ts=30.0 + i, user=0, phase="eval", prompt=0, answer=a,
-                                    version=final, last_version=final) for i, a in enumerate(evaluated)]
+                                    version=final, last_version=final, **ending(a))
+                             for i, a in enumerate(evaluated)]
             self.clock, self.feedback_sent = VersionClock(), {}
+
+    def ending(a: str) -> dict:  # `plain` is an answer the token limit ended
+        return {"words": len(a.split()), "finish_reason": "length" if a == plain else "stop"}
 
     state = TenantsState("r", tmp_path, prefs, window=4, trainers="per-tenant", training_started=5.0,
                          training_ended=20.0)
@@ -206,6 +211,12 @@ def test_the_report_pools_the_base_rates_and_measures_the_other_preferences_rise
     assert (bullets["share"]["final"], bullets["share"]["window"]) == (pytest.approx(3 / 5), 5)
     assert bullets["cross_delta_max"] == pytest.approx(-1 / 6)  # the others fell
     assert (exclaim["share"]["final"], exclaim["share"]["final_from"]) == (0.25, "training")
+    # length, on the same answers as the shares: 4 of the 6 idle answers cut off (7, 5, 10, 7,
+    # 7, 7 words); `short`'s final answers all ended by the model, `exclaim`'s 3 of 4 cut off
+    assert short["length"] == {"base": {"cut_off": pytest.approx(4 / 6), "words_p50": 7},
+                               "final": {"cut_off": 0.0, "words_p50": 5}}
+    assert exclaim["length"]["final"] == {"cut_off": 0.75, "words_p50": 7}
+    assert "| 0.67 (7) -> 0.00 (5) |" in (tmp_path / "tenants-report.md").read_text()
     # reached: the evaluation's share at the target (0.3), else the window's verdict (never met)
     assert [(t["share"]["reached"], t["share"]["confirmed"]) for t in report["tenants"]] == \
         [(True, False), (True, False), (False, False)]
@@ -537,6 +548,7 @@ def test_demo_tenants_trains_each_lane_on_its_own_feedback_and_stops_on_sigterm(
     for t in report["tenants"]:
         assert set(t["share"]) >= {"base", "final", "target", "reached"} and t["share"]["target"] > 0
         assert set(t["cross"]) == set(TENANTS) - {t["name"]} and "cross_delta_max" in t
+        assert 0 <= t["length"]["base"]["cut_off"] <= 1 and t["length"]["base"]["words_p50"] is not None
         assert {"p50", "p95"} <= set(t["loop_ms"])
         assert t["wrong_adapter_answers"] == 0 and t["answers"]["training"] >= 1
         assert t["versions"]["trained"] >= 1
