@@ -199,8 +199,10 @@ class LoraPolicy:
         )
         self.model: PeftModel = get_peft_model(base, lora)
         # named_parameters order is deterministic, so a rebuilt policy maps a saved optimizer
-        # state onto the same tensors.
-        self._params = [p for p in self.model.parameters() if p.requires_grad]
+        # state onto the same tensors. Fixed here, not read from `requires_grad` later: peft's
+        # `disable_adapter` turns that off on every adapter tensor while a reference runs.
+        self._named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+        self._params = [p for _, p in self._named]
         opt = cfg.optimizer
         self.optimizer = torch.optim.AdamW(
             self._params, lr=opt.lr, betas=opt.betas, weight_decay=opt.weight_decay
@@ -558,5 +560,6 @@ class LoraPolicy:
         self.dp.close()
 
     def trainable_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(name, tensor) of the adapter parameters, in optimizer order."""
-        return ((n, p) for n, p in self.model.named_parameters() if p.requires_grad)
+        """(name, tensor) of the adapter parameters, in optimizer order (whether or not a
+        reference pass has the adapter disabled just now)."""
+        return iter(self._named)

@@ -12,7 +12,8 @@ this follows its watch and calls the lanes' lifecycle (lanes.py):
   and the others, refused, leave it alone.
 - a record whose generation is above the one this process last applied: `reset_tenant`, to
   the base model or to the lineage's version `reset_to` (read from its store; one the store
-  does not hold is logged and skipped: the admin API checked it was there).
+  does not hold, or that is not an adapter of this policy, is logged and skipped: the admin
+  API checked it was there; the other lanes train on).
 - every record of a lane here: `hold_tenant(name, record.held)` (the registry's state, so a
   hold made while the trainer was down holds its lane from the start).
 - a deleted name with a lane here: the lane is reset first (so every replica's newest version
@@ -176,13 +177,14 @@ class FollowedLineage:
     async def _reset_loop(self, generation: int, to_version: int) -> None:
         import asyncio
 
-        from .online import read_version, reset_lineage, solo_turn
+        from .online import VersionUnusable, read_version, reset_lineage, solo_turn
 
         params = None
         if to_version:
             try:
                 params = read_version(self.policy, self.mesh.publisher.store, to_version)
-            except NotFound as e:  # the gateway checked it was stored; gone since
+            except (NotFound, VersionUnusable) as e:  # the gateway checked it was stored;
+                # gone since, or not this policy's: the lineage goes on as it was
                 log.error("tenant %r: reset (generation %d) to v%d not applied: %s",
                           self.job.tenant, generation, to_version, e)
                 self._save(generation)
@@ -279,6 +281,8 @@ class RegistryFollower:
         first start with `follow_registry` does not reset a config tenant reset long ago."""
         from hotloop.bus import announced_key, latest_key
 
+        from .online import VersionUnusable
+
         lanes = self.lanes
         if not self.manage and name not in lanes.lanes:
             return  # neither created nor deleted here; not a lineage trained here
@@ -316,7 +320,8 @@ class RegistryFollower:
                 version = await lanes.reset_tenant(name, record.reset_to)
                 log.info("tenant %r reset (generation %d) to %s: version %d", name,
                          record.generation, _to(record.reset_to), version)
-            except NotFound as e:  # the gateway checked it was stored; gone since
+            except (NotFound, VersionUnusable) as e:  # the gateway checked it was stored;
+                # gone since, or not this policy's: read before the lane stopped, it goes on
                 log.error("tenant %r: reset (generation %d) to v%d not applied: %s", name,
                           record.generation, record.reset_to, e)
         if self.applied.get(name) != record.generation:

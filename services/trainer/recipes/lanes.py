@@ -301,7 +301,8 @@ class Lanes:
         """Back to the base (or to the lineage's own `to_version`, read from its store): that
         adapter with no optimizer state, published as a new version above the lineage's latest
         and checkpointed, then the lane goes on from there. Returns the version. A version
-        the store does not hold is NotFound, and the lane goes on untouched."""
+        the store does not hold is NotFound, one that is not this policy's adapter
+        VersionUnusable (online.py, `read_version`), and the lane goes on untouched."""
         lane = self._lane(tenant)
         params = (read_version(self.policy, lane.mesh.publisher.store, to_version)
                   if to_version else None)

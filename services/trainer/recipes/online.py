@@ -110,7 +110,7 @@ from hotloop import telemetry
 from hotloop.aio import raise_if_cancelled
 from hotloop.bus import Bus, BusError, PullConsumer, Received, feedback_subject
 from hotloop.clients import ReferenceClient, RolloutClient
-from hotloop.errors import Unavailable
+from hotloop.errors import FailedPrecondition, InvalidArgument, Unavailable
 from hotloop.leases import Holder, LineageLease
 from hotloop.metrics import STEP_BUCKETS, StateCollector, counter, gauge
 from hotloop.proto.v1 import bus_pb2, common_pb2
@@ -926,13 +926,24 @@ async def run(job: OnlineConfig, trainer_cfg: TrainerConfig, model_dir: Path, me
                                  policy=policy, metrics=metrics).run()
 
 
+class VersionUnusable(FailedPrecondition):
+    """A stored version that is not an adapter of this policy (`read_version`)."""
+
+
 def read_version(policy, store, version: int) -> list:
     """The tensors of `version` of a lineage, from its trainer's store (`VersionStore`), in
-    the policy's order: what a reset to that version puts back. NotFound: not stored."""
+    the policy's order: what a reset to that version puts back. NotFound: not stored;
+    VersionUnusable: stored, but not an adapter of this policy's shape (another run's
+    LoRA settings, a damaged archive). Either way nothing has changed yet: the caller leaves
+    the lineage as it is."""
     from hotloop.adapters import read_archive
 
     store.get(version)  # NotFound, with the reason
-    return policy.read_adapter(read_archive(store.archive(version)))
+    try:
+        return policy.read_adapter(read_archive(store.archive(version)))
+    except (ValueError, InvalidArgument) as e:
+        raise VersionUnusable(f"v{version} in the store is not an adapter of this "
+                                 f"policy: {e}") from e
 
 
 async def reset_lineage(online: Online, directory: Path, turn, fresh: Callable[[], None]) -> int:

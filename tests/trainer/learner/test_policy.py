@@ -156,6 +156,27 @@ def test_saved_adapter_reloads_to_the_same_logprobs(
         assert a == pytest.approx(b, abs=1e-6)
 
 
+def test_an_adapter_reads_back_while_another_thread_runs_the_base_with_the_adapter_off(
+    make_cfg, tmp_path
+) -> None:
+    """A reset to a stored version reads it (`read_adapter`) outside the trainer's turn, while
+    an update may be computing its reference with the adapter disabled (peft's
+    `disable_adapter` turns `requires_grad` off on every adapter tensor for the while). What
+    the policy trains is fixed when it is built, not read from those flags: the read found
+    "112 tensors this policy does not train" and stopped a shared trainer (demo run d23)."""
+    from hotloop.adapters import members, pack
+
+    policy = LoraPolicy(make_cfg())
+    _perturb_adapter(policy)
+    names = [n for n, _ in policy.trainable_parameters()]
+    archive = pack(policy.save_adapter(tmp_path / "v1"))  # as the trainer's store keeps it
+    with policy.model.disable_adapter():
+        assert not any(p.requires_grad for p in policy.trainable_tensors())  # peft's doing
+        assert [n for n, _ in policy.trainable_parameters()] == names
+        read = policy.read_adapter(members(archive))
+    assert all(torch.equal(a, b) for a, b in zip(read, policy.trainable_tensors()))
+
+
 def test_an_adapter_saved_with_other_weights_holds_them_and_the_policy_keeps_its_own(
     make_cfg, random_pairs, tmp_path
 ) -> None:

@@ -394,8 +394,8 @@ async def test_a_trainer_of_one_named_lineage_applies_the_registry_s_hold_and_re
 async def test_a_one_lineage_trainer_resets_to_the_version_the_registry_names(
         mesh, tmp_path, make_cfg, tiny_model):
     """A registry reset with `to_version` N (the admin API's reset with a version) publishes
-    the lineage's version N again as its next version; one its store does not hold is logged
-    and skipped (the gateway checks before it writes), training going on."""
+    the lineage's version N again as its next version; one its store does not hold, or holds
+    damaged, is logged and skipped (the gateway checks before it writes), training going on."""
     import torch
 
     from hotloop.adapters import read_archive
@@ -415,8 +415,15 @@ async def test_a_one_lineage_trainer_resets_to_the_version_the_registry_names(
                     if (run_dir / "registry.json").exists() else False, "the reset is seen",
                     task=task)
         assert await mesh.kv("cfg") == 2 and not task.done()
-        await registry.reset("cfg", config=True, to_version=1)
+        good = store.archive(2).read_bytes()
+        store.archive(2).write_bytes(good[:1000])  # a damaged archive: skipped, not fatal
+        await registry.reset("cfg", config=True, to_version=2)
         await until(lambda: '"cfg": 2' in (run_dir / "registry.json").read_text(),
+                    "the reset to a damaged v2 is seen", task=task)
+        assert await mesh.kv("cfg") == 2 and not task.done()
+        store.archive(2).write_bytes(good)
+        await registry.reset("cfg", config=True, to_version=1)
+        await until(lambda: '"cfg": 3' in (run_dir / "registry.json").read_text(),
                     "the reset to v1 is applied", task=task)
         assert await mesh.kv("cfg") == 3
         v1, v3 = (policy.read_adapter(read_archive(store.archive(v))) for v in (1, 3))

@@ -336,13 +336,14 @@ async def test_a_reset_to_one_of_its_versions_publishes_it_again_and_trains_on_f
         mesh, tmp_path, make_cfg, tiny_model):
     """`reset_tenant(t, to_version=N)` (the admin API's reset with a version): the lineage's
     version N, read from its store, is published as the next version with no optimizer state,
-    and training goes on from it. A version the store does not hold is NotFound, and the lane
-    goes on untouched."""
+    and training goes on from it. A version the store does not hold is NotFound, one it holds
+    damaged VersionUnusable, and the lane goes on untouched."""
     import torch
 
     from hotloop.adapters import read_archive
     from hotloop.errors import NotFound
     from services.trainer.learner.policy import LoraPolicy
+    from services.trainer.recipes.online import VersionUnusable
 
     policy = LoraPolicy(make_cfg())
     lanes = mesh.lanes(tmp_path, ["acme"], policy, make_cfg(), tiny_model)
@@ -363,6 +364,12 @@ async def test_a_reset_to_one_of_its_versions_publishes_it_again_and_trains_on_f
         with pytest.raises(NotFound, match="not in the trainer's store"):
             await lanes.reset_tenant("acme", to_version=last + 5)
         assert lanes.lanes["acme"].online is online and not task.done()  # untouched
+        good = store.archive(last).read_bytes()
+        store.archive(last).write_bytes(good[:1000])
+        with pytest.raises(VersionUnusable, match=f"v{last} in the store is not an adapter"):
+            await lanes.reset_tenant("acme", to_version=last)
+        assert lanes.lanes["acme"].online is online and not task.done()  # untouched
+        store.archive(last).write_bytes(good)
 
         v = await lanes.reset_tenant("acme", to_version=first)
         assert v == last + 1 and mesh.replica.latest["acme"] == v and await mesh.kv("acme") == v
