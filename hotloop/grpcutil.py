@@ -381,8 +381,11 @@ async def serve_until_signal(
     health_servicer: health.aio.HealthServicer | None = None,
     grace_s: float = 5.0,
     on_stop: Callable[[], Any] | None = None,
+    on_signal: Callable[[], None] | None = None,
 ) -> None:
-    """Run until SIGINT/SIGTERM; then report NOT_SERVING, drain for `grace_s`, and stop."""
+    """Run until SIGINT/SIGTERM; then report NOT_SERVING, drain for `grace_s`, and stop.
+    `on_signal` runs at once when the stop begins (what must not go on through the drain),
+    `on_stop` after it."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -390,6 +393,8 @@ async def serve_until_signal(
     waiter = asyncio.create_task(server.wait_for_termination())
     stopper = asyncio.create_task(stop.wait())
     await asyncio.wait([waiter, stopper], return_when=asyncio.FIRST_COMPLETED)
+    if on_signal is not None:
+        on_signal()
     if health_servicer is not None:
         await health_servicer.enter_graceful_shutdown()
     await server.stop(grace_s)

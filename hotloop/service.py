@@ -39,6 +39,9 @@ class Running:
     """Raises `FatalError` when the service can no longer serve (polled every 2 s until the
     service begins to stop; not while its cleanups take down what it checks): the
     process then stops with exit code 1, so `hotloop up` restarts it and says why."""
+    on_signal: Callable[[], None] | None = None
+    """Runs at once when the stop begins, before the server's grace for calls in flight (the
+    trainer's loop must not go on learning through it); `cleanups` run after the grace."""
 
 
 def parse_args(name: str) -> argparse.Namespace:
@@ -114,7 +117,14 @@ async def _main(name, mesh, cfg, build, port_file) -> None:
 
     failed: list[str] = []
     watchdog = asyncio.create_task(_watch(running, failed, log))
-    await serve_until_signal(running.server, running.health, on_stop=cleanup)
+
+    def signalled() -> None:
+        if running.on_signal is not None:
+            watchdog.cancel()  # what it checks is being stopped now, as in `cleanup`
+            running.on_signal()
+
+    await serve_until_signal(running.server, running.health, on_stop=cleanup,
+                             on_signal=signalled)
     watchdog.cancel()
     log.info("stopped")
     if failed:

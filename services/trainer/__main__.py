@@ -86,7 +86,10 @@ async def build(mesh: MeshConfig, cfg: TrainerServerConfig, *, online: OnlineCon
             log.error("closing the trainer's connections failed: %r", e)
         log.info("online loop stopped")
 
-    return service.Running(edge.server, edge.port, edge.health, cleanups=[stop], check=check)
+    # The loop is cancelled at the signal, not after the server's grace: a call in flight
+    # (Status, FetchAdapter) held the stop for the grace while the loop went on training.
+    return service.Running(edge.server, edge.port, edge.health, cleanups=[stop], check=check,
+                           on_signal=loop.cancel)
 
 
 if __name__ == "__main__":
