@@ -943,7 +943,7 @@ def read_version(policy, store, version: int) -> list:
         return policy.read_adapter(read_archive(store.archive(version)))
     except (ValueError, InvalidArgument) as e:
         raise VersionUnusable(f"v{version} in the store is not an adapter of this "
-                                 f"policy: {e}") from e
+                              f"policy: {e}") from e
 
 
 async def reset_lineage(online: Online, directory: Path, turn, fresh: Callable[[], None]) -> int:
