@@ -46,13 +46,23 @@ class OptimizerSettings(_Strict):
     """AdamW over the LoRA parameters only."""
 
     lr: float = Field(1e-5, gt=0, le=1.0)
-    """Learning rate (constant)."""
+    """Learning rate (constant unless `decay_steps` is set)."""
     betas: tuple[float, float] = (0.9, 0.999)
     """AdamW betas."""
     weight_decay: float = Field(0.0, ge=0.0)
     """Decoupled weight decay on the LoRA parameters."""
     max_grad_norm: float = Field(1.0, gt=0)
     """Clip the global gradient norm to this value before each step."""
+    decay_steps: int | None = Field(None, gt=0)
+    """Inverse-square-root decay: the adapter's learning rate in an update is
+    lr / sqrt(1 + k / decay_steps), k the steps its optimizer state has taken so far (a lineage
+    reset to the base or to a stored version has none and starts again at `lr`; a checkpoint
+    keeps it). None: constant (the critic's `lr` is always constant).
+    For updates of one or two ratings: Adam moves every parameter by about `lr` per update
+    whatever the rating, so at a constant rate a lineage's noise adds up like a random walk
+    and its share of a preference swings (the tenant demo's lineages by 0.4 between adjacent
+    updates at 2e-3); a step falling as 1/sqrt(k) keeps the sum of steps growing (the signal)
+    and the sum of their squares slowing (the noise). Half of `lr` after 3 x decay_steps."""
 
     @model_validator(mode="after")
     def _betas_in_range(self) -> OptimizerSettings:

@@ -300,6 +300,7 @@ class LoraPolicy:
         `reference`: with the trunk shared (one rank, `self.split` set)."""
         t0 = time.perf_counter()
         cfg, dp = self.cfg, self.dp
+        self._schedule_lr()
         # The whole batch's, on every rank: the ranks' gradients then sum to the batch's.
         normalizer = loss_normalizer(
             [len(s.completion_ids) for s in samples], cfg.loss.aggregation, cfg.loss.norm_tokens
@@ -435,6 +436,20 @@ class LoraPolicy:
         # follows it on its own trunk. Outside autocast: float32 head.
         loss_value, value_sums = critic.backward(mb, hidden, loss, float(max(tokens, 1)))
         return loss_value, {**sums, **value_sums}
+
+    def optimizer_steps(self) -> int:
+        """Steps the optimizer's state has taken (0 with no state: fresh, or reset)."""
+        state = self.optimizer.state.get(self._params[0]) if self._params else None
+        return int(state["step"]) if state and "step" in state else 0
+
+    def _schedule_lr(self) -> None:
+        """Set the learning rate of the next update (`[trainer.optimizer] decay_steps`)."""
+        opt = self.cfg.optimizer
+        if opt.decay_steps is None:
+            return
+        lr = opt.lr / math.sqrt(1.0 + self.optimizer_steps() / opt.decay_steps)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
 
     def _zero_grad(self, critic: Critic | None) -> None:
         self.optimizer.zero_grad(set_to_none=True)

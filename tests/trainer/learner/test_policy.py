@@ -416,3 +416,31 @@ def test_the_full_kl_of_a_step_is_the_exact_kl_and_its_gradient(
     (0.3 * total / tokens).backward()
     for (n, a), (_, b) in zip(pol.trainable_parameters(), check.trainable_parameters()):
         torch.testing.assert_close(a.grad, b.grad, atol=1e-6, rtol=1e-4, msg=n)
+
+
+def test_decay_steps_lower_the_rate_with_the_optimizers_steps_and_a_checkpoint_keeps_them(
+        make_cfg, random_pairs, tmp_path) -> None:
+    """lr / sqrt(1 + k / decay_steps), k the optimizer state's steps: the rate each update
+    reports and applies, resumed from a checkpoint; without decay_steps it stays at lr."""
+    pairs = random_pairs(2, seed=3)
+    policy = LoraPolicy(make_cfg(optimizer={"lr": 1e-3, "decay_steps": 2}))
+    _perturb_adapter(policy)
+    lrs = [policy.train_step(_samples(policy, pairs, [1.0, -1.0])).lr for _ in range(3)]
+    assert lrs == pytest.approx([1e-3, 1e-3 / math.sqrt(1.5), 1e-3 / math.sqrt(2.0)])
+    assert policy.optimizer_steps() == 3
+    ckpt = policy.save_checkpoint(tmp_path / "ckpt")
+    resumed = LoraPolicy(make_cfg(optimizer={"lr": 1e-3, "decay_steps": 2}))
+    resumed.restore(ckpt)
+    assert resumed.train_step(_samples(resumed, pairs, [1.0, -1.0])).lr == pytest.approx(
+        1e-3 / math.sqrt(2.5))
+
+    # The update applied is the decayed one: a fourth step of the first policy equals it.
+    expected = policy.train_step(_samples(policy, pairs, [1.0, -1.0]))
+    assert expected.lr == pytest.approx(1e-3 / math.sqrt(2.5))
+    theirs, ours = _params(resumed), _params(policy)
+    assert all(torch.equal(theirs[n], ours[n]) for n in ours)
+
+    constant = LoraPolicy(make_cfg(optimizer={"lr": 1e-3}))
+    _perturb_adapter(constant)
+    assert [constant.train_step(_samples(constant, pairs, [1.0, -1.0])).lr
+            for _ in range(3)] == [1e-3] * 3

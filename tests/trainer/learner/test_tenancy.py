@@ -112,3 +112,24 @@ def test_a_restore_while_swapped_in_is_the_tenants_and_reset_goes_back_to_the_ba
     with pytest.raises(KeyError):
         adapters.use("a")
     assert adapters.tenants() == ["b"]
+
+
+def test_each_tenant_decays_its_own_rate_and_a_reset_starts_it_again(make_cfg, random_pairs):
+    """`[trainer.optimizer] decay_steps` counts a tenant's own optimizer steps: another
+    tenant's steps do not lower it, and a reset (no optimizer state) starts at lr again."""
+    policy = LoraPolicy(make_cfg(optimizer={"lr": 1e-3, "decay_steps": 1}))
+    adapters = Adapters(policy)
+    for t in ("a", "b"):
+        adapters.add(t)
+    d = random_pairs(2, seed=9)
+
+    def lr(tenant: str) -> float:
+        adapters.use(tenant)
+        return policy.train_step(batch(policy, d, 1.0)).lr
+
+    assert [lr("a"), lr("a"), lr("a")] == pytest.approx([1e-3, 1e-3 / 2**0.5, 1e-3 / 3**0.5])
+    assert lr("b") == pytest.approx(1e-3)
+    assert lr("a") == pytest.approx(1e-3 / 2.0)
+    adapters.reset("a")
+    assert lr("a") == pytest.approx(1e-3)
+    assert lr("b") == pytest.approx(1e-3 / 2**0.5)
