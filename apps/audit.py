@@ -183,6 +183,8 @@ def audit_run(run_dir: Path, model: str | None = None, per_tenant: int = 20, mar
               seed: int = 0, threads: int | None = None, prompts: tuple[str, ...] | None = None) -> dict:
     """Audit a tenant demo's run (see the module's doc); writes `<run_dir>/tenants-audit.json`
     and returns what it wrote. `model`: the base (default: what the first adapter names)."""
+    from tqdm import tqdm
+
     from hotloop.models import resolve
 
     if prompts is None:
@@ -204,17 +206,16 @@ def audit_run(run_dir: Path, model: str | None = None, per_tenant: int = 20, mar
         sampled[t] = rng.sample(answers[t], min(per_tenant, len(answers[t])))
     scorer = Scorer(base, {t: e.path for t, e in exports.items()}, threads)
     total = sum(map(len, sampled.values()))
-    done, tenants = 0, {}
-    for t, e in exports.items():
-        others = [o for o in exports if o != t]
-        rows = []
-        for a in sampled[t]:
-            rows.append(verdicts(a, scorer.score(a), others, margin))
-            done += 1
-            print(f"\r[audit] {done}/{total} answers scored", end="", file=sys.stderr, flush=True)
-        tenants[t] = summarize(t, e, len(answers[t]), rows)
-    if total:
-        print(file=sys.stderr)
+    tenants = {}
+    # A bar on a terminal; none in a log file (`disable=None`), where carriage returns pile up.
+    with tqdm(total=total, desc="[audit] answers scored", unit="answer", disable=None) as bar:
+        for t, e in exports.items():
+            others = [o for o in exports if o != t]
+            rows = []
+            for a in sampled[t]:
+                rows.append(verdicts(a, scorer.score(a), others, margin))
+                bar.update()
+            tenants[t] = summarize(t, e, len(answers[t]), rows)
     report = {"model": str(base), "margin_nats": margin, "per_tenant": per_tenant, "tenants": tenants,
               "other_tenant_answers": sum(len(s["other_tenant_answers"]) for s in tenants.values()),
               "sampled": total}
