@@ -62,7 +62,9 @@ class OptimizerSettings(_Strict):
     whatever the rating, so at a constant rate a lineage's noise adds up like a random walk
     and its share of a preference swings (the tenant demo's lineages by 0.4 between adjacent
     updates at 2e-3); a step falling as 1/sqrt(k) keeps the sum of steps growing (the signal)
-    and the sum of their squares slowing (the noise). Half of `lr` after 3 x decay_steps."""
+    and the sum of their squares slowing (the noise). Half of `lr` after 3 x decay_steps.
+    Measured there (decay_steps 50, docs/results.md d25-d26): lineages still swung at half
+    the rate and each run missed one target, so the demo keeps a constant rate."""
 
     @model_validator(mode="after")
     def _betas_in_range(self) -> OptimizerSettings:
