@@ -438,9 +438,10 @@ class LoraPolicy:
         return loss_value, {**sums, **value_sums}
 
     def optimizer_steps(self) -> int:
-        """Steps the optimizer's state has taken (0 with no state: fresh, or reset)."""
-        state = self.optimizer.state.get(self._params[0]) if self._params else None
-        return int(state["step"]) if state and "step" in state else 0
+        """Steps the optimizer's state has taken (0 with no state: fresh, or reset); the most
+        of any parameter's (AdamW skips one that had no gradient)."""
+        return max((int(s["step"]) for s in self.optimizer.state.values() if "step" in s),
+                   default=0)
 
     def _schedule_lr(self) -> None:
         """Set the learning rate of the next update (`[trainer.optimizer] decay_steps`)."""
