@@ -388,7 +388,7 @@ def build_parser() -> argparse.ArgumentParser:
     _config_args(dt)
     dt.add_argument("--users", type=int, default=3, help="users per tenant")
     dt.add_argument("--idle-s", type=float, default=60.0, help="users only, no training: base rates")
-    dt.add_argument("--idle-answers", type=int, default=150,
+    dt.add_argument("--idle-answers", type=int, default=300,
                     help="and until the tenants' idle answers together number N (the base rates' sample)")
     dt.add_argument("--train-s", type=float, default=900.0, help="longest training phase")
     dt.add_argument("--no-stop", action="store_true",

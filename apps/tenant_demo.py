@@ -279,9 +279,12 @@ class Phases:
 
     idle_s: float = 60.0
     """Users only, on the base model, at least this long..."""
-    idle_answers: int = 150
+    idle_answers: int = 300
     """... and until every tenant's idle answers together number this many (the base rates'
-    sample; at most `PHASE_MAX_S` more)."""
+    sample; at most `PHASE_MAX_S` more). A target is twice its base rate, so the base's noise
+    doubles into it: from 150 answers `short`'s target drew 0.32-0.43 across runs (one
+    standard error of the target ~0.065), from 300 ~0.046, for ~75 s more of idle phase
+    (docs/results.md, d28)."""
     train_s: float = 900.0
     """The longest training phase."""
     target_factor: float = 2.0
