@@ -68,16 +68,13 @@ async def test_on_signal_runs_while_a_held_call_keeps_the_grace_and_cleanups_aft
             held = asyncio.create_task(read_to_the_end(watch))  # open until the server ends it
             os.kill(proc.pid, signal.SIGTERM)
             signalled, cleaned = tmp_path / "signalled", tmp_path / "cleaned"
-            while True:
-                # The marker read first, the call's state after: a marker seen with the call
-                # still open existed while it was open.
-                seen = signalled.exists()
-                if seen:
-                    assert not held.done(), "the held call ended before on_signal ran"
-                    assert not cleaned.exists(), "a cleanup ran before the grace ended"
-                    break
+            while not signalled.exists():
                 assert not held.done(), "the held call ended before on_signal ran"
                 await asyncio.sleep(0.02)
+            # The marker read first, the call's state after: a marker seen with the call still
+            # open existed while it was open.
+            assert not held.done(), "the held call ended before on_signal ran"
+            assert not cleaned.exists(), "a cleanup ran before the grace ended"
             # The stop still drains: the held call ends with the grace, then the cleanups run.
             code = await asyncio.wait_for(held, 60)
             assert code != grpc.StatusCode.OK  # ended by the stop, not by itself
