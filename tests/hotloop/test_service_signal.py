@@ -19,6 +19,7 @@ import textwrap
 import time
 
 import grpc
+import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 SERVICE = textwrap.dedent("""
@@ -50,27 +51,39 @@ async def read_to_the_end(call) -> grpc.StatusCode:
     return await call.code()
 
 
+def _until(cond, what: str, proc: subprocess.Popen, log, timeout_s: float = 60.0):
+    """An async wait for `cond()`, bounded: a failure says what never happened, with the
+    service's own output."""
+
+    async def wait():
+        deadline = time.monotonic() + timeout_s
+        while not cond():
+            if time.monotonic() > deadline or proc.poll() is not None:
+                raise AssertionError(f"{what} (exit {proc.poll()}):\n{log.read_text()}")
+            await asyncio.sleep(0.02)
+
+    return wait()
+
+
+@pytest.mark.timeout(180)
 async def test_on_signal_runs_while_a_held_call_keeps_the_grace_and_cleanups_after(tmp_path):
-    proc = subprocess.Popen([sys.executable, "-c", SERVICE, str(tmp_path)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    log = tmp_path / "svc.log"  # a file, not a pipe: nothing the service writes can block it
+    with log.open("wb") as out:
+        proc = subprocess.Popen([sys.executable, "-c", SERVICE, str(tmp_path)],
+                                stdout=out, stderr=subprocess.STDOUT)
     try:
         port_file = tmp_path / "svc.port"
-        deadline = time.monotonic() + 120
-        while not port_file.exists():
-            assert proc.poll() is None, proc.communicate()[0].decode()
-            assert time.monotonic() < deadline, "the service never wrote its port file"
-            await asyncio.sleep(0.05)
+        await _until(port_file.exists, "the service never wrote its port file", proc, log, 120)
         port = json.loads(port_file.read_text())["port"]
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
             watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest())
-            first = await watch.read()
+            first = await asyncio.wait_for(watch.read(), 30)
             assert first.status == health_pb2.HealthCheckResponse.SERVING
             held = asyncio.create_task(read_to_the_end(watch))  # open until the server ends it
             os.kill(proc.pid, signal.SIGTERM)
             signalled, cleaned = tmp_path / "signalled", tmp_path / "cleaned"
-            while not signalled.exists():
-                assert not held.done(), "the held call ended before on_signal ran"
-                await asyncio.sleep(0.02)
+            await _until(lambda: signalled.exists() or held.done(),
+                         "on_signal never ran after SIGTERM", proc, log)
             # The marker read first, the call's state after: a marker seen with the call still
             # open existed while it was open.
             assert not held.done(), "the held call ended before on_signal ran"
@@ -78,8 +91,8 @@ async def test_on_signal_runs_while_a_held_call_keeps_the_grace_and_cleanups_aft
             # The stop still drains: the held call ends with the grace, then the cleanups run.
             code = await asyncio.wait_for(held, 60)
             assert code != grpc.StatusCode.OK  # ended by the stop, not by itself
-        out, _ = await asyncio.to_thread(proc.communicate, timeout=60)
-        assert proc.returncode == 0, out.decode()
+        await asyncio.to_thread(proc.wait, timeout=60)
+        assert proc.returncode == 0, log.read_text()
         assert cleaned.exists()
     finally:
         if proc.poll() is None:
