@@ -275,23 +275,24 @@ class TenantRun:
 
 @dataclass
 class Phases:
-    """How long each phase of the demo lasts."""
+    """How long each phase of the demo lasts. No defaults here: `hotloop demo-tenants`'s flags
+    hold them (one place), and this is built from them."""
 
-    idle_s: float = 60.0
+    idle_s: float
     """Users only, on the base model, at least this long..."""
-    idle_answers: int = 300
+    idle_answers: int
     """... and until every tenant's idle answers together number this many (the base rates'
     sample; at most `PHASE_MAX_S` more). A target is twice its base rate, so the base's noise
     doubles into it: from 150 answers `short`'s target drew 0.32-0.43 across runs (one
     standard error of the target ~0.065), from 300 ~0.046, for ~75 s more of idle phase
-    (docs/results.md, d28)."""
-    train_s: float = 900.0
+    (docs/results.md, d28): the flag's default is 300."""
+    train_s: float
     """The longest training phase."""
-    target_factor: float = 2.0
+    target_factor: float
     """A tenant's target: this many times its preference's base rate (at most 0.8)."""
-    until_target: bool = True
+    until_target: bool
     """End training once a check confirmed every tenant's version at its target."""
-    stop_rating: bool = True
+    stop_rating: bool
     """A tenant at its target stops rating (its users keep asking), so its lineage stays where
     it met its users' taste while the others catch up (`advance`: once a block of `window`
     answers meets the target its users pause, and `check_answers` fresh answers of the version
@@ -299,14 +300,14 @@ class Phases:
     shared trainer's fair share keeps its faster feedback from starving the others, but its
     lineage goes on moving: measured, it drifted along other preferences as well
     (docs/results.md)."""
-    check_answers: int = 40
+    check_answers: int
     """A check's sample: this many answers of the version a paused tenant serves, to requests
     sent after its users paused."""
-    eval_answers: int = 60
+    eval_answers: int
     """After training, users only again until every tenant's final version gave this many
     answers since its lineage stopped learning (the final shares, `final_answers`; at most
     `PHASE_MAX_S`). 0: no evaluation."""
-    export: bool = True
+    export: bool
     """At the end (the mesh still up), each tenant's latest adapter is exported with its own
     key (`GET /v1/adapter`) into `<out>/adapters/`, for the audit (`apps.audit`)."""
 
