@@ -236,6 +236,35 @@ def test_the_report_pools_the_base_rates_and_measures_the_other_preferences_rise
     assert (tmp_path / "tenants.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_the_loops_a_checks_hold_delayed_are_counted_apart_from_the_others():
+    """A check pauses a tenant's users and holds its lineage: feedback sent before the hold
+    trains only after it, so its loop is the pause's length. The report gives the loops
+    outside every hold apart (the loop the product has), and counts the held ones."""
+    from apps.tenant_demo import _held, across_a_hold, hold_spans, loop_report
+
+    run = TenantRun("short", None, None, None)
+    run.checks = [{"paused_at": 100.0, "at": 160.0}]  # a check that sent its users back to rating
+    run.paused_at = 300.0  # and one still open when training ended (400)
+    holds = hold_spans(run, 400.0)
+    assert holds == [(100.0, 160.0), (300.0, 400.0)]
+
+    def loop(sent: float, first: float) -> dict:
+        return {"sent": sent, "first_token": first, "loop_ms": (first - sent) * 1e3}
+
+    before, across, after, into_the_open_one, ends_as_it_begins = (
+        loop(50, 60), loop(90, 170), loop(170, 174), loop(290, 310), loop(95, 100))
+    loops = [before, across, after, into_the_open_one, ends_as_it_begins]
+    assert [across_a_hold(e, holds) for e in loops] == [False, True, False, True, False]
+    report = loop_report(loops, holds)
+    assert report["n"] == 5 and report["held"] == 2  # every loop is still in p50 / p95 ...
+    assert report["p95"] >= 20_000
+    assert report["unheld"]["n"] == 3  # ... and the others (10, 4, 5 s) apart
+    assert report["unheld"]["p50"] == pytest.approx(5_000) and report["unheld"]["p95"] < 10_001
+    assert _held(report) == "; 2 held, the other 3: 5000 / " + f"{report['unheld']['p95']:.0f}"
+    assert _held(loop_report([before], holds)) == ""  # nothing held: nothing said
+    assert loop_report([before], [])["held"] == 0
+
+
 def test_a_window_meets_its_target_only_beyond_its_sampling_noise():
     from apps.tenant_demo import met_target
 
