@@ -79,6 +79,9 @@ REQUEST_TIMEOUT_S = 5.0
 # server for ~6 minutes)
 PING_INTERVAL_S = 10.0
 MAX_OUTSTANDING_PINGS = 2
+PONG_PATIENCE_S = 600.0
+"""How long a round trip of `Bus.flush` keeps its place for a late PONG after its caller gave up
+on it (a connection found stale by the pings long before is reset, and drops it)."""
 
 M = TypeVar("M", bound=Message)
 
@@ -217,6 +220,7 @@ class Bus:
         self._buckets: dict[str, Any] = {}  # KV buckets looked up (`bucket`)
         self._pulls: list = []  # pull subscriptions, unsubscribed (not drained) at close
         self._reconnect_listeners = [] if reconnect_listeners is None else reconnect_listeners
+        self._round_trips: set[asyncio.Task] = set()  # `_round_trip`s whose PONG is still owed
 
     def on_reconnect(self, fn: Callable[[], None]) -> None:
         """Call `fn()` (on the event loop, not awaited) each time the connection comes back."""
@@ -279,6 +283,8 @@ class Bus:
             await self.nc.drain()
         else:  # reconnecting: nothing can be drained; un-acked messages are redelivered
             await self.nc.close()
+        for task in list(self._round_trips):  # PONGs a closed connection will never bring
+            task.cancel()
 
     async def retrying(self, op: Callable[[], Awaitable[Any]], what: str,
                        patience_s: float | None = None) -> Any:
@@ -309,10 +315,36 @@ class Bus:
         buffered publish has left. While the first round trip is on the wire the client's
         flusher sends the buffer, so the second PING goes out behind it."""
         async def twice() -> None:
-            await self.nc.flush(timeout_s)
-            await self.nc.flush(timeout_s)
+            await self._round_trip(timeout_s)
+            await self._round_trip(timeout_s)
 
         await self.retrying(twice, "flush")
+
+    async def _round_trip(self, timeout_s: float) -> None:
+        """One PING/PONG round trip that its caller may cancel, or give up on after
+        `timeout_s` (FlushTimeoutError), without breaking the connection.
+
+        nats-py's `flush` cancels its PONG's future in both cases but leaves it first in line:
+        the PONG that then arrives raises InvalidStateError in the client's read loop, which
+        ends it, and the connection hears nothing more until its pings find it stale (a trainer
+        cancelled at SIGTERM inside an ack's flush then waited out the whole drain timeout at
+        close). So nats-py's flush runs as a task of its own, shielded from the caller, with a
+        patience (`PONG_PATIENCE_S`) that a PONG still owed never meets first."""
+        import nats
+
+        inner = asyncio.ensure_future(self.nc.flush(PONG_PATIENCE_S))
+        self._round_trips.add(inner)
+
+        def settled(task: asyncio.Task) -> None:
+            self._round_trips.discard(task)
+            if not task.cancelled():
+                task.exception()  # retrieved: a round trip nobody waits for any more may fail
+
+        inner.add_done_callback(settled)
+        try:
+            await asyncio.wait_for(asyncio.shield(inner), timeout_s)
+        except TimeoutError:
+            raise nats.errors.FlushTimeoutError from None
 
     # ---- publishing -------------------------------------------------------------------
     def _headers(self, msg: Message) -> dict[str, str]:

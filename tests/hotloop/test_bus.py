@@ -211,3 +211,41 @@ async def test_flush_returns_only_once_what_was_published_before_it_reached_the_
     finally:
         await a.close()
         await b.close()
+
+
+async def test_a_flush_cancelled_or_timed_out_before_its_pong_leaves_the_connection_reading(nats_server):
+    """nats-py's `flush` cancels its PONG's future when it is cancelled or times out, and
+    leaves it first in line: the PONG that then arrives raised InvalidStateError in the client's
+    read loop, which ended it, and the connection heard nothing more (a trainer cancelled at
+    SIGTERM inside an ack's flush then waited out the whole drain timeout at close: CI's "took
+    5.7s to stop"). The server is frozen (SIGSTOP) so that the PONGs are still owed when the
+    flushes end; both ways of ending one are tried."""
+    import os
+    import signal
+    import time
+
+    b = await hbus.Bus.connect(nats_server.url, "b")
+    heard: asyncio.Queue = asyncio.Queue()
+
+    async def on(msg, headers) -> None:
+        await heard.put(msg.version)
+
+    await b.subscribe("hotloop.test.after", common_pb2.VersionInfo, on)
+    await b.flush()
+    os.kill(nats_server.proc.pid, signal.SIGSTOP)
+    try:
+        cancelled = asyncio.create_task(b.flush())
+        await asyncio.sleep(0.3)  # its PING is out, its PONG owed
+        cancelled.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await cancelled
+        with pytest.raises(TimeoutError):  # its own time ran out (one try: no retrying)
+            await b.retrying(lambda: b._round_trip(0.3), "flush", patience_s=0)
+    finally:
+        os.kill(nats_server.proc.pid, signal.SIGCONT)
+    await b.publish("hotloop.test.after", common_pb2.VersionInfo(version=3))
+    await b.flush()
+    assert await asyncio.wait_for(heard.get(), 5) == 3  # the connection still reads
+    t0 = time.monotonic()
+    await b.close()
+    assert time.monotonic() - t0 < hbus.DRAIN_TIMEOUT_S / 2  # no drain waited out
