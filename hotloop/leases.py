@@ -32,6 +32,7 @@ import socket
 import time
 from dataclasses import asdict, dataclass
 
+from hotloop.aio import raise_if_cancelled
 from hotloop.bus import Bus, BusError
 from hotloop.tenants import DEFAULT, check_tenant
 
@@ -121,6 +122,10 @@ class LineageLease:
 
         key = lease_key(self.tenant)
         while True:
+            # `release` cancels this task; a nats-py request whose answer lands on the same
+            # loop iteration swallows the cancellation (hotloop.aio), and the loop renewed on
+            # while `release` waited for it: CI saw a test wait 600 s there
+            raise_if_cancelled()
             await asyncio.sleep(every_s)
             kv = await leases_kv(self.bus)
             try:
