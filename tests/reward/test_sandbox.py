@@ -178,15 +178,34 @@ def test_memory_bomb_is_oom(full_sandbox, bomb):
 
 @pytest.mark.timeout(30)
 def test_memory_bomb_over_several_processes_hits_the_cgroup(full_sandbox):
-    # Each process stays under RLIMIT_AS (256 MB); together they exceed the run's memory cgroup.
+    # Each process stays under RLIMIT_AS (memory_mb); together they exceed the run's memory
+    # cgroup. Each child holds its memory until every sibling has its own (or was killed):
+    # children that touched their pages and exited one after another, as a loaded host
+    # schedules them, would never be over the limit together.
     code = (
         "import os\n"
+        "ready_r, ready_w = os.pipe()\n"
+        "hold_r, hold_w = os.pipe()\n"
         "for _ in range(4):\n"
         "    if os.fork() == 0:\n"
+        "        os.close(ready_r)\n"
+        "        os.close(hold_w)\n"
         "        b = bytearray(150 << 20)\n"
         "        for i in range(0, len(b), 4096):\n"
         "            b[i] = 1\n"
+        "        os.write(ready_w, b'x')\n"
+        "        os.close(ready_w)\n"
+        "        os.read(hold_r, 1)\n"  # EOF once the parent lets go (or is gone)
         "        os._exit(0)\n"
+        "os.close(ready_w)\n"
+        "os.close(hold_r)\n"
+        "ready = 0\n"
+        "while ready < 4:\n"
+        "    got = os.read(ready_r, 4)\n"
+        "    if not got:\n"  # every child gone, some before they were ready
+        "        break\n"
+        "    ready += len(got)\n"
+        "os.close(hold_w)\n"
         "for _ in range(4):\n"
         "    os.wait()\n"
     )
