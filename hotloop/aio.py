@@ -8,11 +8,20 @@ outlives its stop (CI saw a SIGTERM'd trainer do so and be given up on after 10 
 is not forgotten, though: `Task.cancelling()` still counts it (nothing called `uncancel`). A
 loop that calls `raise_if_cancelled()` once per iteration makes the stop level-triggered: the
 step in flight finishes, the next one does not start.
+
+Why `finish`: some work must not be cut half-way by a stop (a checkpoint and the acks it
+covers, an engine swap whose weights and version table must agree, a thread that holds the
+policy). `asyncio.shield` protects it from the first cancel only: the usual handler then
+awaits the task plainly, and a second cancel (a service's stop cancels its loop at the signal
+and again at its cleanup) cuts it there. `finish` waits through any number of them.
 """
 
 from __future__ import annotations
 
 import asyncio
+from typing import TypeVar
+
+T = TypeVar("T")
 
 
 def cancel_requested() -> bool:
@@ -29,3 +38,20 @@ def raise_if_cancelled() -> None:
     cancellation on purpose (that task's `cancelling()` stays raised until it ends)."""
     if cancel_requested():
         raise asyncio.CancelledError("cancelled earlier; a library swallowed the CancelledError")
+
+
+async def finish(task: asyncio.Future[T]) -> T:
+    """Wait for `task` to end, however many times the caller is cancelled meanwhile; then
+    raise `CancelledError` if it was (the task is done: its result is `task.result()`; its
+    error, if any, is the CancelledError's cause), else return the task's result or raise its
+    error. A task that someone cancelled raises `CancelledError` as it would plainly."""
+    stopped = False
+    while not task.done():
+        try:
+            await asyncio.wait([task])  # unlike `await task`, a cancel here leaves the task alone
+        except asyncio.CancelledError:
+            stopped = True
+    if stopped:
+        error = None if task.cancelled() else task.exception()
+        raise asyncio.CancelledError("cancelled while finishing work that must not be cut") from error
+    return task.result()

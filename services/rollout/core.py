@@ -72,6 +72,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from hotloop import adapters
 from hotloop.adapters import Version
+from hotloop.aio import finish
 from hotloop.errors import FailedPrecondition, FatalError, InvalidArgument, NotFound, Unavailable
 from hotloop.metrics import LATENCY_BUCKETS, StateCollector, gauge, info
 
@@ -1236,11 +1237,13 @@ class RolloutCore:
         try:
             swap = asyncio.ensure_future(self.updater.swap_inflight(version))
             try:
-                report = await asyncio.shield(swap)
+                report = await finish(swap)
             except asyncio.CancelledError:
-                # The pusher went away with the engine paused and the swap on its way: finish
-                # it, so that the weights, their label and the version table agree.
-                report = await swap
+                # The pusher went away with the engine paused and the swap on its way: it was
+                # finished, so that the weights, their label and the version table agree.
+                if swap.cancelled():
+                    raise
+                report = swap.result()  # its error, if it failed
                 self._live = self._latest = version
                 self.last_swap = {"version": version, "swap": "inflight", **report}
                 raise

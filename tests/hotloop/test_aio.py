@@ -1,5 +1,5 @@
 """`hotloop.aio`: a cancellation that Python 3.11's `wait_for` swallows still stops a loop that
-checks for it."""
+checks for it; work that must not be cut finishes through every cancel of its caller."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from hotloop.aio import cancel_requested, raise_if_cancelled
+from hotloop.aio import cancel_requested, finish, raise_if_cancelled
 
 
 def test_a_cancel_swallowed_by_wait_for_is_still_seen_and_raised() -> None:
@@ -73,3 +73,69 @@ def test_timeouts_that_asyncio_undoes_are_not_taken_for_a_stop() -> None:
         return cancel_requested()
 
     assert asyncio.run(main()) is False
+
+
+def _cancelled_twice(work) -> tuple[asyncio.Task, BaseException | object]:
+    """Run `work()` (a coroutine that waits for the returned event) under `finish`, cancel
+    the caller twice while it runs, then let it end: (the work's task, what the caller got)."""
+    async def main():
+        release = asyncio.Event()
+        task = asyncio.ensure_future(work(release))
+
+        async def caller():
+            return await finish(task)
+
+        outer = asyncio.create_task(caller())
+        for _ in range(2):  # a stop at the signal, then again at the cleanup
+            await asyncio.sleep(0.01)
+            outer.cancel()
+        await asyncio.sleep(0.01)
+        assert not task.done()  # still running after both cancels
+        release.set()
+        try:
+            got = await asyncio.wait_for(outer, 5)
+        except asyncio.CancelledError as e:
+            got = e
+        return task, got
+
+    return asyncio.run(main())
+
+
+def test_finish_lets_the_work_end_through_every_cancel_then_raises_the_cancel() -> None:
+    async def work(release):
+        await release.wait()
+        await asyncio.sleep(0)
+        return "saved"
+
+    task, got = _cancelled_twice(work)
+    assert task.result() == "saved" and isinstance(got, asyncio.CancelledError)
+
+
+def test_finish_chains_the_works_error_to_the_cancel() -> None:
+    async def work(release):
+        await release.wait()
+        raise OSError("disk full")
+
+    task, got = _cancelled_twice(work)
+    assert isinstance(got, asyncio.CancelledError) and isinstance(got.__cause__, OSError)
+    assert isinstance(task.exception(), OSError)
+
+
+def test_finish_without_a_cancel_is_the_task_itself() -> None:
+    async def main():
+        async def work():
+            await asyncio.sleep(0)
+            return 7
+
+        async def failing():
+            raise ValueError("bad")
+
+        with pytest.raises(ValueError):
+            await finish(asyncio.ensure_future(failing()))
+        task = asyncio.ensure_future(asyncio.sleep(10))
+        asyncio.get_running_loop().call_later(0.01, task.cancel)  # cancelled by someone else
+        with pytest.raises(asyncio.CancelledError):
+            await finish(task)
+        return await finish(asyncio.ensure_future(work()))
+
+    assert asyncio.run(main()) == 7

@@ -50,7 +50,7 @@ from typing import Any, ClassVar
 from opentelemetry import trace
 from opentelemetry.context import Context
 
-from hotloop.aio import raise_if_cancelled
+from hotloop.aio import finish, raise_if_cancelled
 
 from .budget import StepBudget
 
@@ -129,13 +129,7 @@ class Run:
         """`fn(*args)` on the policy, in a thread (a forward pass without an update). A
         cancellation waits for the thread to end, as `halt` does for an update: it holds the
         policy, which a checkpoint or another lane's turn must not touch meanwhile."""
-        work = asyncio.ensure_future(asyncio.to_thread(fn, *args))
-        try:
-            return await asyncio.shield(work)
-        except asyncio.CancelledError:
-            with contextlib.suppress(Exception):
-                await work
-            raise
+        return await finish(asyncio.ensure_future(asyncio.to_thread(fn, *args)))
 
     async def halt(self) -> None:
         """Stop the update in flight (if any) before its next micro-batch and wait for it."""
@@ -144,7 +138,7 @@ class Run:
         self._stop.set()
         if self._update is not None and not self._update.done():
             with contextlib.suppress(Interrupted):
-                await self._update
+                await finish(self._update)
 
     def _holds(self, step: int) -> bool:
         """Whether the latest checkpoint is of the policy at `step` (nothing new to save)."""

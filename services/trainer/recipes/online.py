@@ -107,7 +107,7 @@ from prometheus_client import Counter as PromCounter
 from prometheus_client import Histogram
 
 from hotloop import telemetry
-from hotloop.aio import raise_if_cancelled
+from hotloop.aio import finish, raise_if_cancelled
 from hotloop.bus import Bus, BusError, PullConsumer, Received, feedback_subject
 from hotloop.clients import ReferenceClient, RolloutClient
 from hotloop.errors import FailedPrecondition, InvalidArgument, Unavailable
@@ -869,11 +869,11 @@ class Online(Recipe):
         step (at the runner's next await)."""
         saving = asyncio.ensure_future(self.save())
         try:
-            await asyncio.shield(saving)
+            await finish(saving)  # through every cancel: a stop cancels at its signal and again
         except asyncio.CancelledError:
             if saving.cancelled():
                 raise
-            await saving
+            saving.result()  # its error, if it failed
             asyncio.current_task().cancel()
 
     async def close(self) -> None:

@@ -221,6 +221,49 @@ def test_a_stopping_intake_ends_even_when_its_fetch_swallows_the_cancel() -> Non
     assert ended and fetches == 1
 
 
+def test_a_checkpoint_cancelled_twice_still_sends_every_ack_and_its_step_ends() -> None:
+    """A stopping trainer cancels its loop at the signal and again at its cleanup. A save in
+    flight (checkpoint, then the acks it covers) must finish through both, and the step must
+    return its record before the stop goes on: otherwise some acks have left with no step
+    record of the feedback they cover (CI counted 14 of 15 feedback after a SIGTERM)."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from services.trainer.recipes.online import Online
+
+    async def main() -> tuple[list[int], list[int], bool]:
+        release = asyncio.Event()
+        acked: list[int] = []
+
+        async def save() -> None:  # the acks go out one await at a time
+            for seq in range(3):
+                await release.wait()
+                acked.append(seq)
+                await asyncio.sleep(0)
+
+        async def step() -> tuple[list[int], bool]:
+            await Online.save_whole(SimpleNamespace(save=save))
+            record = list(acked)  # the step's record, written before the stop goes on
+            try:
+                await asyncio.sleep(0)  # the runner's next await
+            except asyncio.CancelledError:
+                return record, True
+            return record, False
+
+        task = asyncio.create_task(step())
+        await asyncio.sleep(0.01)
+        task.cancel()  # the signal
+        await asyncio.sleep(0.01)
+        task.cancel()  # the cleanup
+        await asyncio.sleep(0.01)
+        release.set()
+        record, stopped = await asyncio.wait_for(task, 5)
+        return record, acked, stopped
+
+    record, acked, stopped = asyncio.run(main())
+    assert acked == [0, 1, 2] and record == acked and stopped
+
+
 def test_the_kl_needs_a_reference_service_only_where_it_is_asked(make_cfg):
     from hotloop.config import MeshConfig
     from services.trainer.recipes.job import _check_online_mesh
