@@ -28,6 +28,7 @@ from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
+from hotloop.aio import raise_if_cancelled
 from hotloop.errors import AlreadyExists, InvalidArgument, NotFound, Unavailable
 
 if TYPE_CHECKING:
@@ -366,6 +367,7 @@ class Registry:
             ready.set()  # an empty bucket: nothing to replay
         try:
             async for entry in watcher:
+                raise_if_cancelled()  # nats-py's watcher reads with wait_for (hotloop.aio)
                 if entry is None:  # nats-py's end marker races the delivery: `end` says it
                     continue
                 if entry.operation in ("DEL", "PURGE"):

@@ -43,6 +43,7 @@ from typing import IO
 
 from hotloop import bus as hbus
 from hotloop.adapters import MAX_ARCHIVE_BYTES
+from hotloop.aio import raise_if_cancelled
 from hotloop.errors import (
     Conflict,
     HotloopError,
@@ -137,6 +138,7 @@ class TenantAdmin:
 
     async def _follow(self, ready: asyncio.Event) -> None:
         while True:
+            raise_if_cancelled()  # a watch that swallowed the close's cancel (hotloop.aio)
             try:
                 async for name, record, revision in self.registry.changes(ready):
                     self.apply(name, record, revision)

@@ -17,6 +17,8 @@ import logging
 import socket
 from collections.abc import Awaitable, Callable
 
+from hotloop.aio import raise_if_cancelled
+
 from .types import Replica
 
 log = logging.getLogger(__name__)
@@ -106,6 +108,7 @@ class Discovery:
 
     async def _follow(self, update: Callable[[list[Replica]], None]) -> None:
         while True:
+            raise_if_cancelled()  # a resolve that swallowed the close's cancel (hotloop.aio)
             await asyncio.sleep(self.interval_s)
             update(await self.refresh())
 

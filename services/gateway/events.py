@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from collections.abc import Callable
 
+from hotloop.aio import raise_if_cancelled
 from hotloop.bus import WEIGHTS_TENANTS, Bus, feedback_subject, traffic_subject
 from hotloop.errors import Unavailable
 from hotloop.proto.v1 import bus_pb2, common_pb2
@@ -115,6 +116,7 @@ class BusEvents:
 
         async def reread_forever() -> None:
             while True:
+                raise_if_cancelled()  # a read that swallowed the close's cancel (hotloop.aio)
                 try:
                     await asyncio.wait_for(wake.wait(), LINEAGES_REREAD_S)
                 except TimeoutError:
@@ -152,6 +154,7 @@ class BusEvents:
 
     async def _publish_forever(self) -> None:
         while True:
+            raise_if_cancelled()  # a publish that swallowed the close's cancel (hotloop.aio)
             s, stored = await self._queue.get()
             ok = False
             try:

@@ -41,6 +41,7 @@ import asyncio
 import logging
 from dataclasses import dataclass, field
 
+from hotloop.aio import raise_if_cancelled
 from hotloop.errors import Unavailable
 
 from .types import Replica
@@ -197,6 +198,7 @@ class Router:
 
     async def _poll_forever(self) -> None:
         while True:
+            raise_if_cancelled()  # a poll that swallowed the close's cancel (hotloop.aio)
             await asyncio.sleep(self._interval_s)
             await self.poll()
 

@@ -55,6 +55,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Protocol
 
 from hotloop.adapters import Version, version_from_proto, version_to_proto
+from hotloop.aio import raise_if_cancelled
 from hotloop.errors import FailedPrecondition, HotloopError, Unavailable
 from hotloop.metrics import counter, gauge
 
@@ -367,6 +368,7 @@ class CatchUp:
         delay = FIRST_RETRY_S
         wait = delay if self.error else self._poll_s
         while True:
+            raise_if_cancelled()  # a fetch that swallowed the stop's cancel (hotloop.aio)
             await self._sleep(wait)
             if await self.sync():
                 delay, wait = FIRST_RETRY_S, self._poll_s
@@ -480,6 +482,7 @@ class Lineages:
                     group.create_task(c.follow(), name=f"catch-up {tenant}")
                 delay, wait = FIRST_RETRY_S, self._poll_s
                 while True:
+                    raise_if_cancelled()  # a listing that swallowed the stop's cancel (hotloop.aio)
                     try:
                         await asyncio.wait_for(self._wake.wait(), wait)
                     except TimeoutError:

@@ -282,3 +282,39 @@ def test_every_shipped_gateway_section_parses(path):
 
     tree = config.raw_config(path, environ={})
     config.load_section(tree, "gateway", GatewayConfig)
+
+
+def test_the_router_stops_when_a_poll_swallowed_the_cancel() -> None:
+    """Python 3.11's wait_for (under the clients' calls) can return a reply that lands with the
+    cancel; the poll loop must still end at its close, not poll on for ever."""
+    import asyncio
+
+    class Swallowing(Router):
+        polls, swallowed = 0, False
+
+        async def poll(self) -> None:
+            self.polls += 1
+            if self.polls > 3:
+                inside.set()  # the close comes while this poll waits on its call
+            try:
+                await asyncio.sleep(0.005 if self.polls <= 3 else 1.0)
+            except asyncio.CancelledError:
+                if self.swallowed:  # only the first: a failing test must not hang
+                    raise
+                self.swallowed = True
+
+    inside = asyncio.Event()
+
+    async def main() -> tuple[bool, bool]:
+        router = Swallowing([], interval_s=0.001)
+        await router.start()
+        await inside.wait()
+        closing = asyncio.ensure_future(router.close())
+        done, _ = await asyncio.wait({closing}, timeout=2.0)
+        if not done:
+            router._poller.cancel()
+            await closing
+        return bool(done), router.swallowed
+
+    ended, swallowed = asyncio.run(main())
+    assert swallowed and ended
