@@ -297,7 +297,7 @@ def test_the_router_stops_when_a_poll_swallowed_the_cancel() -> None:
             if self.polls > 3:
                 inside.set()  # the close comes while this poll waits on its call
             try:
-                await asyncio.sleep(0.005 if self.polls <= 3 else 1.0)
+                await asyncio.sleep(0.005 if self.polls <= 3 else 10.0)
             except asyncio.CancelledError:
                 if self.swallowed:  # only the first: a failing test must not hang
                     raise

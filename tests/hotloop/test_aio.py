@@ -83,14 +83,17 @@ def _cancelled_twice(work) -> tuple[asyncio.Task, BaseException | object]:
         task = asyncio.ensure_future(work(release))
 
         async def caller():
-            return await finish(task)
+            try:
+                return await finish(task)
+            finally:
+                assert task.done()  # the caller ends only after the work
 
         outer = asyncio.create_task(caller())
         for _ in range(2):  # a stop at the signal, then again at the cleanup
             await asyncio.sleep(0.01)
             outer.cancel()
         await asyncio.sleep(0.01)
-        assert not task.done()  # still running after both cancels
+        assert not task.done() and not outer.done()  # both still waiting after both cancels
         release.set()
         try:
             got = await asyncio.wait_for(outer, 5)
