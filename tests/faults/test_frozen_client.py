@@ -13,8 +13,6 @@ shows it is the pings, not the stop itself, that end the call."""
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
 import subprocess
 import sys
 import textwrap
@@ -25,6 +23,7 @@ import pytest
 
 from hotloop import grpcutil
 from hotloop.config import GrpcConfig
+from tests.procs import freeze
 
 pytestmark = pytest.mark.slow
 LIVENESS = GrpcConfig(keepalive_s=1, keepalive_timeout_s=1)
@@ -95,7 +94,7 @@ async def test_a_frozen_clients_stream_ends_at_the_servers_pings():
         await asyncio.sleep(3 * (LIVENESS.keepalive_s + LIVENESS.keepalive_timeout_s))
         assert not watched.ended and not control.ended
 
-        os.kill(client.pid, signal.SIGSTOP)
+        await freeze(client.pid)
         frozen_at = time.monotonic()
         while not watched.ended:
             assert time.monotonic() - frozen_at < BOUND_S, \

@@ -25,6 +25,7 @@ from hotloop.clients import RewardClient, ScoreItem
 from hotloop.config import GrpcConfig
 from hotloop.errors import Unavailable
 from hotloop.replicas import Rewards
+from tests.procs import freeze
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
@@ -112,7 +113,7 @@ async def test_a_frozen_replica_has_its_work_moved_to_the_other(liveness, reward
         assert sorted((s.id, s.reward) for s in idle) == [("idle-0", 1.0), ("idle-1", 0.0)]
         assert not any(st.failed_calls for st in rewards.stats.values()), rewards.stats
 
-        os.kill(procs[1].pid, signal.SIGSTOP)
+        await freeze(procs[1].pid)
         # a batch: the frozen replica's chunk is re-run on the other
         scores, took = await timed(rewards.score(items(8)))
         assert [s.reward for s in scores] == expected(8)
@@ -141,7 +142,7 @@ async def test_a_call_to_the_only_service_frozen_fails_with_a_clear_error(livene
     client = RewardClient(addresses[0])
     try:
         assert [s.reward for s in await client.score(items(2))] == expected(2)
-        os.kill(procs[0].pid, signal.SIGSTOP)
+        await freeze(procs[0].pid)
         t0 = time.monotonic()
         with pytest.raises(Unavailable, match=f"reward at {addresses[0]}"):
             await asyncio.wait_for(client.score(items(2)), timeout=BOUND_S * 3)

@@ -21,6 +21,7 @@ import pytest
 from apps.natsserver import NatsCluster
 from hotloop.bus import FEEDBACK, LATEST_KEY, VERSIONS_BUCKET, WEIGHTS_UPDATED, Bus, traffic_subject
 from hotloop.proto.v1 import bus_pb2, common_pb2
+from tests.procs import freeze
 
 pytestmark = pytest.mark.slow
 ROUNDS = 30  # each: one served choice, its feedback, one announced version
@@ -185,7 +186,7 @@ async def test_a_frozen_server_is_left_for_another_within_the_ping_bound(tmp_pat
         await bus.ensure_streams()
         victim = next(m for m in cluster.members if m.port == bus.nc.connected_url.port)
         await lead_on(bus, victim.name, "FEEDBACK")  # its stream's leader freezes with it
-        os.kill(victim.proc.pid, signal.SIGSTOP)
+        await freeze(victim.proc.pid)  # every thread: one still running would store the publish
         t0 = time.monotonic()
         fb = bus_pb2.FeedbackEvent(response_id="frozen", score=1.0, user="u")
         ack = await asyncio.wait_for(bus.js_publish_once(FEEDBACK, fb, msg_id="frozen:0:u"), 60)

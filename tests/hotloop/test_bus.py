@@ -7,6 +7,7 @@ import pytest
 
 from hotloop import bus as hbus
 from hotloop.proto.v1 import bus_pb2, common_pb2
+from tests.procs import freeze
 
 
 async def test_publish_subscribe_carries_trace_context(nats_server):
@@ -214,25 +215,6 @@ async def test_flush_returns_only_once_what_was_published_before_it_reached_the_
         await b.close()
 
 
-async def stopped(pid: int, timeout_s: float = 10.0) -> None:
-    """Until every thread of `pid` is stopped: SIGSTOP is delivered to each thread on its way
-    back to user space, and `kill` returns before that."""
-    from pathlib import Path
-
-    deadline = time.monotonic() + timeout_s
-    while True:
-        states = []
-        for stat in Path(f"/proc/{pid}/task").glob("*/stat"):
-            try:  # the state is the field after the parenthesised command name
-                states.append(stat.read_text().rsplit(")", 1)[1].split()[0])
-            except (FileNotFoundError, ProcessLookupError):  # a thread that just ended
-                pass
-        if states and all(st in ("T", "t") for st in states):
-            return
-        assert time.monotonic() < deadline, f"pid {pid} not stopped: thread states {states}"
-        await asyncio.sleep(0.01)
-
-
 async def test_a_flush_cancelled_or_timed_out_before_its_pong_leaves_the_connection_reading(nats_server):
     """nats-py's `flush` cancels its PONG's future when it is cancelled or times out, and
     leaves it first in line: the PONG that then arrives raised InvalidStateError in the client's
@@ -251,9 +233,8 @@ async def test_a_flush_cancelled_or_timed_out_before_its_pong_leaves_the_connect
 
     await b.subscribe("hotloop.test.after", common_pb2.VersionInfo, on)
     await b.flush()
-    os.kill(nats_server.proc.pid, signal.SIGSTOP)
     try:
-        await stopped(nats_server.proc.pid)  # or a thread still running answers the PING
+        await freeze(nats_server.proc.pid)  # every thread: one still running answers the PING
         cancelled = asyncio.create_task(b.flush())
         await asyncio.sleep(0.3)  # its PING is out, its PONG owed
         cancelled.cancel()
