@@ -43,7 +43,7 @@ def _mesh_path(field) -> str:
 class Section(BaseModel):
     """Base for every config section: unknown keys are errors, not silently ignored."""
 
-    model_config = ConfigDict(extra="forbid", validate_default=True)
+    model_config = ConfigDict(extra="forbid", validate_default=True, use_attribute_docstrings=True)
 
 
 class ServiceSection(Section):
@@ -181,7 +181,12 @@ class Endpoints(Section):
     reference: Replicas = []
     """Reference replicas; a job spreads its reference passes over them."""
     trainer: str = ""
+    """The trainer's FetchAdapter target (`host:port`) as the other processes reach it (a
+    compose service name, a Kubernetes Service): where a restarted rollout replica and the
+    gateway's admin API fetch stored versions from, and the address the trainer announces.
+    Empty: the address each announcement names."""
     gateway: str = ""
+    """The gateway's gRPC target; `hotloop up` records it for the clients of a local run."""
 
     @field_validator("rollout", "reward", "reference")
     @classmethod
@@ -219,11 +224,17 @@ class MeshConfig(Section):
     """The sections every process reads."""
 
     model: ModelConfig = ModelConfig()
+    """`[model]`: the base model every process holds a copy of."""
     nats: NatsConfig = NatsConfig()
+    """`[nats]`: the message bus (announcements, feedback, traffic)."""
     telemetry: TelemetryConfig = TelemetryConfig()
+    """`[telemetry]`: where trace spans go."""
     security: SecurityConfig = SecurityConfig()
+    """`[security]`: the admin token and the users' API keys."""
     grpc: GrpcConfig = GrpcConfig()
+    """`[grpc]`: how a client finds out that a server stopped answering."""
     endpoints: Endpoints = Endpoints()
+    """`[endpoints]`: where each service listens."""
     tenants: Annotated[dict[str, TenantConfig], AfterValidator(_tenants)] = {}
     """`[tenants.<name>]`: the tenants and their users' key ids. None: every user is in the
     default tenant, as before tenants existed."""

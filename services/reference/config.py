@@ -8,15 +8,13 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
-from hotloop.config import from_mesh
+from hotloop.config import Section, from_mesh
 
 
-class ReferenceConfig(BaseModel):
+class ReferenceConfig(Section):
     """Frozen base-model logprobs for the KL term."""
-
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
     model: str = from_mesh("model.name", "smollm2-135m-instruct")
     """Base model: `[model] name`, the trainer's base model, or the KL anchors to the wrong

@@ -12,9 +12,9 @@ from __future__ import annotations
 import re
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
-from hotloop.config import ServiceSection
+from hotloop.config import Section, ServiceSection
 
 IsolationLevel = Literal["process", "namespaces", "full"]
 ISOLATION_ORDER: tuple[IsolationLevel, ...] = ("process", "namespaces", "full")
@@ -23,10 +23,8 @@ BUILTIN_SCORERS = ("code_tests",)
 PYTHON_SCORER_PREFIX = "python:"
 
 
-class SandboxConfig(BaseModel):
+class SandboxConfig(Section):
     """Limits and isolation of one sandboxed run of untrusted code (see `sandbox.py`)."""
-
-    model_config = ConfigDict(extra="forbid", validate_default=True)
 
     isolation: IsolationLevel = "namespaces"
     """The least isolation the service accepts; it always uses the strongest the host allows
@@ -89,10 +87,8 @@ class SandboxConfig(BaseModel):
         return self
 
 
-class RegexRule(BaseModel):
+class RegexRule(Section):
     """A rule scorer: `match_reward` when `pattern` is found in the completion, else `miss_reward`."""
-
-    model_config = ConfigDict(extra="forbid", validate_default=True)
 
     pattern: str
     """Python regular expression, searched (not matched) in the completion."""
@@ -113,11 +109,9 @@ class RegexRule(BaseModel):
         return pattern
 
 
-class LengthRule(BaseModel):
+class LengthRule(Section):
     """A brevity rule: `reward_under` when the completion has at most `max_words` words, else
     `reward_over`. Words are whitespace-separated runs (`str.split()`), code included."""
-
-    model_config = ConfigDict(extra="forbid", validate_default=True)
 
     max_words: int = Field(ge=0)
     """Most words a completion may have and still get `reward_under`."""
@@ -127,11 +121,9 @@ class LengthRule(BaseModel):
     """Reward of a longer one."""
 
 
-class RewardModelConfig(BaseModel):
+class RewardModelConfig(Section):
     """A Hugging Face sequence-classification model that scores (prompt, completion) pairs
     (`reward_model.py`). Loaded once at start-up, and only when some enabled scorer uses it."""
-
-    model_config = ConfigDict(extra="forbid", validate_default=True)
 
     model: str
     """A local Hugging Face directory or a name `hotloop models` provisioned; loaded with
@@ -167,10 +159,8 @@ class RewardModelConfig(BaseModel):
     not in transformers). Only for directories you trust: that code runs in this service."""
 
 
-class CompositeConfig(BaseModel):
+class CompositeConfig(Section):
     """A weighted sum of other scorers, run concurrently on the same sample (`scorers.py`)."""
-
-    model_config = ConfigDict(extra="forbid", validate_default=True)
 
     parts: dict[str, Annotated[float, Field(allow_inf_nan=False)]] = Field(min_length=1)
     """Scorer name -> weight. Any scorer this config defines (`code_tests`, a rule, a length

@@ -10,17 +10,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
-from hotloop.config import from_mesh
-
-
-class _Strict(BaseModel):
-    # A misspelled key in a config file is an error, not a silently ignored default.
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+from hotloop.config import Section, from_mesh
 
 
-class LoraSettings(_Strict):
+class LoraSettings(Section):
     """The LoRA adapter that is trained and published as a policy version."""
 
     r: int = Field(16, ge=1, le=256)
@@ -42,7 +37,7 @@ class LoraSettings(_Strict):
     when the policy is built."""
 
 
-class OptimizerSettings(_Strict):
+class OptimizerSettings(Section):
     """AdamW over the LoRA parameters only."""
 
     lr: float = Field(1e-5, gt=0, le=1.0)
@@ -73,7 +68,7 @@ class OptimizerSettings(_Strict):
         return self
 
 
-class LossSettings(_Strict):
+class LossSettings(Section):
     """The clipped policy-gradient objective shared by every algorithm (algorithms.py)."""
 
     clip_eps_low: float = Field(0.2, ge=0.0, lt=1.0)
@@ -124,7 +119,7 @@ class LossSettings(_Strict):
         return self
 
 
-class CriticSettings(_Strict):
+class CriticSettings(Section):
     """PPO's critic: a value head (a linear layer on the last hidden state) and which trunk
     it reads. docs/architecture.md ("PPO") has the measurement behind the default."""
 
@@ -152,7 +147,7 @@ class CriticSettings(_Strict):
     order 1 give losses well under 1) is skipped, policy and critic unchanged, and reported."""
 
 
-class PpoSettings(_Strict):
+class PpoSettings(Section):
     """PPO's advantage estimation, KL control and update schedule (`[trainer.ppo]`)."""
 
     gamma: float = Field(1.0, gt=0.0, le=1.0)
@@ -177,7 +172,7 @@ class PpoSettings(_Strict):
     """Adaptive KL: samples over which the coefficient may change by a factor of e at most."""
 
 
-class TrainerConfig(_Strict):
+class TrainerConfig(Section):
     """The trainer core: LoRA policy, algorithm, batching, precision and checkpoints."""
 
     model: str = from_mesh("model.name", "smollm2-135m-instruct")
@@ -286,7 +281,7 @@ class TrainerConfig(_Strict):
         return self
 
 
-class OnlineConfig(_Strict):
+class OnlineConfig(Section):
     """The `[online]` section: the online loop that learns from user feedback (online.py).
     The optimizer, LoRA, dtype and kl_beta stay in `[trainer]`."""
 

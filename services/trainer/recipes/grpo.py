@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Annotated
 
 from opentelemetry import trace
-from pydantic import ConfigDict, Field
+from pydantic import Field
 
 from hotloop.clients import Completion, ReferenceClient, RewardClient, Score, ScoreItem
 from hotloop.config import Section
@@ -47,9 +47,6 @@ STAGES = ("generate", "score", "reference", "train", "publish")
 
 class TaskJobConfig(Section):
     """What a batch job trains and evaluates on: the fields `[grpo]` and `[ppo]` share."""
-
-    # The docstrings below become the fields' descriptions (a test checks there is one each).
-    model_config = ConfigDict(extra="forbid", validate_default=True, use_attribute_docstrings=True)
 
     tasks: str = "builtin"
     """Training tasks: `builtin`, `humaneval`, or a JSONL path (hotloop/tasks/README.md)."""
