@@ -57,6 +57,18 @@ def cmd_models(args) -> int:
     return 0
 
 
+def cmd_config(args) -> int:
+    from apps import sections
+    from hotloop import configdoc
+    from hotloop.config import ConfigError
+
+    if args.defaults and (args.config or args.set):
+        raise ConfigError(["--defaults prints the defaults alone: leave out --config and --set"])
+    print(configdoc.defaults(sections.sections()) if args.defaults
+          else configdoc.effective(sections.sections(), args.config, args.set), end="")
+    return 0
+
+
 def replica_overrides(text: str | None) -> list[str]:
     """`--replicas rollout=2,reward=2` as the overrides it stands for (`up.replicas.<name>=N`);
     the counts are checked with the rest of `[up]`. ValueError for a malformed item."""
@@ -180,6 +192,15 @@ def build_parser() -> argparse.ArgumentParser:
     pull.add_argument("--force", action="store_true", help="re-provision even if cached")
     msub.add_parser("list", help="known models and whether they are pulled")
     m.set_defaults(fn=cmd_models)
+
+    c = sub.add_parser("config", help="the configuration a command runs with, key by key")
+    csub = c.add_subparsers(dest="action", required=True)
+    cs = csub.add_parser("show", help="every section and key: value, default, source (file, environment, "
+                         "--set or default) and docstring, as annotated TOML")
+    _config_args(cs)
+    cs.add_argument("--defaults", action="store_true",
+                    help="every key at its default instead: a complete config file that loads as is")
+    c.set_defaults(fn=cmd_config)
 
     up = sub.add_parser("up", help="start NATS and every service on loopback; Ctrl-C stops all")
     _config_args(up)

@@ -35,7 +35,14 @@ def from_mesh(path: str, default: Any) -> Any:
     return Field(default, json_schema_extra={"from_mesh": path})
 
 
-def _mesh_path(field) -> str:
+def secret(default: Any) -> Any:
+    """A field whose value is a credential: `hotloop config show` says whether it is set,
+    never what it is."""
+    return Field(default, json_schema_extra={"secret": True})
+
+
+def mesh_path(field) -> str:
+    """The shared key a `from_mesh` field is declared as ("model.dtype"); "" for any other."""
     extra = field.json_schema_extra
     return extra.get("from_mesh", "") if isinstance(extra, dict) else ""
 
@@ -70,6 +77,8 @@ class ModelConfig(Section):
 
 
 class NatsConfig(Section):
+    """The message bus: version announcements, feedback, traffic, the versions KV."""
+
     url: str = ""
     """NATS server URL, or the servers of one cluster comma-separated
     (`nats://n1:4222,nats://n2:4222,nats://n3:4222`): the client connects to any of them and
@@ -98,6 +107,8 @@ class NatsConfig(Section):
 
 
 class TelemetryConfig(Section):
+    """Where each process's trace spans go."""
+
     exporter: Literal["none", "jsonl", "otlp", "memory"] = "none"
     """Where spans go: a JSON-lines file (local runs), an OTLP endpoint, memory (tests), or nowhere."""
     jsonl_path: str = ""
@@ -139,11 +150,13 @@ class GrpcConfig(Section):
 
 
 class SecurityConfig(Section):
-    admin_token: str = ""
+    """Who may call what: the admin token and the users' API keys."""
+
+    admin_token: str = secret("")
     """Bearer token required on admin RPCs (PushAdapter). Empty: admin RPCs are refused.
     Surrounding whitespace is dropped: a token from a file (a Kubernetes Secret, `openssl rand
     -hex 24 > file`) ends in a newline, which gRPC metadata cannot carry."""
-    user_tokens: list[str] = []
+    user_tokens: list[str] = secret([])
     """API keys the gateway accepts for user traffic, each `key` or `id:key`. The id (given, or
     `key-` + the first 8 hex digits of the key's sha256) is what traffic and feedback record,
     never the key. With no keys here nor in `user_tokens_file`, the gateway refuses to start
@@ -467,7 +480,7 @@ def _inherit(tree: ConfigTree, name: str, model: type[BaseModel], mesh: MeshConf
     values = dict(tree.get(name, {})) if isinstance(tree.get(name, {}), dict) else tree.get(name)
     problems = []
     for key, field in model.model_fields.items():
-        path = _mesh_path(field)
+        path = mesh_path(field)
         if not path or not isinstance(values, dict):
             continue
         if key in values:

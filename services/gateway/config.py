@@ -17,6 +17,9 @@ from hotloop.config import ServiceSection
 
 
 class GatewayConfig(ServiceSection):
+    """The `[gateway]` section: the user-facing edge (gRPC and OpenAI-style HTTP), its request
+    limits, routing among rollout replicas, and the traffic and feedback it records."""
+
     host: str = "127.0.0.1"
     """Interface both servers listen on."""
     port: int = Field(0, ge=0, le=65535)

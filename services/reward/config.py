@@ -174,6 +174,9 @@ def _default_rules() -> dict[str, RegexRule]:
 
 
 class RewardConfig(ServiceSection):
+    """The `[reward]` section: the scorers a request may name, the sandbox that runs code,
+    and how much scoring runs at once."""
+
     host: str = "127.0.0.1"
     """Interface to listen on."""
     port: int = Field(0, ge=0, le=65535)

@@ -10,6 +10,9 @@ from hotloop.config import ServiceSection
 
 
 class RolloutConfig(ServiceSection):
+    """The `[rollout]` section: the serving engine, how a new version becomes live, request
+    limits, and how a replica catches up on versions it missed."""
+
     host: str = "127.0.0.1"
     """Interface to listen on."""
     port: int = Field(0, ge=0, le=65535)
