@@ -402,7 +402,8 @@ def _unknown_key(section: str, model: type[BaseModel], loc: tuple, others: Mappi
     hits = [where for where, leaf in elsewhere.items() if difflib.get_close_matches(name, [leaf], n=1, cutoff=0.8)]
     if hits:
         return f"unknown key; did you mean {hits[0]}?"
-    return f"unknown key (the keys of [{section}] are documented in {model.__module__.replace('.', '/')}.py)"
+    return (f"unknown key (the keys of [{section}] are documented in {model.__module__.replace('.', '/')}.py; "
+            f"`hotloop config show --defaults` lists every key)")
 
 
 def _problems(tree: ConfigTree, section: str, model: type[BaseModel], errors: list[dict],
