@@ -25,6 +25,8 @@ from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
 
+from hotloop.hardware import Dtype
+
 ENV_PREFIX = "HOTLOOP__"
 
 
@@ -67,7 +69,7 @@ class ModelConfig(Section):
     name: str = "smollm2-135m-instruct"
     """Base model: a known name (`hotloop models list`), a local HF directory, or a hub id.
     The rollout serves it, the trainer trains LoRA on it, the reference scores with it."""
-    dtype: Literal["auto", "bfloat16", "float32"] = "auto"
+    dtype: Dtype = "auto"
     """Dtype of every copy of the base model: the rollout engine's weights, the trainer's and
     the reference's compute (the KL compares the two, so they must agree). `auto`: bf16 where
     the hardware computes it fast (CUDA, AMX-BF16 CPUs; measured), else fp32

@@ -1,9 +1,11 @@
 """What the host computes natively, and the one place that turns `dtype = "auto"` into a dtype.
 
 Owns: reading the CPU's capability (from /proc/cpuinfo flags, with the caps torch and oneDNN
-honour applied on top), and `resolve_dtype`, which every service (rollout, reference,
-trainer) calls with its configured dtype. Does not own: thread counts or OpenMP settings
-(`hotloop.threads`).
+honour applied on top), the dtypes a config may name (`Dtype`, declared once), and the one
+resolver from such a name to what code computes in: `resolve_dtype` gives the concrete name
+("auto" resolved; what Status, the logs and vLLM take), `torch_dtype` the torch dtype. Every
+copy of the base model (rollout, reference, trainer) and every reward model resolves through
+them. Does not own: thread counts or OpenMP settings (`hotloop.threads`).
 
 Why: bf16 is fast only where the hardware computes it fast. On an AVX2-only CPU (AMD Zen 2/3,
 many laptops and CI runners) torch emulates bf16 matmuls: 0.9 GFLOP/s against 87.6 in fp32
@@ -28,10 +30,17 @@ import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import TYPE_CHECKING, Literal, get_args
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
-DTYPES = ("bfloat16", "float32")
+Dtype = Literal["auto", "bfloat16", "float32"]
+"""A dtype as a config names it (`[model] dtype`, a reward model's `dtype`): "auto", or the
+name of the torch dtype itself."""
+DTYPES: tuple[str, ...] = tuple(d for d in get_args(Dtype) if d != "auto")
 NATIVE_BF16_FLAGS = ("amx_bf16", "avx512_bf16")
 # Units for which bf16 measured faster than fp32 end to end (training and vLLM generation).
 FAST_BF16_FLAGS = ("amx_bf16",)
@@ -118,12 +127,15 @@ def resolve_device(requested: str, *, cuda: bool | None = None) -> str:
     return requested
 
 
-def resolve_dtype(requested: str, *, cuda: bool | None = None,
+def resolve_dtype(requested: str, *, device: str | None = None,
                   cpu: CpuCapability | None = None) -> str:
     """`auto` -> "bfloat16" where bf16 measured faster than fp32 (CUDA, or a CPU with AMX-BF16),
     else "float32". An explicit dtype is returned unchanged (with a warning when it will be
-    emulated)."""
-    cuda = _cuda_available() if cuda is None else cuda
+    emulated); any other name is a ValueError that lists the ones there are.
+
+    `device`: where the model computes, "cuda" (or "cuda:N"), "cpu", or None / "auto" for
+    where torch would put it (CUDA when it sees a GPU). `cpu`: the CPU class (this host's)."""
+    cuda = _cuda_available() if device in (None, "auto") else str(device).startswith("cuda")
     cpu = cpu_capability() if cpu is None else cpu
     native = cuda or bool(cpu.native_bf16)
     if requested == "auto":
@@ -135,6 +147,17 @@ def resolve_dtype(requested: str, *, cuda: bool | None = None,
         log.warning("dtype bfloat16 on a CPU without native bf16 (%s): expect 10-100x slower "
                     "compute; dtype = \"auto\" would pick float32", cpu)
     return requested
+
+
+def torch_dtype(requested: str, *, device: str | None = None,
+                cpu: CpuCapability | None = None) -> torch.dtype:
+    """The torch dtype of a config's dtype: a name as it is, "auto" resolved for `device` and
+    `cpu` as `resolve_dtype` does. The one map from the names to torch (imported here, not
+    before: parsing a config must not import torch)."""
+    import torch
+
+    name = requested if requested in DTYPES else resolve_dtype(requested, device=device, cpu=cpu)
+    return getattr(torch, name)  # DTYPES are torch's own names
 
 
 @lru_cache(maxsize=1)

@@ -11,6 +11,7 @@ from typing import Literal
 from pydantic import Field
 
 from hotloop.config import Section, from_mesh
+from hotloop.hardware import Dtype
 
 
 class ReferenceConfig(Section):
@@ -23,7 +24,7 @@ class ReferenceConfig(Section):
     """Scoring engine. "torch": HF model, completion-only chunked logprobs (the trainer's own
     code, so both agree by construction). A "vllm" backend (prompt_logprobs, engine built
     without LoRA) plugs in at `core.make_backend`."""
-    dtype: Literal["auto", "bfloat16", "float32"] = from_mesh("model.dtype", "auto")
+    dtype: Dtype = from_mesh("model.dtype", "auto")
     """Compute dtype: `[model] dtype`, the trainer's too, or the KL picks up the bf16/fp32 gap
     (~1e-2 per token on logprobs) as if it were policy drift (not set in `[reference]`)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"

@@ -31,6 +31,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from transformers import AutoModelForCausalLM
 
 from hotloop.errors import InvalidArgument
+from hotloop.hardware import describe, resolve_device, resolve_dtype, torch_dtype
 from hotloop.logprobs import can_share_prompts, score_pairs
 from hotloop.metrics import LATENCY_BUCKETS
 from hotloop.models import resolve
@@ -39,7 +40,6 @@ from services.reference.config import ReferenceConfig
 Pair = tuple[Sequence[int], Sequence[int]]  # (prompt_ids, completion_ids)
 
 log = logging.getLogger(__name__)
-_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 class InvalidRequest(InvalidArgument, ValueError):
@@ -92,9 +92,7 @@ class TorchBackend(ReferenceBackend):
         if cfg.flush_denormal:
             torch.set_flush_denormal(True)  # process-wide; a no-op where unsupported
         path = Path(model_dir) if model_dir is not None else resolve(cfg.model)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=_DTYPES[cfg.dtype])
-        from hotloop.hardware import resolve_device
-
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype(cfg.dtype, device=cfg.device))
         model.to(resolve_device(cfg.device)).eval().requires_grad_(False)
         self.model = model
         mc = model.config
@@ -111,7 +109,7 @@ class TorchBackend(ReferenceBackend):
         # (and so the rounding) identical, which is what lets the two agree to ~1e-6.
         if self.cfg.dtype == "float32":
             return contextlib.nullcontext()
-        return torch.autocast(device_type=self.model.device.type, dtype=torch.bfloat16)
+        return torch.autocast(device_type=self.model.device.type, dtype=torch_dtype(self.cfg.dtype))
 
     def _check(self, pairs: Sequence[Pair]) -> None:
         for i, (p, c) in enumerate(pairs):
@@ -178,12 +176,10 @@ class ReferenceCore:
         registry: CollectorRegistry | None = None,
     ) -> None:
         """`registry`: where the metrics go (the process's in a service)."""
-        from hotloop.hardware import describe, resolve_device, resolve_dtype
-
         # `auto` becomes a concrete device and dtype once, here, so the backend, Status and
         # the trainer's start-up check all see the same ones.
         device = resolve_device(cfg.device)
-        dtype = resolve_dtype(cfg.dtype, cuda=device == "cuda")
+        dtype = resolve_dtype(cfg.dtype, device=device)
         log.info(describe("reference", cfg.dtype, dtype) + f"; device {device}")
         self.cfg = cfg = cfg.model_copy(update={"dtype": dtype, "device": device})
         self.backend = backend if backend is not None else make_backend(cfg, model_dir)

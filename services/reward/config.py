@@ -15,6 +15,7 @@ from typing import Annotated, Literal
 from pydantic import Field, field_validator, model_validator
 
 from hotloop.config import Section, ServiceSection
+from hotloop.hardware import Dtype
 
 IsolationLevel = Literal["process", "namespaces", "full"]
 ISOLATION_ORDER: tuple[IsolationLevel, ...] = ("process", "namespaces", "full")
@@ -131,7 +132,7 @@ class RewardModelConfig(Section):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where the model runs. `auto`: the first CUDA device if torch sees one, else the CPU.
     `cuda` on a host without one stops start-up."""
-    dtype: Literal["auto", "bfloat16", "float32"] = "auto"
+    dtype: Dtype = "auto"
     """Weights and compute dtype. `auto`: bf16 on CUDA or a CPU with AMX-BF16, else fp32
     (`hotloop.hardware.resolve_dtype`, the rule every service follows)."""
     batch_size: int = Field(8, ge=1, le=4096)

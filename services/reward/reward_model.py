@@ -79,7 +79,7 @@ class RewardModelScorer(Scorer):
         import torch
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-        from hotloop.hardware import describe, resolve_dtype
+        from hotloop.hardware import describe, resolve_dtype, torch_dtype
         from hotloop.models import resolve
 
         device = cfg.device
@@ -87,12 +87,12 @@ class RewardModelScorer(Scorer):
             device = "cuda" if torch.cuda.is_available() else "cpu"
         elif device == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"reward model {name!r}: device = \"cuda\" but torch sees no CUDA device")
-        dtype = resolve_dtype(cfg.dtype, cuda=device == "cuda")
+        dtype = resolve_dtype(cfg.dtype, device=device)
         log.info(describe(f"reward model {name!r} on {device}", cfg.dtype, dtype))
         path = resolve(cfg.model)
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.trust_remote_code)
         model = AutoModelForSequenceClassification.from_pretrained(
-            path, dtype=getattr(torch, dtype), trust_remote_code=cfg.trust_remote_code,
+            path, dtype=torch_dtype(dtype), trust_remote_code=cfg.trust_remote_code,
         )
         model.to(device).eval().requires_grad_(False)
         num_labels = model.config.num_labels

@@ -13,6 +13,7 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from hotloop.config import Section, from_mesh
+from hotloop.hardware import Dtype
 
 
 class LoraSettings(Section):
@@ -201,7 +202,7 @@ class TrainerConfig(Section):
     logprob_chunk_tokens: int = Field(512, ge=1)
     """Completion positions per output-head chunk (each chunk holds a [chunk, vocab] fp32
     block)."""
-    dtype: Literal["auto", "bfloat16", "float32"] = from_mesh("model.dtype", "auto")
+    dtype: Dtype = from_mesh("model.dtype", "auto")
     """Compute dtype: `[model] dtype`, the one every copy of the base model uses (not set in
     `[trainer]`). `auto`: bf16 on CUDA and AMX CPUs, where it measured faster, else fp32
     (`hotloop.hardware.resolve_dtype`; on an AVX2-only CPU bf16 is 40x slower, on

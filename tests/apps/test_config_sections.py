@@ -13,6 +13,7 @@ from pydantic import BaseModel
 
 from apps.sections import sections
 from hotloop.config import MeshConfig, Section
+from hotloop.hardware import Dtype
 
 
 def _models_in(annotation) -> list[type[BaseModel]]:
@@ -58,3 +59,12 @@ def test_every_field_of_every_config_model_has_a_docstring():
     undocumented = [f"{m.__module__}.{m.__qualname__}.{name}"
                     for m in reachable() for name, f in m.model_fields.items() if not f.description]
     assert not undocumented
+
+
+def test_every_dtype_a_config_names_is_the_resolvers_type():
+    # one list of names for every copy of the base model and every reward model; code turns
+    # them into torch dtypes through hotloop.hardware.torch_dtype alone
+    dtypes = [(m.__qualname__, f.annotation) for m in reachable()
+              for name, f in m.model_fields.items() if name == "dtype"]
+    assert len(dtypes) >= 4  # [model], [trainer], [reference], a reward model
+    assert all(annotation == Dtype for _, annotation in dtypes), dtypes

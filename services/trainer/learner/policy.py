@@ -30,6 +30,7 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM
 
+from hotloop.hardware import describe, resolve_device, resolve_dtype, torch_dtype
 from hotloop.logprobs import (
     PromptSet,
     PromptStates,
@@ -62,7 +63,6 @@ if TYPE_CHECKING:
 __all__ = ["LoraPolicy", "Sample", "StepMetrics"]
 
 log = logging.getLogger(__name__)
-_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 @dataclass
@@ -169,12 +169,10 @@ class LoraPolicy:
 
     def __init__(self, cfg: TrainerConfig, model_dir: Path | None = None,
                  dp: DataParallel = SOLO) -> None:
-        from hotloop.hardware import describe, resolve_device, resolve_dtype
-
         # `auto` becomes a concrete device and dtype once, here; everything below reads
         # self.cfg.device / self.cfg.dtype.
         device = resolve_device(cfg.device)
-        dtype = resolve_dtype(cfg.dtype, cuda=device == "cuda")
+        dtype = resolve_dtype(cfg.dtype, device=device)
         log.info(describe("trainer", cfg.dtype, dtype) + f"; device {device}")
         self.cfg = cfg = cfg.model_copy(update={"dtype": dtype, "device": device})
         if cfg.torch_threads is not None:
@@ -188,7 +186,7 @@ class LoraPolicy:
         # The frozen base is stored in the compute dtype (bf16 halves its memory and skips a
         # per-step cast); peft keeps the adapter in float32 (autocast_adapter_dtype), so the
         # trained weights and AdamW state are full precision.
-        base = AutoModelForCausalLM.from_pretrained(path, dtype=_DTYPES[cfg.dtype]).to(device)
+        base = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype(cfg.dtype)).to(device)
         lora = LoraConfig(
             r=cfg.lora.r,
             lora_alpha=cfg.lora.alpha,
@@ -238,7 +236,7 @@ class LoraPolicy:
         if self.cfg.dtype == "float32":
             return contextlib.nullcontext()
         device = next(iter(self._params)).device.type
-        return torch.autocast(device_type=device, dtype=torch.bfloat16)
+        return torch.autocast(device_type=device, dtype=torch_dtype(self.cfg.dtype))
 
     def train_step(self, samples: Sequence[Sample],
                    should_stop: Callable[[], bool] | None = None,

@@ -34,7 +34,7 @@ async def check_dtype(trainer_cfg: TrainerConfig,
     term would read as policy drift. A mismatch stops the job before any step."""
     from hotloop.hardware import resolve_dtype
 
-    dtype = resolve_dtype(trainer_cfg.dtype)
+    dtype = resolve_dtype(trainer_cfg.dtype, device=trainer_cfg.device)  # as the policy resolves it
     if reference is not None and trainer_cfg.loss.kl_beta > 0:
         for replica in reference if isinstance(reference, References) else [reference]:
             theirs = (await replica.status()).runtime.dtype
