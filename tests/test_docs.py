@@ -5,7 +5,8 @@
   `~/.cache/...`) or placeholders (`services/<name>/`);
 - no run id (`d32`, `b1-b14`, `c-runs`): a doc says what hotloop does and measures now, and
   the history of runs is in git;
-- README.md and docs/results.md stay short enough to be read.
+- README.md and docs/results.md stay short enough to be read;
+- every TOML example loads through the project's config loader.
 """
 
 from __future__ import annotations
@@ -101,3 +102,29 @@ def test_path_words_are_found_and_outputs_skipped(tmp_path: Path) -> None:
     assert [w for w, _ in named_paths(doc)] == [
         "other.md#a", "services/rollout/core.py", "docs/results.md."]
     assert named_paths(doc)[0][1] == (tmp_path / "other.md").resolve()
+
+
+TOML_BLOCK = re.compile(r"```toml\n(.*?)```", re.S)
+TOML_EXAMPLES = [(doc, n, block) for doc in DOCS for n, block in enumerate(TOML_BLOCK.findall(doc.read_text()))]
+
+
+@pytest.mark.parametrize(("doc", "n", "block"), TOML_EXAMPLES,
+                         ids=[f"{d.relative_to(ROOT).as_posix()}#{n}" for d, n, _ in TOML_EXAMPLES])
+def test_toml_examples_load(doc: Path, n: int, block: str, tmp_path: Path) -> None:
+    """A config a doc shows is one a user can paste: every section and key checked by the
+    project's own loader, as a command would at start."""
+    from apps.sections import load
+
+    path = tmp_path / "example.toml"
+    path.write_text(block)
+    load(str(path))
+
+
+def test_toml_example_check_can_fail(tmp_path: Path) -> None:
+    from apps.sections import load
+    from hotloop.config import ConfigError
+
+    path = tmp_path / "example.toml"
+    path.write_text("[online]\ntenant_slots = 4\n")  # a [rollout] key under [online]
+    with pytest.raises(ConfigError):
+        load(str(path))
