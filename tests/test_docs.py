@@ -29,8 +29,9 @@ PATH_WORD = re.compile(r"(?<![\w./~-])((?:%s)[\w./<>{}*-]*)" % "|".join(re.escap
 # A run label: one letter and one or two digits (`d32`, `b1`), or a letter's runs (`c-runs`).
 # Allowed: percentiles (p50, p95, p99), versions (v1, v41), the KL estimators k1-k3. The
 # lookbehind leaves the second half of a range to its first (`b1-b14` is flagged by `b1`) and
-# keeps a character class (`a-z0-9`) from reading as `z0`.
-RUN_LABEL = re.compile(r"(?<![-\w])(?!(?:p\d|v\d|k[123]\b))[a-z]\d{1,2}\b")
+# keeps a character class (`a-z0-9`) from reading as `z0`; a host in a URL (`nats://n1:4222`) is
+# not a run.
+RUN_LABEL = re.compile(r"(?<![-\w/])(?!(?:p\d|v\d|k[123]\b))[a-z]\d{1,2}\b(?!:\d)")
 RUN_SERIES = re.compile(r"\b[a-z]-runs\b")
 
 
@@ -87,7 +88,7 @@ def test_run_id_pattern_flags(text: str) -> None:
 
 
 @pytest.mark.parametrize("text", [
-    "p50", "p95 / p99", "v41", "its v1", "n=8", "x86_64", "H100", "r=16", "k3", "a-z0-9",
+    "p50", "nats://n1:4222", "p95 / p99", "v41", "its v1", "n=8", "x86_64", "H100", "r=16", "k3", "a-z0-9",
     "sha256", "bf16 and fp32", "lr 1e-3", "hotloop.v1", "e2e", "`/v1/adapter`", "b1a4c2e",
     "S3", "top-k"])
 def test_run_id_pattern_passes(text: str) -> None:
