@@ -58,7 +58,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 
 from hotloop.errors import NotFound
-from hotloop.tenants import check_tenant
+from hotloop.tenants import TenantId
 
 from ..config import OnlineConfig, TrainerConfig
 from .base import run_recipe
@@ -270,10 +270,10 @@ class Lanes:
         return sum(lane.online.steps for lane in self.lanes.values())
 
     # ---- the lifecycle ----------------------------------------------------------------------
-    async def add_tenant(self, tenant: str, held: bool = False) -> None:
+    async def add_tenant(self, tenant: TenantId, held: bool = False) -> None:
         """Start `tenant`'s lane, held from the start or not (`held`, which replaces whatever
         `self.held` said of the name); returns once it consumes (its setup's error is raised)."""
-        check_tenant(tenant)
+        tenant = TenantId(tenant)  # its lane's directory is named after it
         await self._ready.wait()
         if tenant in self.lanes:
             raise ValueError(f"tenant {tenant!r} is trained here already")
