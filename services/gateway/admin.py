@@ -196,14 +196,18 @@ class TenantAdmin:
             self._sub = None
 
     # ---- who may -----------------------------------------------------------------------
+    def is_admin(self, authorization: str | None) -> bool:
+        """Whether `authorization` is `Bearer <admin token>` (never, with no admin token)."""
+        scheme, _, token = (authorization or "").strip().partition(" ")
+        return bool(self.admin_token) and scheme.lower() == "bearer" and hmac.compare_digest(
+            token.strip().encode(), self.admin_token.encode())
+
     def check_admin(self, authorization: str | None) -> None:
         """Return if `authorization` is `Bearer <admin token>`; else Unauthenticated (no or a
         wrong token) or PermissionDenied (a user's API key; no admin token configured)."""
         if not self.admin_token:
             raise PermissionDenied("admin API disabled: set [security] admin_token")
-        scheme, _, token = (authorization or "").strip().partition(" ")
-        if scheme.lower() == "bearer" and hmac.compare_digest(
-                token.strip().encode(), self.admin_token.encode()):
+        if self.is_admin(authorization):
             return
         try:
             self.keys.authenticate(authorization)

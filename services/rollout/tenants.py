@@ -262,10 +262,12 @@ class WorkerSlots(TenantSlots):
                     left = deadline - loop.time()
                     if left <= 0:
                         self.metrics.waited(loop.time() - t0, refused=True)
+                        # the resident labels (other tenants' names) are the operator's, in
+                        # `status()`: this message goes back towards the request's user
                         raise ResourceExhausted(
                             f"all {len(self.slots)} adapter slots are held by running requests "
-                            f"of other versions ({[s.label for s in self.slots]}); {name} "
-                            f"waited {self.wait_s:g}s for one (raise [rollout] tenant_slots)")
+                            f"of other versions; {name} waited {self.wait_s:g}s for one "
+                            "(raise [rollout] tenant_slots)")
                     patience = t0 + self.drain_after_s - loop.time()  # then it marks one
                     try:
                         await asyncio.wait_for(self._cond.wait(),
