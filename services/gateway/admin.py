@@ -74,7 +74,7 @@ class Export:
     """A tenant's latest version, checked, ready to send: `file` holds the archive (a tar of
     adapter_config.json and adapter_model.safetensors), positioned at its start."""
 
-    tenant: str
+    tenant: TenantId
     version: int
     sha256: str
     bytes: int

@@ -575,7 +575,7 @@ class RolloutCore:
         self.engine_name = ""
         self._held: dict[int, _Held] = {0: _Held(Version(0, base_model=base_model), None)}
         self._tenants: dict[TenantId, _Lineage] = {}
-        self._announced: dict[str, int] = {}  # tenant -> the newest version catch-up heard of
+        self._announced: dict[TenantId, int] = {}  # tenant -> the newest version catch-up heard of
         self._tenant_stored = asyncio.Condition()  # notified when a tenant's latest changes
         self._latest = 0
         self._live = 0  # merged mode: the version in the engine's weights

@@ -448,7 +448,7 @@ class OnlineConfig(_Strict):
                              "tenant unset")
         return self
 
-    def for_tenant(self, tenant: str) -> "OnlineConfig":
+    def for_tenant(self, tenant: TenantId) -> "OnlineConfig":
         """This section as one lane of `tenants` runs it: its `tenant`, no `tenants`."""
         return self.model_copy(update={"tenant": tenant, "tenants": [], "follow_registry": False})
 
