@@ -82,9 +82,6 @@ class TenantId(str):
         """The default tenant (""): users in no `[tenants.<name>]`, the unnamed lineage."""
         return not self
 
-    def __repr__(self) -> str:
-        return str.__repr__(self)  # a name reads as the string it is, in messages and logs
-
     @classmethod
     def __get_pydantic_core_schema__(cls, source, handler):
         from pydantic_core import core_schema

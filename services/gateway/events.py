@@ -63,7 +63,7 @@ def served_from_event(e: bus_pb2.TrafficEvent) -> ServedChoice:
         completion_ids=list(e.completion_ids), logprobs=list(e.logprobs),
         version_spans=[(s.version, s.first_token) for s in e.version_spans],
         temperature=e.temperature, finish_reason=e.finish_reason, served_at=e.served_at,
-        tenant=e.tenant,
+        tenant=TenantId(e.tenant),  # read back from the bus: parsed (InvalidTenant)
     )
 
 
@@ -194,4 +194,10 @@ class BusEvents:
             event = await self._bus.traffic(response_id, choice, patience_s=0)
         except Exception as e:
             raise Unavailable(f"could not look up response {response_id} on the bus: {e}") from e
-        return None if event is None else served_from_event(event)
+        if event is None:
+            return None
+        try:
+            return served_from_event(event)
+        except InvalidTenant as e:  # not a record this gateway wrote: nothing to rate
+            log.warning("traffic %s:%d names no tenant: %s", response_id, choice, e)
+            return None

@@ -86,6 +86,9 @@ async def test_an_answer_from_another_tenants_lineage_never_reaches_the_user(rig
             await gw.openai(KEY).chat.completions.create(model="tiny", messages=HI, max_tokens=3)
         assert e.value.status_code == 503 and "another tenant's lineage" in e.value.message
         assert "globex" not in e.value.message  # acme's user never learns another's name
+        # nor from why the replica is down (every user's 503 and /ready say that)
+        assert not gw.core.router.states[0].healthy
+        assert "globex" not in gw.core.router.states[0].reason
     finally:
         fake.lineage = None
     assert gw.core.status()["counters"]["wrong_tenant"] >= 1
