@@ -66,7 +66,7 @@ class TenantId(str):
             return name
         if not isinstance(name, str):
             raise InvalidTenant(f"a tenant name is a string, not {type(name).__name__}")
-        # fullmatch: `$` would also match before a trailing newline ("acme\n")
+        # fullmatch: `match` with `$` would also take a trailing newline ("acme\n")
         if name and not _NAME.fullmatch(name):
             raise InvalidTenant(f"tenant name {name!r} must be 1-32 of [a-z0-9_-], starting "
                                 "with a letter or a digit")
@@ -293,7 +293,13 @@ class Registry:
         from hotloop.bus import TENANTS_BUCKET
 
         entries = await self.bus.entries(await self._kv(), TENANTS_BUCKET)
-        return [TenantRecord.from_bytes(e.value, e.revision) for e in entries.values()]
+        out = []
+        for key, e in entries.items():
+            try:
+                out.append(TenantRecord.from_bytes(e.value, e.revision))
+            except InvalidTenant as err:  # a foreign record: say so, list the others
+                log.warning("tenant registry: the record under %r names no tenant: %s", key, err)
+        return out
 
     async def create(self, name: TenantId, keys: Sequence[TenantKey] = (), *, config: bool = False,
                      generation: int = 0, held: bool = False, reset_to: int = 0) -> TenantRecord:
