@@ -6,8 +6,9 @@ Owns: the OpenAI wire format (`/v1/chat/completions`, `/v1/completions`, streami
 `X-Hotloop-Response-Id` / `X-Hotloop-Policy-Version` / `X-Hotloop-Tenant` (the lineage that
 served it) headers and a `policy_version` field in every body and chunk, `POST /v1/feedback`,
 `/v1/hotloop/status` (a user key: its own tenant's view; the admin token: every tenant's)
-and `/metrics` (the admin token only: its series name every tenant); `/health` (liveness: the process answers) and `/ready`
-(readiness: `GatewayCore.readiness`), both without a key; the request-body bounds
+and `/metrics` (the admin token only: its series name every tenant); `/health` (liveness:
+the process answers) and `/ready` (readiness: `GatewayCore.readiness`), both without a key
+(neither names a tenant); the request-body bounds
 (`_BoundedBody`); and the tenant admin API's routes (`/admin/tenants...`, with the admin
 token) and `GET /v1/adapter` (a user's own tenant's latest version, as a tar), whose
 operations are admin.py's.

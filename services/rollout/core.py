@@ -1053,7 +1053,7 @@ class RolloutCore:
         one."""
         t0 = time.perf_counter()
         try:
-            tenant = TenantId(tenant)  # a str from an in-process caller; the gRPC edge parsed
+            tenant = TenantId(tenant)  # as it is from the gRPC edge; an in-process str parsed
             result = await self._push(info, chunks, make_latest, tenant)
         except BaseException as e:
             self.metrics.pushes.labels(_push_result(e)).inc()
