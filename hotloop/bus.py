@@ -39,6 +39,7 @@ from typing import Any, TypeVar
 from google.protobuf.message import DecodeError, Message
 
 from hotloop import telemetry
+from hotloop.tenants import DEFAULT as DEFAULT_TENANT, InvalidTenant, TenantId
 
 log = logging.getLogger(__name__)
 
@@ -111,30 +112,27 @@ def traffic_subject(response_id: str, choice: int = 0) -> str:
     return f"{TRAFFIC}.{response_id}.{choice}"
 
 
-def weights_subject(tenant: str = "") -> str:
+# The subjects and keys of a lineage take its `TenantId`; `TenantId(tenant)` returns one as it
+# is and parses a plain str, so no subject ever carries a token that names no tenant (a '.',
+# '*' or '>' would reach into other lineages' subjects).
+def weights_subject(tenant: TenantId = DEFAULT_TENANT) -> str:
     """Where a lineage's versions are announced (`WeightsUpdated`): `hotloop.weights.updated`
     for the default lineage, `hotloop.weights.updated.tenant.<name>` for a tenant's, so that
     a listener of one lineage never hears another's version numbers."""
-    from hotloop.tenants import DEFAULT, check_tenant
-
-    return WEIGHTS_UPDATED if check_tenant(tenant) == DEFAULT else f"{WEIGHTS_UPDATED}.tenant.{tenant}"
+    return WEIGHTS_UPDATED if TenantId(tenant).is_default else f"{WEIGHTS_UPDATED}.tenant.{tenant}"
 
 
-def latest_key(tenant: str = "") -> str:
+def latest_key(tenant: TenantId = DEFAULT_TENANT) -> str:
     """The KV key (in `VERSIONS_BUCKET`) of a lineage's newest announced version: `latest`, or
     `latest.tenant.<name>` for a tenant's."""
-    from hotloop.tenants import DEFAULT, check_tenant
-
-    return LATEST_KEY if check_tenant(tenant) == DEFAULT else f"{LATEST_KEY}.tenant.{tenant}"
+    return LATEST_KEY if TenantId(tenant).is_default else f"{LATEST_KEY}.tenant.{tenant}"
 
 
-def announced_key(tenant: str = "") -> str:
+def announced_key(tenant: TenantId = DEFAULT_TENANT) -> str:
     """The KV key (in `VERSIONS_BUCKET`) of a lineage's last announcement, written with its
     `latest_key`: `announced`, or `announced.tenant.<name>`. A replica that starts after the
     announcement finds there where to fetch the version, without a configured trainer."""
-    from hotloop.tenants import DEFAULT, check_tenant
-
-    return ANNOUNCED_KEY if check_tenant(tenant) == DEFAULT else f"{ANNOUNCED_KEY}.tenant.{tenant}"
+    return ANNOUNCED_KEY if TenantId(tenant).is_default else f"{ANNOUNCED_KEY}.tenant.{tenant}"
 
 
 def recorded_address(said: Message | None, info: Message) -> str:
@@ -151,27 +149,24 @@ WEIGHTS_TENANTS = f"{WEIGHTS_UPDATED}.tenant.*"
 _LATEST_TENANT = f"{LATEST_KEY}.tenant."
 
 
-def lineage_of_key(key: str) -> str | None:
-    """The lineage whose `latest_key` `key` is ("" for `latest`), or None for any other key."""
-    from hotloop.tenants import check_tenant
-
+def lineage_of_key(key: str) -> TenantId | None:
+    """The lineage whose `latest_key` `key` is (the default for `latest`), or None for any
+    other key."""
     if key == LATEST_KEY:
-        return ""
+        return DEFAULT_TENANT
     if not key.startswith(_LATEST_TENANT):
         return None
     try:
-        return check_tenant(key[len(_LATEST_TENANT):]) or None
-    except ValueError:
+        return TenantId(key[len(_LATEST_TENANT):]) or None
+    except InvalidTenant:
         return None
 
 
-def feedback_subject(tenant: str = "") -> str:
+def feedback_subject(tenant: TenantId = DEFAULT_TENANT) -> str:
     """The FEEDBACK subject of a tenant's feedback, which its trainer reads: `hotloop.feedback`
     for the default tenant (""), `hotloop.feedback.tenant.<name>` for another (`hotloop.tenants`
     says what a name may be; the dead-letter subject, `hotloop.feedback.dead`, is neither)."""
-    from hotloop.tenants import DEFAULT, check_tenant
-
-    return FEEDBACK if check_tenant(tenant) == DEFAULT else f"{FEEDBACK_TENANTS}.{tenant}"
+    return FEEDBACK if TenantId(tenant).is_default else f"{FEEDBACK_TENANTS}.{tenant}"
 
 
 @dataclass
@@ -517,7 +512,7 @@ class Bus:
                                    f"KV {bucket} info")
         return info.state.last_seq if info.state.messages else 0
 
-    async def lineages(self) -> dict[str, Message]:
+    async def lineages(self) -> dict[TenantId, Message]:
         """Every lineage the mesh announced: tenant ("" the default) -> its newest version
         (the `common_pb2.VersionInfo` under its `latest_key`)."""
         from hotloop.proto.v1 import common_pb2

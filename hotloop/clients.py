@@ -25,6 +25,7 @@ from hotloop.completion import Completion
 from hotloop.errors import HotloopError, InvalidArgument, NotFound, Unauthenticated, Unavailable
 from hotloop.proto.v1 import common_pb2, reference_pb2, reference_pb2_grpc, reward_pb2, reward_pb2_grpc
 from hotloop.proto.v1 import rollout_pb2, rollout_pb2_grpc, trainer_pb2, trainer_pb2_grpc
+from hotloop.tenants import DEFAULT, TenantId
 
 RETRY_ATTEMPTS = 4
 # vLLM priority scheduling admits lower values first: the gateway sends users at 0, and
@@ -121,7 +122,7 @@ def _request(chats: Sequence[Sequence[dict[str, str]]] | None, n: int = 1, max_t
              temperature: float = 1.0, top_p: float = 1.0, seed: int | None = None,
              pin_version: int = 0, return_prompt_ids: bool = True, priority: int = 0,
              stop: Sequence[str] = (), top_logprobs: int = 0, texts: Sequence[str] | None = None,
-             tenant: str = "", **extra) -> rollout_pb2.GenerateRequest:
+             tenant: TenantId = DEFAULT, **extra) -> rollout_pb2.GenerateRequest:
     """One Generate request. `generate` and `generate_each` take these sampling arguments and
     defaults; `stream` adds `request_id` and `stream` (`extra`).
 
@@ -208,7 +209,7 @@ class RolloutClient:
         stop: Sequence[str] = (),
         texts: Sequence[str] | None = None,
         timeout_s: float | None = None,
-        tenant: str = "",
+        tenant: TenantId = DEFAULT,
     ) -> AsyncIterator[Completion]:
         """Token deltas as the engine produces them, interleaved across (prompt, sample).
         `texts`: raw prompts instead of `chats`; `timeout_s` bounds the whole call.
@@ -244,7 +245,7 @@ class RolloutClient:
 
     async def push_adapter(self, info: Version, data: bytes, admin_token: str, *,
                            make_latest: bool = True, timeout_s: float | None = None,
-                           on_sent: Callable[[], None] | None = None, tenant: str = "") -> Pushed:
+                           on_sent: Callable[[], None] | None = None, tenant: TenantId = DEFAULT) -> Pushed:
         """Push a packed adapter (`hotloop.adapters.pack`) as version `info`: its header, then
         `grpcutil.CHUNK_BYTES` chunks, with the admin bearer token. `timeout_s` bounds the
         push, the replica's verify and load included; `on_sent` is called once the last chunk
@@ -459,7 +460,7 @@ class TrainerClient:
         return Unavailable(f"trainer at {self.address} is unavailable: {e.code().name}: {e.details()}")
 
     async def fetch_adapter(self, version: int = 0, timeout_s: float = 120.0,
-                            tenant: str = "") -> tuple[Version, AsyncIterator[bytes]]:
+                            tenant: TenantId = DEFAULT) -> tuple[Version, AsyncIterator[bytes]]:
         """The stored `Version` of `tenant`'s lineage (0: the trainer's latest) and its
         archive's chunks, with this client's admin token. The header
         is read here, so an unknown version (`NotFound`) or an unreachable trainer

@@ -26,6 +26,7 @@ from typing import Annotated, Any, Literal, TypeVar
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
 
 from hotloop.hardware import Dtype
+from hotloop.tenants import TenantId
 
 ENV_PREFIX = "HOTLOOP__"
 
@@ -228,10 +229,10 @@ class TenantConfig(Section):
     the version (a trainer announces again when it starts)."""
 
 
-def _tenants(tenants: dict[str, TenantConfig]) -> dict[str, TenantConfig]:
+def _tenants(tenants: dict[TenantId, TenantConfig]) -> dict[TenantId, TenantConfig]:
     from hotloop.tenants import Directory
 
-    Directory(tenants)  # names and keys checked: a key id in two tenants is refused
+    Directory(tenants)  # a key id in two tenants is refused (the names are TenantIds already)
     return tenants
 
 
@@ -250,7 +251,7 @@ class MeshConfig(Section):
     """`[grpc]`: how a client finds out that a server stopped answering."""
     endpoints: Endpoints = Endpoints()
     """`[endpoints]`: where each service listens."""
-    tenants: Annotated[dict[str, TenantConfig], AfterValidator(_tenants)] = {}
+    tenants: Annotated[dict[TenantId, TenantConfig], AfterValidator(_tenants)] = {}
     """`[tenants.<name>]`: the tenants and their users' key ids. None: every user is in the
     default tenant, as before tenants existed."""
     run_dir: str = ".hotloop/run"

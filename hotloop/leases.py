@@ -34,7 +34,7 @@ from dataclasses import asdict, dataclass
 
 from hotloop.aio import raise_if_cancelled
 from hotloop.bus import Bus, BusError
-from hotloop.tenants import DEFAULT, check_tenant
+from hotloop.tenants import TenantId
 
 log = logging.getLogger(__name__)
 
@@ -51,9 +51,9 @@ class LineageTaken(BusError):
     """Another live trainer learns this lineage."""
 
 
-def lease_key(tenant: str) -> str:
+def lease_key(tenant: TenantId) -> str:
     """The lease's key: `default` for the default lineage, `tenant.<name>` for a tenant's."""
-    return "default" if check_tenant(tenant) == DEFAULT else f"tenant.{tenant}"
+    return "default" if TenantId(tenant).is_default else f"tenant.{tenant}"
 
 
 @dataclass(frozen=True)
@@ -97,13 +97,13 @@ async def leases_kv(bus: Bus, ttl_s: float = LEASE_TTL_S):
 class LineageLease:
     """A held lease: renewed in the background until `release`."""
 
-    def __init__(self, bus: Bus, tenant: str, holder: Holder, revision: int, renew_s: float) -> None:
+    def __init__(self, bus: Bus, tenant: TenantId, holder: Holder, revision: int, renew_s: float) -> None:
         self.bus, self.tenant, self.holder, self.revision = bus, tenant, holder, revision
         self.lost: str = ""  # why the lease is no longer this holder's ("" while it is)
         self._task = asyncio.create_task(self._renewing(renew_s), name=f"lease {lease_key(tenant)}")
 
     @classmethod
-    async def claim(cls, bus: Bus, tenant: str, holder: Holder, *, ttl_s: float = LEASE_TTL_S,
+    async def claim(cls, bus: Bus, tenant: TenantId, holder: Holder, *, ttl_s: float = LEASE_TTL_S,
                     renew_s: float = RENEW_S, poll_s: float = POLL_S) -> LineageLease:
         """Hold `tenant`'s lineage, waiting while another holder's lease may expire (at most
         twice `ttl_s`: the server expires entries on a timer); `LineageTaken` once that holder
@@ -160,7 +160,7 @@ class LineageLease:
                                     patience_s=2.0)
 
 
-async def _acquire(bus: Bus, tenant: str, holder: Holder, ttl_s: float, poll_s: float) -> int:
+async def _acquire(bus: Bus, tenant: TenantId, holder: Holder, ttl_s: float, poll_s: float) -> int:
     from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 
     key, kv = lease_key(tenant), await leases_kv(bus, ttl_s or LEASE_TTL_S)

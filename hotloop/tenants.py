@@ -10,7 +10,8 @@ life of a process) and the registry ("api" tenants, created and deleted at run t
 gateway's admin API). The registry is a JetStream KV bucket (`hotloop.bus.TENANTS_BUCKET`)
 shared by every gateway replica and the trainer; see `Registry` for what a watcher of it sees.
 
-Owns: the rule for a tenant's name (it becomes a NATS subject token and a directory name), the
+Owns: a tenant's name (`TenantId`: the one rule a name follows, checked where a name comes in,
+carried as the type inside; it becomes a NATS subject token and a directory name), the
 map from a key id to its tenant (`Directory`: config tenants, plus registry tenants that the
 gateway puts in and takes out), and the registry's records (`TenantRecord`, `Registry`).
 Does not own: keys and their secrets (the gateway's `keys.py` mints them; a record holds only
@@ -36,19 +37,62 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-DEFAULT = ""
+_NAME = re.compile(r"[a-z0-9][a-z0-9_-]{0,31}")
+
+
+class InvalidTenant(InvalidArgument, ValueError):
+    """A string that cannot name a tenant. An `InvalidArgument` (a 400 at the HTTP edge,
+    INVALID_ARGUMENT at a gRPC one) and a `ValueError` (a config field's validation error)."""
+
+
+class TenantId(str):
+    """A tenant's name, checked: 1-32 of [a-z0-9_-], starting with a letter or a digit, or ""
+    for the default tenant. The only place the rule lives.
+
+    A `str` (subjects, dict keys, JSON and protos take it as it is), built only through the
+    check: `TenantId(name)` (or `TenantId.parse(name)`) raises `InvalidTenant` for anything
+    else, and returns a `TenantId` unchanged, so that code holding one never checks again.
+    Parse once where a name comes in (a config field typed `TenantId`, a URL path, a gRPC
+    request, a bus message, a KV key), then carry the type.
+
+    The rule exists because a name becomes a NATS subject token (no '.', '*', '>', spaces),
+    a directory name (no '/', no leading '-' or '.'), a Prometheus label and a key id prefix.
+    """
+
+    __slots__ = ()
+
+    def __new__(cls, name: str = "") -> "TenantId":
+        if type(name) is cls:
+            return name
+        if not isinstance(name, str):
+            raise InvalidTenant(f"a tenant name is a string, not {type(name).__name__}")
+        # fullmatch: `match` with `$` would also take a trailing newline ("acme\n")
+        if name and not _NAME.fullmatch(name):
+            raise InvalidTenant(f"tenant name {name!r} must be 1-32 of [a-z0-9_-], starting "
+                                "with a letter or a digit")
+        return super().__new__(cls, name)
+
+    @classmethod
+    def parse(cls, name: str) -> "TenantId":
+        """`name` as a `TenantId`; `InvalidTenant` if it cannot name a tenant."""
+        return cls(name)
+
+    @property
+    def is_default(self) -> bool:
+        """The default tenant (""): users in no `[tenants.<name>]`, the unnamed lineage."""
+        return not self
+
+    @classmethod
+    def __get_pydantic_core_schema__(cls, source, handler):
+        from pydantic_core import core_schema
+
+        return core_schema.no_info_after_validator_function(
+            cls, core_schema.str_schema(strict=True),
+            serialization=core_schema.plain_serializer_function_ser_schema(str))
+
+
+DEFAULT = TenantId("")
 """The default tenant: users in no `[tenants.<name>]`, and the lineage without a name."""
-_NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,31}$")
-
-
-def check_tenant(name: str) -> str:
-    """`name` when it can name a tenant (1-32 of a-z 0-9 _ -, starting with a letter or a
-    digit, or "" for the default); else ValueError saying so."""
-    # fullmatch: `$` alone also matches before a trailing newline ("acme\n")
-    if name != DEFAULT and not _NAME.fullmatch(name):
-        raise ValueError(f"tenant name {name!r} must be 1-32 of [a-z0-9_-], starting with a "
-                         "letter or a digit")
-    return name
 
 
 class Directory:
@@ -57,39 +101,39 @@ class Directory:
     the registry changes. Reads and writes happen on one event loop."""
 
     def __init__(self, tenants: Mapping[str, object]):
-        self._by_key: dict[str, str] = {}
+        self._by_key: dict[str, TenantId] = {}
+        tenants = {TenantId(name): tenant for name, tenant in tenants.items()}
         for name, tenant in tenants.items():
-            check_tenant(name)
             keys: Sequence[str] = getattr(tenant, "keys")
             for key in keys:
                 if key in self._by_key:
                     raise ValueError(f"key id {key!r} is in tenants {self._by_key[key]!r} and {name!r}")
                 self._by_key[key] = name
-        self.config: dict[str, list[str]] = {
+        self.config: dict[TenantId, list[str]] = {
             name: list(getattr(tenant, "keys")) for name, tenant in tenants.items()}
         """The config tenants and their key ids."""
-        self._registry: dict[str, list[str]] = {}
+        self._registry: dict[TenantId, list[str]] = {}
 
     @property
-    def names(self) -> list[str]:
+    def names(self) -> list[TenantId]:
         """Every tenant's name, config and registry, sorted."""
         return sorted({*self.config, *self._registry})
 
-    def tenant_of(self, key_id: str) -> str:
+    def tenant_of(self, key_id: str) -> TenantId:
         """The tenant of a key id (the default tenant, "", for one in no tenant)."""
         return self._by_key.get(key_id, DEFAULT)
 
-    def key_ids(self, name: str | None = None) -> set[str]:
+    def key_ids(self, name: TenantId | None = None) -> set[str]:
         """Every key id some tenant names (`name`: that tenant's)."""
         if name is None:
             return set(self._by_key)
         return {k for k, t in self._by_key.items() if t == name}
 
-    def put(self, name: str, key_ids: Iterable[str]) -> None:
+    def put(self, name: TenantId, key_ids: Iterable[str]) -> None:
         """Make `key_ids` the registry tenant `name`'s (replacing what it had). ValueError for
         a config tenant's name or a key id another tenant has: nothing is changed then."""
-        check_tenant(name)
-        if name == DEFAULT or name in self.config:
+        name = TenantId(name)
+        if name.is_default or name in self.config:
             raise ValueError(f"tenant {name!r} is declared in config; the registry cannot change it")
         ids = list(key_ids)
         taken = sorted(k for k in ids if self._by_key.get(k, name) != name)
@@ -100,7 +144,7 @@ class Directory:
         for k in ids:
             self._by_key[k] = name
 
-    def drop(self, name: str) -> None:
+    def drop(self, name: TenantId) -> None:
         """Forget the registry tenant `name` and its key ids (nothing if it is unknown)."""
         for k in self._registry.pop(name, []):
             if self._by_key.get(k) == name:
@@ -124,7 +168,7 @@ class TenantKey:
 class TenantRecord:
     """A registry entry: the value of the tenant's name in the registry's KV bucket."""
 
-    name: str
+    name: TenantId
     keys: tuple[TenantKey, ...] = ()
     generation: int = 0
     """0 at creation; each reset adds 1. The trainer resets the lane when this exceeds the
@@ -161,7 +205,7 @@ class TenantRecord:
         from hotloop.proto.v1 import bus_pb2
 
         p = bus_pb2.TenantRecord.FromString(data)
-        return cls(p.name, tuple(TenantKey(k.id, k.sha256, k.created_at) for k in p.keys),
+        return cls(TenantId(p.name), tuple(TenantKey(k.id, k.sha256, k.created_at) for k in p.keys),
                    p.generation, p.created_at, p.config, held=p.held, revision=revision,
                    reset_to=p.reset_to)
 
@@ -230,7 +274,7 @@ class Registry:
     async def _kv(self):
         return await self.bus.tenants_kv()
 
-    async def _entry(self, name: str) -> TenantRecord | None:
+    async def _entry(self, name: TenantId) -> TenantRecord | None:
         from nats.js.errors import KeyDeletedError, KeyNotFoundError
 
         kv = await self._kv()
@@ -240,27 +284,33 @@ class Registry:
             return None
         return TenantRecord.from_bytes(entry.value, entry.revision)
 
-    async def get(self, name: str) -> TenantRecord | None:
+    async def get(self, name: TenantId) -> TenantRecord | None:
         """The record of `name`, or None."""
-        return await self._entry(check_tenant(name))
+        return await self._entry(TenantId(name))
 
     async def list(self) -> list[TenantRecord]:
         """Every record, by name."""
         from hotloop.bus import TENANTS_BUCKET
 
         entries = await self.bus.entries(await self._kv(), TENANTS_BUCKET)
-        return [TenantRecord.from_bytes(e.value, e.revision) for e in entries.values()]
+        out = []
+        for key, e in entries.items():
+            try:
+                out.append(TenantRecord.from_bytes(e.value, e.revision))
+            except InvalidTenant as err:  # a foreign record: say so, list the others
+                log.warning("tenant registry: the record under %r names no tenant: %s", key, err)
+        return out
 
-    async def create(self, name: str, keys: Sequence[TenantKey] = (), *, config: bool = False,
+    async def create(self, name: TenantId, keys: Sequence[TenantKey] = (), *, config: bool = False,
                      generation: int = 0, held: bool = False, reset_to: int = 0) -> TenantRecord:
         """A new record for `name`; `AlreadyExists` if it has one."""
         from nats.js.errors import KeyWrongLastSequenceError
 
-        if check_tenant(name) == DEFAULT:
+        if TenantId(name).is_default:
             raise InvalidArgument("the default tenant cannot be created")
         for k in keys:
             _digest_hex(k.sha256)
-        record = TenantRecord(name, tuple(keys), generation, time.time(), config, held,
+        record = TenantRecord(TenantId(name), tuple(keys), generation, time.time(), config, held,
                               reset_to=reset_to)
         kv, data = await self._kv(), record.to_bytes()
         try:
@@ -272,10 +322,11 @@ class Registry:
             raise AlreadyExists(f"tenant {name!r} exists already") from None
         return replace(record, revision=revision)
 
-    async def _rewrite(self, name: str, change: Callable[[TenantRecord], TenantRecord]) -> TenantRecord:
+    async def _rewrite(self, name: TenantId, change: Callable[[TenantRecord], TenantRecord]
+                       ) -> TenantRecord:
         from nats.js.errors import KeyWrongLastSequenceError
 
-        check_tenant(name)
+        name = TenantId(name)
         kv = await self._kv()
         for _ in range(MAX_CAS_TRIES):
             current = await self._entry(name)
@@ -293,7 +344,7 @@ class Registry:
             return replace(new, revision=revision)
         raise Unavailable(f"tenant {name!r} kept changing during {MAX_CAS_TRIES} attempts to update it")
 
-    async def add_key(self, name: str, key: TenantKey) -> TenantRecord:
+    async def add_key(self, name: TenantId, key: TenantKey) -> TenantRecord:
         """Add a key (id and digest) to `name`'s record. `AlreadyExists` for a key id it has."""
         _digest_hex(key.sha256)
 
@@ -306,7 +357,7 @@ class Registry:
 
         return await self._rewrite(name, add)
 
-    async def reset(self, name: str, *, config: bool = False, to_version: int = 0) -> TenantRecord:
+    async def reset(self, name: TenantId, *, config: bool = False, to_version: int = 0) -> TenantRecord:
         """Add 1 to `name`'s generation (a write retried across a bus outage may add 2: a
         watcher resets once either way), going back to `to_version` (0: the base model; N: the
         lineage's version N). `config`: `name` is a config tenant, whose record is created (at
@@ -321,7 +372,7 @@ class Registry:
         return await self._rewrite(name, lambda r: replace(r, generation=r.generation + 1,
                                                               reset_to=to_version))
 
-    async def hold(self, name: str, held: bool = True, *, config: bool = False) -> TenantRecord:
+    async def hold(self, name: TenantId, held: bool = True, *, config: bool = False) -> TenantRecord:
         """Hold `name`'s learning (`held`), or resume it. `config`: `name` is a config tenant,
         whose record is created (at generation 0) by its first hold."""
         if config:
@@ -331,11 +382,11 @@ class Registry:
                 pass  # reset or held before: rewrite it below
         return await self._rewrite(name, lambda r: replace(r, held=held))
 
-    async def delete(self, name: str) -> TenantRecord:
+    async def delete(self, name: TenantId) -> TenantRecord:
         """Delete `name`'s record; returns what it was (its `revision` the one deleted)."""
         from nats.js.errors import APIError
 
-        check_tenant(name)
+        name = TenantId(name)
         kv = await self._kv()
         for _ in range(MAX_CAS_TRIES):
             current = await self._entry(name)
@@ -352,7 +403,7 @@ class Registry:
         raise Unavailable(f"tenant {name!r} kept changing during {MAX_CAS_TRIES} attempts to delete it")
 
     async def changes(self, ready: asyncio.Event | None = None
-                      ) -> AsyncIterator[tuple[str, TenantRecord | None, int]]:
+                      ) -> AsyncIterator[tuple[TenantId, TenantRecord | None, int]]:
         """`watch()` with each change's KV revision: (name, record or None, revision)."""
         from google.protobuf.message import DecodeError
         import nats
@@ -370,15 +421,22 @@ class Registry:
                 raise_if_cancelled()  # nats-py's watcher reads with wait_for (hotloop.aio)
                 if entry is None:  # nats-py's end marker races the delivery: `end` says it
                     continue
-                if entry.operation in ("DEL", "PURGE"):
-                    yield entry.key, None, entry.revision
+                try:
+                    name = TenantId(entry.key)
+                except InvalidTenant as e:  # a foreign key: say so, skip it
+                    log.warning("tenant registry: a key that names no tenant: %s", e)
+                    name = None
+                if name is None:
+                    pass
+                elif entry.operation in ("DEL", "PURGE"):
+                    yield name, None, entry.revision
                 else:
                     try:
                         record = TenantRecord.from_bytes(entry.value, entry.revision)
-                    except DecodeError as e:  # a foreign value: say so, skip it
-                        log.warning("tenant registry: undecodable record for %r: %s", entry.key, e)
+                    except (DecodeError, InvalidTenant) as e:  # a foreign value: say so, skip it
+                        log.warning("tenant registry: undecodable record for %r: %s", name, e)
                     else:
-                        yield entry.key, record, entry.revision
+                        yield name, record, entry.revision
                 # resumed after the item was handled: the replay is out once its last one was
                 if not ready.is_set() and (entry.revision >= end or entry.delta == 0):
                     ready.set()
@@ -389,7 +447,7 @@ class Registry:
                 pass
 
     async def watch(self, ready: asyncio.Event | None = None
-                    ) -> AsyncIterator[tuple[str, TenantRecord | None]]:
+                    ) -> AsyncIterator[tuple[TenantId, TenantRecord | None]]:
         """(name, record) per create, key added or reset; (name, None) per delete; after the
         current state of every name. See the class docstring."""
         async for name, record, _ in self.changes(ready):

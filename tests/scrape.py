@@ -34,9 +34,13 @@ def parse(text: str) -> Scrape:
     return Scrape({f.name: f for f in text_string_to_metric_families(text)})
 
 
-async def scrape(port: int, host: str = "127.0.0.1", path: str = "/metrics") -> Scrape:
+async def scrape(port: int, host: str = "127.0.0.1", path: str = "/metrics",
+                 token: str = "") -> Scrape:
+    """`token`: sent as `Authorization: Bearer <token>` (the gateway's users' port serves
+    /metrics to the admin token only)."""
+    headers = {"Authorization": f"Bearer {token}"} if token else None
     async with httpx.AsyncClient() as http:
-        r = await http.get(f"http://{host}:{port}{path}", timeout=10)
+        r = await http.get(f"http://{host}:{port}{path}", timeout=10, headers=headers)
     assert r.status_code == 200, r.text
     assert r.headers["content-type"].startswith("text/plain"), r.headers["content-type"]
     return parse(r.text)

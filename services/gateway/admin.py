@@ -54,7 +54,8 @@ from hotloop.errors import (
     Unavailable,
 )
 from hotloop.proto.v1 import bus_pb2, common_pb2
-from hotloop.tenants import DEFAULT, Directory, Registry, TenantKey, TenantRecord, check_tenant
+from hotloop.tenants import (Directory, InvalidTenant, Registry, TenantId, TenantKey,
+                             TenantRecord)
 
 from .keys import KeyRing, digest_hex, mint
 
@@ -73,7 +74,7 @@ class Export:
     """A tenant's latest version, checked, ready to send: `file` holds the archive (a tar of
     adapter_config.json and adapter_model.safetensors), positioned at its start."""
 
-    tenant: str
+    tenant: TenantId
     version: int
     sha256: str
     bytes: int
@@ -87,7 +88,7 @@ class Export:
             self.file.close()
 
 
-def _record_view(record: TenantRecord | None, name: str, config_keys: list[str] | None,
+def _record_view(record: TenantRecord | None, name: TenantId, config_keys: list[str] | None,
                  latest: int) -> dict:
     held = record is not None and record.held
     if config_keys is not None:
@@ -111,9 +112,9 @@ class TenantAdmin:
         self.keys, self.tenants = keys, tenants
         self.admin_token = admin_token
         self.trainer = trainer
-        self.fetch_from: dict[str, str] = {}
+        self.fetch_from: dict[TenantId, str] = {}
         """tenant -> the trainer address its lineage's last announcement named."""
-        self._applied: dict[str, int] = {}  # name -> the newest registry revision applied
+        self._applied: dict[TenantId, int] = {}  # name -> the newest registry revision applied
         self._task: asyncio.Task | None = None
         self._sub = None
 
@@ -150,10 +151,15 @@ class TenantAdmin:
                 await asyncio.sleep(WATCH_RETRY_S)
 
     async def _announced(self, msg, headers) -> None:
-        if msg.tenant and msg.fetch_from:
-            self.fetch_from[msg.tenant] = msg.fetch_from
+        try:
+            tenant = TenantId(msg.tenant)
+        except InvalidTenant as e:
+            log.warning("ignoring an announcement on a tenant's subject: %s", e)
+            return
+        if not tenant.is_default and msg.fetch_from:
+            self.fetch_from[tenant] = msg.fetch_from
 
-    def apply(self, name: str, record: TenantRecord | None, revision: int) -> None:
+    def apply(self, name: TenantId, record: TenantRecord | None, revision: int) -> None:
         """Bring the key ring and directory to `record` (None: deleted) of `name`, unless a
         newer revision of it was applied already."""
         if revision <= self._applied.get(name, 0):
@@ -190,14 +196,18 @@ class TenantAdmin:
             self._sub = None
 
     # ---- who may -----------------------------------------------------------------------
+    def is_admin(self, authorization: str | None) -> bool:
+        """Whether `authorization` is `Bearer <admin token>` (never, with no admin token)."""
+        scheme, _, token = (authorization or "").strip().partition(" ")
+        return bool(self.admin_token) and scheme.lower() == "bearer" and hmac.compare_digest(
+            token.strip().encode(), self.admin_token.encode())
+
     def check_admin(self, authorization: str | None) -> None:
         """Return if `authorization` is `Bearer <admin token>`; else Unauthenticated (no or a
         wrong token) or PermissionDenied (a user's API key; no admin token configured)."""
         if not self.admin_token:
             raise PermissionDenied("admin API disabled: set [security] admin_token")
-        scheme, _, token = (authorization or "").strip().partition(" ")
-        if scheme.lower() == "bearer" and hmac.compare_digest(
-                token.strip().encode(), self.admin_token.encode()):
+        if self.is_admin(authorization):
             return
         try:
             self.keys.authenticate(authorization)
@@ -206,25 +216,24 @@ class TenantAdmin:
         raise PermissionDenied("a user API key cannot use the admin API")
 
     # ---- operations --------------------------------------------------------------------
-    def _name(self, name: str) -> str:
-        try:
-            check_tenant(name)
-        except ValueError as e:
-            raise InvalidArgument(str(e)) from None
-        if name == DEFAULT:
+    def _name(self, name: str) -> TenantId:
+        """A name from a URL path or a body, parsed: `InvalidTenant` (a 400) if it names no
+        tenant."""
+        tenant = TenantId(name)
+        if tenant.is_default:
             raise InvalidArgument("the default tenant has no name and no record")
-        return name
+        return tenant
 
-    def _not_config(self, name: str, what: str) -> None:
+    def _not_config(self, name: TenantId, what: str) -> None:
         if name in self.tenants.config:
             raise Conflict(f"tenant {name!r} is declared in config ([tenants.{name}]): {what} "
                            "it there, not through the API")
 
-    async def _latest(self, name: str) -> int:
+    async def _latest(self, name: TenantId) -> int:
         info = await self.bus.kv_get(hbus.latest_key(name), common_pb2.VersionInfo)
         return info.version if info is not None else 0
 
-    def _new_key(self, name: str) -> tuple[TenantKey, str]:
+    def _new_key(self, name: TenantId) -> tuple[TenantKey, str]:
         while True:
             key_id, secret = mint(name)
             if key_id not in self.keys.ids():
@@ -232,7 +241,8 @@ class TenantAdmin:
 
     async def create(self, name: str) -> dict:
         """Create tenant `name` with a first key; returns the key (shown this once)."""
-        self._not_config(self._name(name), "change")
+        name = self._name(name)
+        self._not_config(name, "change")
         held = await self._latest(name)
         if held:
             raise Conflict(f"the lineage of a deleted tenant {name!r} still holds version {held} "
@@ -245,14 +255,15 @@ class TenantAdmin:
 
     async def add_key(self, name: str) -> dict:
         """Mint another key for registry tenant `name`."""
-        self._not_config(self._name(name), "add keys to")
+        name = self._name(name)
+        self._not_config(name, "add keys to")
         key, secret = self._new_key(name)
         record = await self.registry.add_key(name, key)
         self.apply(name, record, record.revision)
         return {"tenant": name, "key_id": key.id, "api_key": secret}
 
     async def get(self, name: str) -> dict:
-        self._name(name)
+        name = self._name(name)
         record = await self.registry.get(name)
         config = self.tenants.config.get(name)
         if config is None and record is None:
@@ -275,7 +286,8 @@ class TenantAdmin:
         adapter (a fresh one for the base) as a new version, and training goes on from it. A
         version above the lineage's latest, or one its trainer does not hold, is refused here
         (InvalidArgument, NotFound), before anything is written."""
-        if not await self.exists(self._name(name)):
+        name = self._name(name)
+        if not await self.exists(name):
             raise NotFound(f"no tenant {name!r}")
         if version < 0:
             raise InvalidArgument(f"a reset goes back to a version >= 0, not {version}")
@@ -295,27 +307,29 @@ class TenantAdmin:
         registry takes no update of its lineage while held, so its users are served the
         version it held at (the update under way then, if any, lands first); their feedback
         waits in the trainer's queue, the time held not counted toward its `max_wait_s`."""
-        self._name(name)
+        name = self._name(name)
         record = await self.registry.hold(name, held, config=name in self.tenants.config)
         return {"tenant": name, "held": record.held, "latest_version": await self._latest(name)}
 
     async def delete(self, name: str) -> dict:
         """Delete registry tenant `name`: its keys stop working here now, elsewhere as soon
         as the delete is delivered; the trainer stops its lane."""
-        self._not_config(self._name(name), "remove")
+        name = self._name(name)
+        self._not_config(name, "remove")
         gone = await self.registry.delete(name)
         # the tombstone's revision is above the deleted record's, so the watch re-applies
         # no revision of the record, and a create of the name afterwards is newer still
         self.apply(name, None, gone.revision + 1)
         return {"tenant": name, "deleted": True, "key_ids": gone.key_ids()}
 
-    async def exists(self, name: str) -> bool:
+    async def exists(self, name: TenantId) -> bool:
         return name in self.tenants.config or await self.registry.get(name) is not None
 
     async def export(self, name: str) -> Export:
         """Tenant `name`'s latest version, fetched from the trainer and checked against the
         versions KV. NotFound: no such tenant, or no version yet."""
-        if not await self.exists(self._name(name)):
+        name = self._name(name)
+        if not await self.exists(name):
             raise NotFound(f"no tenant {name!r}")
         info = await self.bus.kv_get(hbus.latest_key(name), common_pb2.VersionInfo)
         if info is None or info.version == 0:
@@ -326,7 +340,7 @@ class TenantAdmin:
         finally:
             await chunks.aclose()  # read to its end, or not: the trainer's client is closed
 
-    async def _fetch(self, name: str, version: int, sha256: str = ""):
+    async def _fetch(self, name: TenantId, version: int, sha256: str = ""):
         """(the trainer's record of `version` of `name`'s lineage, its archive's chunks) from
         the first trainer that holds it (with `sha256`, that very one: the announced); close
         the chunks (`aclose`) when done with them: that closes the trainer's client. NotFound
@@ -379,7 +393,7 @@ class _Chunks:
             await self.client.close()
 
 
-async def _checked(name: str, info, chunks: AsyncIterator[bytes]) -> Export:
+async def _checked(name: TenantId, info, chunks: AsyncIterator[bytes]) -> Export:
     """Spool `chunks` and return them as an Export if their size and sha256 are the KV's."""
     limit = min(int(info.bytes) or MAX_ARCHIVE_BYTES, MAX_ARCHIVE_BYTES)
     spool = tempfile.SpooledTemporaryFile(max_size=SPOOL_BYTES)

@@ -56,7 +56,7 @@ from prometheus_client import CollectorRegistry, Histogram
 
 from hotloop import telemetry
 from hotloop.metrics import LATENCY_BUCKETS, StateCollector, counter, gauge
-from hotloop.tenants import Directory
+from hotloop.tenants import DEFAULT, Directory, TenantId
 from hotloop.errors import (
     DeadlineExceeded,
     HotloopError,
@@ -122,7 +122,7 @@ class Metrics:
 class _Served:
     user: str
     choices: int
-    tenant: str = ""
+    tenant: TenantId = DEFAULT
     finished: set[int] = field(default_factory=set)
     expires_at: float = 0.0
     # per finished choice: resolves once its TRAFFIC record is stored (None: it was dropped)
@@ -139,7 +139,7 @@ class ResponseIndex:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def add(self, response_id: str, user: str, choices: int, tenant: str = "") -> _Served:
+    def add(self, response_id: str, user: str, choices: int, tenant: TenantId = DEFAULT) -> _Served:
         entry = _Served(user, choices, tenant, expires_at=self._clock() + self._ttl_s)
         self._entries[response_id] = entry
         while len(self._entries) > self._max:
@@ -333,11 +333,19 @@ class GatewayCore:
             self.router.release(state, ok=False)
             if isinstance(err, Unavailable):
                 # nothing reached the user: try the next healthy replica
-                self.router.mark_down(state.replica, str(err))
+                self.replica_failed(state, err)
                 self.metrics.rerouted += 1
                 continue
             self._fail(span, err)
             raise err
+
+    def replica_failed(self, state: ReplicaState, err: HotloopError) -> None:
+        """Mark `state`'s replica down after it failed a request with `err`. The replica's
+        reason may name the request's tenant (a version it has not fetched yet, the adapter
+        slots it waited for): it goes to the log; the router keeps a reason without it, since
+        every user's 503 and the unauthenticated `/ready` say why each replica is down."""
+        log.warning("rollout replica %s failed a request: %s", state.replica.address, err)
+        self.router.mark_down(state.replica, "it failed a request (the gateway's log says how)")
 
     def _fail(self, span, e: BaseException) -> None:
         if isinstance(e, (InvalidArgument, NotFound)):
@@ -441,7 +449,26 @@ class GatewayCore:
         why = "; ".join(f"{s.replica.address}: {self.router.why_not(s)}" for s in states)
         return Readiness(False, f"no healthy rollout replica ({why})")
 
+    def tenant_status(self, tenant: TenantId) -> dict:
+        """What one tenant's user may see (`GET /v1/hotloop/status` with a user key): its own
+        lineage's newest version and each replica's version of it, nothing of another tenant
+        (not its name, versions or traffic; gateway-wide counters and replicas' addresses and
+        load are the operator's, in `status`). The default tenant's is the default lineage."""
+        r = self.router
+        if tenant.is_default:
+            newest = r.newest
+            replicas = [{"healthy": s.healthy, "version": s.version, "version_lag": r.lag(s),
+                         "may_serve": r.may_serve(s)} for s in r.states]
+        else:
+            newest = r.tenant_newest.get(tenant, 0)
+            replicas = [{"healthy": s.healthy, "version": s.tenants.get(tenant, 0),
+                         "version_lag": r.tenant_lag(s, tenant), "may_serve": s.healthy}
+                        for s in r.states]
+        return {"model": self.served_model, "tenant": tenant, "newest_version": newest,
+                "replicas": replicas}
+
     def status(self) -> dict:
+        """The operator's view (the admin token's): every tenant, counters, replicas."""
         t = self.events.counters
         return {
             "model": self.served_model,
@@ -579,7 +606,7 @@ class Generation:
     """
 
     def __init__(self, core: GatewayCore, req: GenerateIn, up: UpstreamRequest, response_id: str,
-                 user: str, tenant: str, state: ReplicaState, stream: AsyncIterator[Completion],
+                 user: str, tenant: TenantId, state: ReplicaState, stream: AsyncIterator[Completion],
                  first: Completion, deadline: float, span):
         self.response_id = response_id
         self.created = int(time.time())
@@ -638,7 +665,7 @@ class Generation:
             self._ok = True
         except HotloopError as e:
             if isinstance(e, Unavailable):
-                self._core.router.mark_down(self._state.replica, str(e))
+                self._core.replica_failed(self._state, e)
             self._core._fail(self._span, e)
             self._span = None
             raise
@@ -656,8 +683,11 @@ class Generation:
         if up.tenant != self.tenant:
             # never pass on an answer of another tenant's lineage, whatever the replica did
             self._core.metrics.wrong_tenant += 1
-            raise Unavailable(f"rollout replica {self._state.replica.address} answered from the "
-                              f"lineage of tenant {up.tenant!r}, not {self.tenant!r}")
+            # the other tenant's name is the operator's (the log), never this user's
+            log.warning("rollout replica %s answered a request of tenant %r from the lineage "
+                        "of tenant %r: refused", self._state.replica.address, self.tenant, up.tenant)
+            raise Unavailable(f"rollout replica {self._state.replica.address} answered from "
+                              "another tenant's lineage than yours: refused")
         index = up.prompt_index * self._n + up.sample_index
         if not 0 <= index < self.choices or index in self._entry.finished:
             raise Unavailable(f"rollout replica {self._state.replica.address} sent an unexpected "

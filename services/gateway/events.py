@@ -24,6 +24,7 @@ from hotloop.aio import raise_if_cancelled
 from hotloop.bus import WEIGHTS_TENANTS, Bus, feedback_subject, traffic_subject
 from hotloop.errors import Unavailable
 from hotloop.proto.v1 import bus_pb2, common_pb2
+from hotloop.tenants import DEFAULT, InvalidTenant, TenantId
 
 from .types import ServedChoice
 
@@ -62,7 +63,7 @@ def served_from_event(e: bus_pb2.TrafficEvent) -> ServedChoice:
         completion_ids=list(e.completion_ids), logprobs=list(e.logprobs),
         version_spans=[(s.version, s.first_token) for s in e.version_spans],
         temperature=e.temperature, finish_reason=e.finish_reason, served_at=e.served_at,
-        tenant=e.tenant,
+        tenant=TenantId(e.tenant),  # read back from the bus: parsed (InvalidTenant)
     )
 
 
@@ -94,16 +95,14 @@ class BusEvents:
         await asyncio.gather(self._task, return_exceptions=True)
         self._task = None
 
-    async def watch_lineages(self, on_version: Callable[[str, int], None]) -> None:
+    async def watch_lineages(self, on_version: Callable[[TenantId, int], None]) -> None:
         """Call `on_version(tenant, version)` with each tenant's newest announced version:
         every `WeightsUpdated` on a tenant's subject from now on, and every tenant's KV key
         now (bounded by `FIRST_READ_S`), on each reconnect and every `LINEAGES_REREAD_S`."""
-        from hotloop.tenants import check_tenant
-
         async def on_weights(msg: bus_pb2.WeightsUpdated, headers) -> None:
             try:
-                tenant = check_tenant(msg.tenant)
-            except ValueError as e:
+                tenant = TenantId(msg.tenant)
+            except InvalidTenant as e:
                 log.warning("ignoring an announcement on a tenant's subject: %s", e)
                 return
             on_version(tenant, msg.info.version)
@@ -175,7 +174,7 @@ class BusEvents:
                 self._queue.task_done()
 
     async def publish_feedback(self, response_id: str, choice: int, user: str, score: float,
-                               label: str, text: str, received_at: float, tenant: str = "") -> bool:
+                               label: str, text: str, received_at: float, tenant: TenantId = DEFAULT) -> bool:
         """Publish on the tenant's feedback subject and wait for JetStream's ack; True when it
         was a duplicate (same response, choice and user inside the duplicate window).
         Unavailable when the bus did not ack."""
@@ -195,4 +194,10 @@ class BusEvents:
             event = await self._bus.traffic(response_id, choice, patience_s=0)
         except Exception as e:
             raise Unavailable(f"could not look up response {response_id} on the bus: {e}") from e
-        return None if event is None else served_from_event(event)
+        if event is None:
+            return None
+        try:
+            return served_from_event(event)
+        except InvalidTenant as e:  # not a record this gateway wrote: nothing to rate
+            log.warning("traffic %s:%d names no tenant: %s", response_id, choice, e)
+            return None

@@ -5,8 +5,10 @@ Owns: the OpenAI wire format (`/v1/chat/completions`, `/v1/completions`, streami
 `{"error": {"message", "type", "param", "code"}}` for every refusal, and hotloop's additions:
 `X-Hotloop-Response-Id` / `X-Hotloop-Policy-Version` / `X-Hotloop-Tenant` (the lineage that
 served it) headers and a `policy_version` field in every body and chunk, `POST /v1/feedback`,
-`/v1/hotloop/status` and `/metrics`; `/health` (liveness: the process answers) and `/ready`
-(readiness: `GatewayCore.readiness`), both without a key; the request-body bounds
+`/v1/hotloop/status` (a user key: its own tenant's view; the admin token: every tenant's)
+and `/metrics` (the admin token only: its series name every tenant); `/health` (liveness:
+the process answers) and `/ready` (readiness: `GatewayCore.readiness`), both without a key
+(neither names a tenant); the request-body bounds
 (`_BoundedBody`); and the tenant admin API's routes (`/admin/tenants...`, with the admin
 token) and `GET /v1/adapter` (a user's own tenant's latest version, as a tar), whose
 operations are admin.py's.
@@ -495,16 +497,32 @@ def build_app(core: GatewayCore, admin: TenantAdmin | None = None) -> FastAPI:
         return JSONResponse({"status": "ready" if r.ready else "not_ready", "reason": r.reason},
                             status_code=200 if r.ready else 503)
 
+    def is_operator(request: Request) -> bool:
+        return admin is not None and admin.is_admin(request.headers.get("authorization"))
+
     @app.get("/metrics")
     async def metrics(request: Request):
-        # the registry the process's metrics endpoint serves (hotloop.service), also here so
-        # a scraper that reaches only the HTTP port sees the same numbers
+        # The registry the process's metrics endpoint (`[gateway] metrics_port`, the operator's
+        # listener) serves, also here for a scraper that reaches only this port: with the admin
+        # token only, since its series name every tenant (labels) and count every tenant's
+        # traffic, and this port is every tenant's users'.
+        if not is_operator(request):
+            try:
+                core.keys.authenticate(request.headers.get("authorization"))
+            except Unauthenticated:
+                raise Unauthenticated("/metrics on the users' port needs `Authorization: Bearer "
+                                      "<admin token>` (or scrape [gateway] metrics_port)") from None
+            raise PermissionDenied("a user API key cannot read /metrics: it covers every "
+                                   "tenant (the operator scrapes [gateway] metrics_port)")
         encode, content_type = choose_encoder(request.headers.get("accept"))
         return Response(encode(core.registry), media_type=content_type)
 
     @app.get("/v1/hotloop/status")
-    async def status(key: str = Depends(user)):
-        return core.status()
+    async def status(request: Request):
+        # the admin token: every tenant (the operator's view); a user key: its tenant alone
+        if is_operator(request):
+            return core.status()
+        return core.tenant_status(core.tenants.tenant_of(user(request)))
 
     def model_card() -> dict:
         return {"id": core.served_model, "object": "model", "created": 0, "owned_by": "hotloop"}

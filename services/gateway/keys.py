@@ -21,6 +21,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from hotloop.errors import Unauthenticated
+from hotloop.tenants import TenantId
 
 _ID = re.compile(r"^[A-Za-z0-9_.@-]{1,64}$")  # no ':' — feedback ids are "<rid>:<choice>:<id>"
 
@@ -38,7 +39,7 @@ def digest_hex(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
 
 
-def mint(tenant: str) -> tuple[str, str]:
+def mint(tenant: TenantId) -> tuple[str, str]:
     """A new (key id, key) for a registry tenant: 256 random bits, and an id naming the tenant
     with 32 random bits of its own (unrelated to the key)."""
     return f"{tenant}-{secrets.token_hex(4)}", "sk-hl-" + secrets.token_urlsafe(32)
@@ -101,10 +102,10 @@ class KeyRing:
                 "admin_token to create tenants and their keys through the admin API"
             )
         self._config = dict(digests)
-        self._tenants: dict[str, dict[bytes, str]] = {}
+        self._tenants: dict[TenantId, dict[bytes, str]] = {}
         self._by_digest = dict(digests)
 
-    def put(self, tenant: str, digests: dict[bytes, str]) -> None:
+    def put(self, tenant: TenantId, digests: dict[bytes, str]) -> None:
         """Make `digests` ({sha256: id}) the keys of registry tenant `tenant`, replacing what it
         had. ValueError if one is another's key or key id (nothing is changed then)."""
         others = {d: i for d, i in self._by_digest.items() if d not in self._tenants.get(tenant, {})}
@@ -116,7 +117,7 @@ class KeyRing:
         self._tenants[tenant] = dict(digests)
         self._by_digest.update(digests)
 
-    def drop(self, tenant: str) -> None:
+    def drop(self, tenant: TenantId) -> None:
         """Stop accepting registry tenant `tenant`'s keys (nothing if it has none)."""
         for d in self._tenants.pop(tenant, {}):
             self._by_digest.pop(d, None)

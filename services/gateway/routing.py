@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 
 from hotloop.aio import raise_if_cancelled
 from hotloop.errors import Unavailable
+from hotloop.tenants import DEFAULT, TenantId
 
 from .types import Replica
 
@@ -80,7 +81,7 @@ class Router:
         self._max_lag = max_version_lag
         self.newest = 0
         """The newest version seen (served or known announced by any replica); never falls."""
-        self.tenant_newest: dict[str, int] = {}
+        self.tenant_newest: dict[TenantId, int] = {}
         """Per tenant: the newest version of its lineage announced on the bus or seen at any
         replica; never falls."""
         self.behind_picks = 0
@@ -97,11 +98,11 @@ class Router:
         """Versions `state`'s replica is behind the newest seen."""
         return max(0, self.newest - state.version)
 
-    def tenant_lag(self, state: ReplicaState, tenant: str) -> int:
+    def tenant_lag(self, state: ReplicaState, tenant: TenantId) -> int:
         """Versions `state`'s replica is behind the newest version of `tenant`'s lineage."""
         return max(0, self.tenant_newest.get(tenant, 0) - state.tenants.get(tenant, 0))
 
-    def announced(self, tenant: str, version: int) -> None:
+    def announced(self, tenant: TenantId, version: int) -> None:
         """The bus says `version` is the newest of `tenant`'s lineage (the default lineage's
         newest comes from the replicas' polls alone)."""
         if tenant and version > self.tenant_newest.get(tenant, 0):
@@ -210,7 +211,7 @@ class Router:
                 s.healthy, s.reason = False, reason
                 s.failures += 1
 
-    def pick(self, exclude: set[int] = frozenset(), tenant: str = "") -> ReplicaState:
+    def pick(self, exclude: set[int] = frozenset(), tenant: TenantId = DEFAULT) -> ReplicaState:
         """A replica that may serve (`servable`) not in `exclude` (ids of states), else
         Unavailable saying why each one may not. `tenant`: for a tenant's request, by the
         tenant's lineage instead (`_pick_for_tenant`)."""
@@ -235,7 +236,7 @@ class Router:
             return min(candidates, key=lambda s: s.load)  # min keeps the first of equals
         return candidates[0]
 
-    def _pick_for_tenant(self, tenant: str, exclude: set[int]) -> ReplicaState:
+    def _pick_for_tenant(self, tenant: TenantId, exclude: set[int]) -> ReplicaState:
         """A healthy replica not in `exclude` whose lineage of `tenant` is within
         `max_version_lag` of the tenant's newest version; with none, one of the freshest
         healthy ones (see the module's docstring); with no healthy one, Unavailable."""

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from hotloop.completion import Completion
+from hotloop.tenants import DEFAULT, TenantId
 
 
 @dataclass(frozen=True)
@@ -48,7 +49,7 @@ class UpstreamRequest:
     top_logprobs: int
     request_id: str
     timeout_s: float
-    tenant: str = ""  # whose adapter lineage serves it ("": the default)
+    tenant: TenantId = DEFAULT  # whose adapter lineage serves it
 
 
 @dataclass
@@ -148,4 +149,4 @@ class ServedChoice:
     temperature: float = 1.0
     finish_reason: str = ""
     served_at: float = 0.0
-    tenant: str = ""  # the user's tenant
+    tenant: TenantId = DEFAULT  # the user's tenant

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from hotloop import metrics, models, service
 from hotloop.config import MeshConfig
+from hotloop.tenants import TenantId
 
 from .config import RolloutConfig
 
@@ -61,7 +62,7 @@ async def build(mesh: MeshConfig, cfg: RolloutConfig) -> service.Running:
     catchup = follower = None
     fetch = TrainerFetch(mesh.security.admin_token)
     if bus is not None:
-        def lineage(tenant: str) -> CatchUp:
+        def lineage(tenant: TenantId) -> CatchUp:
             # a tenant's own trainer first, if configured, then the mesh's
             own = mesh.tenants[tenant].trainer if tenant in mesh.tenants else ""
             return CatchUp(core, bus_latest(bus, tenant), fetch, [own, mesh.endpoints.trainer],

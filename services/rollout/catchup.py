@@ -58,13 +58,14 @@ from hotloop.adapters import Version, version_from_proto, version_to_proto
 from hotloop.aio import raise_if_cancelled
 from hotloop.errors import FailedPrecondition, HotloopError, Unavailable
 from hotloop.metrics import counter, gauge
+from hotloop.tenants import DEFAULT, InvalidTenant, TenantId
 
 log = logging.getLogger(__name__)
 
 FIRST_RETRY_S = 0.5
 FETCH_TIMEOUT_S = 120.0  # one whole transfer; a start-up attempt gets at most what is left
 
-Fetch = Callable[[str, int, float, str], Awaitable[tuple[Version, AsyncIterator[bytes]]]]
+Fetch = Callable[[str, int, float, TenantId], Awaitable[tuple[Version, AsyncIterator[bytes]]]]
 """(trainer address, version, timeout_s, tenant) -> the stored version of that tenant's
 lineage and its archive's chunks."""
 
@@ -72,14 +73,14 @@ lineage and its archive's chunks."""
 class Replica(Protocol):
     """What catch-up needs of the replica (`RolloutCore`)."""
 
-    def latest_of(self, tenant: str) -> int:
+    def latest_of(self, tenant: TenantId) -> int:
         """The latest version the lineage of `tenant` ("" the default) holds (0: none)."""
 
-    def announced(self, tenant: str, version: int) -> None:
+    def announced(self, tenant: TenantId, version: int) -> None:
         """The mesh announced `version` of `tenant`'s lineage (what this replica knows)."""
 
     async def push(self, info: Version, chunks: AsyncIterator[bytes], make_latest: bool = True,
-                   tenant: str = ""): ...
+                   tenant: TenantId = DEFAULT): ...
 
 
 def _read_kv(bus, key: str, message):
@@ -97,7 +98,7 @@ def _read_kv(bus, key: str, message):
     return read
 
 
-def bus_latest(bus, tenant: str = "") -> Callable[[], Awaitable[Version | None]]:
+def bus_latest(bus, tenant: TenantId = DEFAULT) -> Callable[[], Awaitable[Version | None]]:
     """A reader of the lineage's KV key (`latest`, or `latest.tenant.<name>`) on `bus` (a
     `hotloop.bus.Bus`); None when nothing was announced. A bus that cannot answer is
     `Unavailable` (catch-up retries), anything else propagates."""
@@ -113,7 +114,7 @@ def bus_latest(bus, tenant: str = "") -> Callable[[], Awaitable[Version | None]]
     return read
 
 
-def bus_recorded(bus, tenant: str = "") -> Callable[[Version], Awaitable[str]]:
+def bus_recorded(bus, tenant: TenantId = DEFAULT) -> Callable[[Version], Awaitable[str]]:
     """A reader of the address the lineage's last announcement recorded in the KV
     (`announced_key`) for a given version ("": none for that version; `recorded_address`). A
     bus that cannot answer is `Unavailable`."""
@@ -128,12 +129,12 @@ def bus_recorded(bus, tenant: str = "") -> Callable[[Version], Awaitable[str]]:
     return read
 
 
-def bus_tenants(bus) -> Callable[[], Awaitable[list[str]]]:
+def bus_tenants(bus) -> Callable[[], Awaitable[list[TenantId]]]:
     """A lister of the tenants whose lineage the mesh announced (their KV keys on `bus`);
     `Unavailable` when the bus cannot answer."""
     from hotloop.bus import lineage_of_key, transient
 
-    async def tenants() -> list[str]:
+    async def tenants() -> list[TenantId]:
         try:
             keys = await bus.kv_keys()
         except Exception as e:
@@ -154,7 +155,7 @@ class TrainerFetch:
         self._token = admin_token  # FetchAdapter is an admin RPC
 
     async def __call__(self, address: str, version: int, timeout_s: float,
-                       tenant: str = "") -> tuple[Version, AsyncIterator[bytes]]:
+                       tenant: TenantId = DEFAULT) -> tuple[Version, AsyncIterator[bytes]]:
         if address not in self._clients:
             from hotloop.clients import TrainerClient
 
@@ -174,18 +175,16 @@ async def listen(lineages: "Lineages", bus) -> None:
     first read of the KV."""
     from hotloop.bus import WEIGHTS_TENANTS, WEIGHTS_UPDATED
     from hotloop.proto.v1 import bus_pb2
-    from hotloop.tenants import check_tenant
-
     async def on_default(msg, headers) -> None:
-        lineages.announced("", version_from_proto(msg.info), msg.fetch_from)
+        lineages.announced(DEFAULT, version_from_proto(msg.info), msg.fetch_from)
 
     async def on_tenant(msg, headers) -> None:
         try:
-            tenant = check_tenant(msg.tenant)
-        except ValueError as e:
+            tenant = TenantId(msg.tenant)
+        except InvalidTenant as e:
             log.warning("ignoring an announcement on a tenant's subject: %s", e)
             return
-        if not tenant:  # the default lineage is announced on its own subject only
+        if tenant.is_default:  # the default lineage is announced on its own subject only
             log.warning("ignoring an announcement without a tenant on a tenant's subject")
             return
         lineages.announced(tenant, version_from_proto(msg.info), msg.fetch_from)
@@ -195,7 +194,7 @@ async def listen(lineages: "Lineages", bus) -> None:
     bus.on_reconnect(lineages.wake)
 
 
-def lineage_name(tenant: str) -> str:
+def lineage_name(tenant: TenantId) -> str:
     return f"tenant {tenant!r}" if tenant else "the default lineage"
 
 
@@ -203,7 +202,7 @@ class CatchUp:
     """Catch-up of one lineage (`tenant`, "" the default)."""
 
     def __init__(self, replica: Replica, read_latest: Callable[[], Awaitable[Version | None]],
-                 fetch: Fetch, trainer: str | Sequence[str] = "", *, tenant: str = "",
+                 fetch: Fetch, trainer: str | Sequence[str] = "", *, tenant: TenantId = DEFAULT,
                  read_recorded: Callable[[Version], Awaitable[str]] | None = None,
                  poll_s: float = 30.0, retry_max_s: float = 30.0):
         """`trainer`: the configured FetchAdapter address(es), asked first, in order ("" for
@@ -392,8 +391,8 @@ class Lineages:
     """Catch-up of every lineage the mesh announced: the default one and each tenant's, one
     `CatchUp` each, made by `make(tenant)` when the lineage is first found."""
 
-    def __init__(self, make: Callable[[str], CatchUp],
-                 list_tenants: Callable[[], Awaitable[list[str]]], *, poll_s: float = 30.0,
+    def __init__(self, make: Callable[[TenantId], CatchUp],
+                 list_tenants: Callable[[], Awaitable[list[TenantId]]], *, poll_s: float = 30.0,
                  retry_max_s: float = 30.0):
         """`list_tenants`: the tenants whose lineage the mesh announced (`bus_tenants`). A
         listing that fails is retried with a doubling wait up to `retry_max_s` (and `poll_s`)."""
@@ -401,21 +400,21 @@ class Lineages:
         self._list = list_tenants
         self._poll_s = poll_s
         self._retry_max_s = retry_max_s
-        self.default = make("")
-        self._lineages: dict[str, CatchUp] = {"": self.default}
+        self.default = make(DEFAULT)
+        self._lineages: dict[TenantId, CatchUp] = {DEFAULT: self.default}
         self._group: asyncio.TaskGroup | None = None
         self._wake = asyncio.Event()
         self.error = ""
         """Why the last listing of the announced lineages failed; empty when it did not."""
 
     # ---- what is known -----------------------------------------------------------------
-    def __getitem__(self, tenant: str) -> CatchUp:
+    def __getitem__(self, tenant: TenantId) -> CatchUp:
         return self._lineages[tenant]
 
-    def __contains__(self, tenant: str) -> bool:
+    def __contains__(self, tenant: TenantId) -> bool:
         return tenant in self._lineages
 
-    def tenants(self) -> list[str]:
+    def tenants(self) -> list[TenantId]:
         """The tenants whose lineage is known (the default one not included)."""
         return sorted(t for t in self._lineages if t)
 
@@ -423,7 +422,7 @@ class Lineages:
     def behind(self) -> bool:
         return any(c.behind for c in self._lineages.values())
 
-    def _lineage(self, tenant: str) -> CatchUp:
+    def _lineage(self, tenant: TenantId) -> CatchUp:
         c = self._lineages.get(tenant)
         if c is None:
             c = self._lineages[tenant] = self._make(tenant)
@@ -433,7 +432,7 @@ class Lineages:
                 self._group.create_task(c.follow(), name=f"catch-up {tenant}")
         return c
 
-    def announced(self, tenant: str, info: Version, fetch_from: str) -> None:
+    def announced(self, tenant: TenantId, info: Version, fetch_from: str) -> None:
         """A `WeightsUpdated` of `tenant`'s lineage arrived (a new tenant's too)."""
         self._lineage(tenant).announced(info, fetch_from)
 

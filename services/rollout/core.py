@@ -75,6 +75,7 @@ from hotloop.adapters import Version
 from hotloop.aio import finish
 from hotloop.errors import FailedPrecondition, FatalError, InvalidArgument, NotFound, Unavailable
 from hotloop.metrics import LATENCY_BUCKETS, StateCollector, gauge, info
+from hotloop.tenants import DEFAULT, TenantId
 
 from .config import RolloutConfig
 from .heartbeat import Heartbeat
@@ -85,7 +86,6 @@ from .tenants import (
     SlotMetrics,
     TenantSlots,
     WorkerSlots,
-    check_tenant,
 )
 
 log = logging.getLogger(__name__)
@@ -124,7 +124,12 @@ class GenerateInput:
     request_id: str = ""
     stream: bool = False  # token deltas as produced, instead of whole completions
     priority: int = 0  # lower runs first (scheduling_policy "priority" only)
-    tenant: str = ""  # "": the default lineage; else that tenant's lineage (base until a push)
+    tenant: TenantId = DEFAULT  # the default lineage, or that tenant's (base until a push)
+
+    def __post_init__(self) -> None:
+        # the core's input, built by the gRPC edge and by in-process callers (benchmarks):
+        # a plain str is parsed here, once (InvalidTenant: INVALID_ARGUMENT at the edge)
+        self.tenant = TenantId(self.tenant)
 
 
 @dataclass
@@ -154,7 +159,7 @@ class CompletionOut:
     top_logprobs: list[TopLogprobs] = field(default_factory=list)
     token_texts: list[str] = field(default_factory=list)
     num_prompt_tokens: int = 0
-    tenant: str = ""  # the lineage whose version served it ("": the default one)
+    tenant: TenantId = DEFAULT  # the lineage whose version served it
 
 
 @dataclass
@@ -530,7 +535,7 @@ class _Admission:
     lora: object | None
     extra_args: dict | None
     cache_salt: str
-    tenant: str = ""
+    tenant: TenantId = DEFAULT
 
 
 class RolloutCore:
@@ -569,8 +574,8 @@ class RolloutCore:
         self.last_swap: dict = {}
         self.engine_name = ""
         self._held: dict[int, _Held] = {0: _Held(Version(0, base_model=base_model), None)}
-        self._tenants: dict[str, _Lineage] = {}
-        self._announced: dict[str, int] = {}  # tenant -> the newest version catch-up heard of
+        self._tenants: dict[TenantId, _Lineage] = {}
+        self._announced: dict[TenantId, int] = {}  # tenant -> the newest version catch-up heard of
         self._tenant_stored = asyncio.Condition()  # notified when a tenant's latest changes
         self._latest = 0
         self._live = 0  # merged mode: the version in the engine's weights
@@ -698,14 +703,14 @@ class RolloutCore:
     def latest(self) -> int:
         return self._latest
 
-    def latest_of(self, tenant: str) -> int:
+    def latest_of(self, tenant: TenantId) -> int:
         """The latest version of `tenant`'s lineage ("" the default one; 0: none)."""
         if not tenant:
             return self._latest
         lin = self._tenants.get(tenant)
         return lin.latest if lin is not None else 0
 
-    def announced(self, tenant: str, version: int) -> None:
+    def announced(self, tenant: TenantId, version: int) -> None:
         """The mesh announced `version` of `tenant`'s lineage (catch-up heard it). A tenant's
         request finding its lineage empty while a version is announced waits for it rather
         than being served the base model (`_admitted_tenant`)."""
@@ -769,7 +774,7 @@ class RolloutCore:
                 self._cond.notify_all()
 
     @asynccontextmanager
-    async def _admitted_tenant(self, tenant: str, pin: int):
+    async def _admitted_tenant(self, tenant: TenantId, pin: int):
         """A tenant's request: its lineage's latest version (or `pin`), held resident in the
         engine until the request ends; the base model while the tenant has no version."""
         lin = self._tenants.get(tenant, _Lineage())
@@ -796,7 +801,7 @@ class RolloutCore:
             if held is not None:
                 held.in_flight -= 1
 
-    async def _await_lineage(self, tenant: str) -> "_Lineage":
+    async def _await_lineage(self, tenant: TenantId) -> "_Lineage":
         """The mesh announced a version of `tenant`'s lineage and this replica holds none
         (it restarted, or the tenant is new to it): catch-up is fetching it. Wait for a
         version for up to `tenant_fetch_wait_s`, then refuse with Unavailable (another
@@ -883,7 +888,6 @@ class RolloutCore:
         generator (a cancelled client) aborts its engine requests."""
         from vllm.sampling_params import RequestOutputKind
 
-        check_tenant(req.tenant)
         ids, s = self._validate(req)
         # Engine request ids are ours, unique per call; the caller's id is only for logs.
         rid = uuid.uuid4().hex[:12]
@@ -1041,7 +1045,7 @@ class RolloutCore:
     # ---- versions ---------------------------------------------------------------------
     async def push(
         self, info: Version, chunks: AsyncIterator[bytes], make_latest: bool = True,
-        tenant: str = "",
+        tenant: TenantId = DEFAULT,
     ) -> PushResult:
         """Receive, verify and load a version; make it latest. On any failure the replica
         keeps serving what it served and holds nothing of the failed push. `tenant`: into
@@ -1049,7 +1053,7 @@ class RolloutCore:
         one."""
         t0 = time.perf_counter()
         try:
-            check_tenant(tenant)
+            tenant = TenantId(tenant)  # as it is from the gRPC edge; an in-process str parsed
             result = await self._push(info, chunks, make_latest, tenant)
         except BaseException as e:
             self.metrics.pushes.labels(_push_result(e)).inc()
@@ -1062,7 +1066,7 @@ class RolloutCore:
         return result
 
     async def _push(self, info: Version, chunks: AsyncIterator[bytes], make_latest: bool,
-                    tenant: str = "") -> PushResult:
+                    tenant: TenantId = DEFAULT) -> PushResult:
         t0 = time.perf_counter()
         if info.version <= 0:
             raise InvalidArgument("version must be a positive integer")
@@ -1111,7 +1115,7 @@ class RolloutCore:
             await self.on_loaded(info, result.load_ms)
         return result
 
-    async def _store_tenant(self, tenant: str, info: Version, incoming: adapters.Incoming,
+    async def _store_tenant(self, tenant: TenantId, info: Version, incoming: adapters.Incoming,
                             make_latest: bool, verify_s: float) -> PushResult:
         """Keep a verified version in `tenant`'s lineage; the engine loads it into a slot when
         a request first runs on it. Retires the lineage's old unused versions."""

@@ -13,6 +13,7 @@ from hotloop.errors import InvalidArgument
 from hotloop.grpcutil import create_server, map_errors
 from hotloop.hardware import runtime_info
 from hotloop.proto.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
+from hotloop.tenants import TenantId
 
 from .catchup import Lineages
 from .core import CompletionOut, GenerateInput, PromptIn, RolloutCore, Sampling
@@ -48,7 +49,7 @@ def generate_input(req: rollout_pb2.GenerateRequest) -> GenerateInput:
         request_id=req.request_id,
         stream=req.stream,
         priority=req.priority,
-        tenant=req.tenant,
+        tenant=TenantId(req.tenant),  # InvalidTenant: INVALID_ARGUMENT
     )
 
 
@@ -97,7 +98,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
 
         res = await self.core.push(
             version_from_proto(header.info), chunks(), make_latest=header.make_latest,
-            tenant=header.tenant,
+            tenant=TenantId(header.tenant),  # InvalidTenant: INVALID_ARGUMENT
         )
         return rollout_pb2.PushAdapterResponse(
             loaded=version_to_proto(res.version), verify_ms=res.verify_ms, load_ms=res.load_ms,

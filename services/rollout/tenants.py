@@ -1,7 +1,7 @@
 """Tenants: many adapter lineages served by one engine at once, each request by its own
 tenant's version, in the same batch.
 
-Owns: tenant names, the label a request carries to the engine, and the residency of tenants'
+Owns: the label a request carries to the engine, and the residency of tenants'
 versions in the engine (`TenantSlots`): which versions are loaded, loading on demand, evicting
 the least recently used one that no running request holds, and waiting (bounded) when every
 slot is held. A request holds its version's slot from admission to its end, so the version it
@@ -36,24 +36,16 @@ from pathlib import Path
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from hotloop import adapters, tenants
-from hotloop.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
+from hotloop import adapters
+from hotloop.errors import FailedPrecondition, ResourceExhausted
 from hotloop.metrics import LATENCY_BUCKETS
+from hotloop.tenants import TenantId
 
 BASE = "@base"  # the label of a request served by the load-time base weights
 LABEL_KEY = "hotloop_adapter"  # SamplingParams.extra_args key that names a request's adapter
 
 
-def check_tenant(name: str) -> str:
-    """`name` if it can name a tenant (`hotloop.tenants`' rule, the gateway's and the bus's
-    too); InvalidArgument otherwise. "" is the default lineage."""
-    try:
-        return tenants.check_tenant(name)
-    except ValueError as e:
-        raise InvalidArgument(str(e)) from None
-
-
-def label(tenant: str, version: int) -> str:
+def label(tenant: TenantId, version: int) -> str:
     return f"{tenant}@v{version}"
 
 
@@ -147,18 +139,18 @@ class TenantSlots(ABC):
     async def init(self) -> None:
         """Called once the engine runs."""
 
-    async def prepare(self, tenant: str, version: int, archive: Path) -> None:
+    async def prepare(self, tenant: TenantId, version: int, archive: Path) -> None:
         """A version was stored at `archive`; make it loadable. Default: nothing (loaded on
         demand)."""
 
     @abstractmethod
-    async def acquire(self, tenant: str, version: int, archive: Path | None) -> Lease:
+    async def acquire(self, tenant: TenantId, version: int, archive: Path | None) -> Lease:
         """Hold `version` of `tenant` resident until `release` (version 0: the base model)."""
 
     async def release(self, lease: Lease) -> None:
         """A request on `lease` ended."""
 
-    async def forget(self, tenant: str, version: int) -> None:
+    async def forget(self, tenant: TenantId, version: int) -> None:
         """The version is retired: nothing holds it; free what it used."""
 
     def status(self) -> dict:
@@ -173,10 +165,10 @@ class NoSlots(TenantSlots):
     def __init__(self, why: str):
         self.why = why
 
-    async def prepare(self, tenant: str, version: int, archive: Path) -> None:
+    async def prepare(self, tenant: TenantId, version: int, archive: Path) -> None:
         raise FailedPrecondition(self.why)
 
-    async def acquire(self, tenant: str, version: int, archive: Path | None) -> Lease:
+    async def acquire(self, tenant: TenantId, version: int, archive: Path | None) -> Lease:
         raise FailedPrecondition(self.why)
 
 
@@ -232,7 +224,7 @@ class WorkerSlots(TenantSlots):
     async def init(self) -> None:
         await self.engine.collective_rpc("hotloop_slots_init", args=(len(self.slots),))
 
-    async def acquire(self, tenant: str, version: int, archive: Path | None) -> Lease:
+    async def acquire(self, tenant: TenantId, version: int, archive: Path | None) -> Lease:
         if version == 0:
             return Lease(BASE, extra_args={LABEL_KEY: BASE})
         name = label(tenant, version)
@@ -270,10 +262,12 @@ class WorkerSlots(TenantSlots):
                     left = deadline - loop.time()
                     if left <= 0:
                         self.metrics.waited(loop.time() - t0, refused=True)
+                        # the resident labels (other tenants' names) are the operator's, in
+                        # `status()`: this message goes back towards the request's user
                         raise ResourceExhausted(
                             f"all {len(self.slots)} adapter slots are held by running requests "
-                            f"of other versions ({[s.label for s in self.slots]}); {name} "
-                            f"waited {self.wait_s:g}s for one (raise [rollout] tenant_slots)")
+                            f"of other versions; {name} waited {self.wait_s:g}s for one "
+                            "(raise [rollout] tenant_slots)")
                     patience = t0 + self.drain_after_s - loop.time()  # then it marks one
                     try:
                         await asyncio.wait_for(self._cond.wait(),
@@ -379,7 +373,7 @@ class WorkerSlots(TenantSlots):
                     s.used = self._clock
             self._cond.notify_all()
 
-    async def forget(self, tenant: str, version: int) -> None:
+    async def forget(self, tenant: TenantId, version: int) -> None:
         name = label(tenant, version)
         async with self._cond:
             ks = [i for i, s in enumerate(self.slots) if s.label == name and s.refs == 0
@@ -408,7 +402,7 @@ class LoraSlots(TenantSlots):
         self._requests: dict[str, object] = {}
         self._next_id = self.FIRST_ID
 
-    async def prepare(self, tenant: str, version: int, archive: Path) -> None:
+    async def prepare(self, tenant: TenantId, version: int, archive: Path) -> None:
         from vllm.lora.request import LoRARequest
 
         peft = await asyncio.to_thread(adapters.unpack, archive, archive.parent / "peft")
@@ -416,13 +410,13 @@ class LoraSlots(TenantSlots):
         self._requests[name] = LoRARequest(name, self._next_id, str(peft))
         self._next_id += 1
 
-    async def acquire(self, tenant: str, version: int, archive: Path | None) -> Lease:
+    async def acquire(self, tenant: TenantId, version: int, archive: Path | None) -> Lease:
         if version == 0:
             return Lease(BASE)
         name = label(tenant, version)
         return Lease(name, lora_request=self._requests[name])
 
-    async def forget(self, tenant: str, version: int) -> None:
+    async def forget(self, tenant: TenantId, version: int) -> None:
         req = self._requests.pop(label(tenant, version), None)
         if req is not None:
             await self.engine.remove_lora(req.lora_int_id)

@@ -14,6 +14,7 @@ from pydantic import Field, field_validator, model_validator
 
 from hotloop.config import Section, from_mesh
 from hotloop.hardware import Dtype
+from hotloop.tenants import DEFAULT, TenantId
 
 
 class LoraSettings(Section):
@@ -369,13 +370,13 @@ class OnlineConfig(Section):
     turn (no reference process, no second copy of the base weights). On a few shared cores
     colocated is the faster: a reference process computes beside the engine and the trainer
     and slows both (docs/results.md, "Many tenants")."""
-    tenant: str = ""
+    tenant: TenantId = DEFAULT
     """The tenant whose lineage this loop trains (`[tenants.<name>]`; "": the default tenant).
     It reads only that tenant's feedback subject, and dead-letters (reason `other_tenant`) a
     feedback or traffic record that names another tenant. A named tenant's hold and reset
     through the admin API apply to it (the registry's, recipes/follow.py `FollowedLineage`):
     a reset publishes the base model as its next version and training goes on from there."""
-    tenants: list[str] = Field(default_factory=list)
+    tenants: list[TenantId] = Field(default_factory=list)
     """The tenants this process trains, each in a lane of its own on one shared base model
     (services/trainer/recipes/lanes.py): its own adapter, optimizer state, baseline, versions,
     consumer (`<durable>-<tenant>`), checkpoints and store under `<run_id>/tenants/<tenant>/`
@@ -425,22 +426,12 @@ class OnlineConfig(Section):
     max_pause_s: float = Field(2.0, gt=0.0, le=60.0)
     """`pause`: the longest one busy spell of users stops training, so training progresses."""
 
-    @field_validator("tenant")
-    @classmethod
-    def _tenant(cls, name: str) -> str:
-        from hotloop.tenants import check_tenant
-
-        return check_tenant(name)
-
     @field_validator("tenants")
     @classmethod
-    def _tenants(cls, names: list[str]) -> list[str]:
-        from hotloop.tenants import check_tenant
-
-        checked = [check_tenant(n) for n in names]
-        if (twice := sorted({n for n in checked if checked.count(n) > 1})):
+    def _tenants(cls, names: list[TenantId]) -> list[TenantId]:
+        if (twice := sorted({n for n in names if names.count(n) > 1})):
             raise ValueError(f"[online] tenants lists {', '.join(map(repr, twice))} more than once")
-        return checked
+        return names
 
     @model_validator(mode="after")
     def _one_way_to_name_tenants(self) -> "OnlineConfig":
@@ -453,7 +444,7 @@ class OnlineConfig(Section):
                              "tenant unset")
         return self
 
-    def for_tenant(self, tenant: str) -> "OnlineConfig":
+    def for_tenant(self, tenant: TenantId) -> "OnlineConfig":
         """This section as one lane of `tenants` runs it: its `tenant`, no `tenants`."""
         return self.model_copy(update={"tenant": tenant, "tenants": [], "follow_registry": False})
 

@@ -22,13 +22,14 @@ from hotloop.errors import NotFound
 from hotloop.grpcutil import CHUNK_BYTES, create_server, map_errors
 from hotloop.hardware import runtime_info
 from hotloop.proto.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
+from hotloop.tenants import TenantId
 
 from .recipes.publisher import Publisher, VersionStore
 
 SERVICE = trainer_pb2.DESCRIPTOR.services_by_name["Trainer"].full_name
 ADMIN_METHODS = [f"/{SERVICE}/FetchAdapter"]
 
-Stores = Callable[[str], VersionStore]
+Stores = Callable[[TenantId], VersionStore]
 """tenant -> the `VersionStore` of the lineage this trainer trains for it; NotFound if none."""
 
 
@@ -38,7 +39,7 @@ def single_store(store: VersionStore | Publisher) -> Stores:
     tenant = store.tenant if isinstance(store, Publisher) else ""
     store = store.store if isinstance(store, Publisher) else store
 
-    def of(name: str) -> VersionStore:
+    def of(name: TenantId) -> VersionStore:
         if name != tenant:
             raise NotFound(f"this trainer trains the lineage of tenant {tenant!r}, not {name!r}")
         return store
@@ -78,7 +79,8 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
     async def FetchAdapter(
         self, request: trainer_pb2.FetchAdapterRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[trainer_pb2.FetchAdapterChunk]:
-        store = self._stores(request.tenant)  # NotFound -> NOT_FOUND
+        # InvalidTenant -> INVALID_ARGUMENT; a tenant this process holds no store of: NOT_FOUND
+        store = self._stores(TenantId(request.tenant))
         info = await asyncio.to_thread(store.get, request.version)
         yield trainer_pb2.FetchAdapterChunk(info=version_to_proto(info))
         # Stored versions are immutable, so reading while the loop publishes the next is safe;

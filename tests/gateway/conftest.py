@@ -14,6 +14,13 @@ KEY = "sk-test-alice-0123456789"
 OTHER_KEY = "sk-test-bob-0123456789"
 ANON_KEY = "sk-test-anonymous-key"
 KEYS = [f"alice:{KEY}", f"bob:{OTHER_KEY}", ANON_KEY]
+ADMIN_TOKEN = "sk-test-operator-0123456789"
+"""The admin token of the gateways that tests start with `admin_token=ADMIN_TOKEN`: the
+operator's views on the users' port (`/metrics`, every tenant's `/v1/hotloop/status`)."""
+
+
+def operator_headers() -> dict[str, str]:
+    return {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 
 
 @dataclass

@@ -17,7 +17,7 @@ import pytest_asyncio
 from hotloop import metrics
 from tests.scrape import scrape
 
-from .conftest import KEY, start_gateway
+from .conftest import ADMIN_TOKEN, KEY, start_gateway
 from .fake_rollout import WORDS, start_fake
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -27,7 +27,7 @@ HI = [{"role": "user", "content": "hi"}]
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def rig(nats_module):
     fake, server, addr = await start_fake(version=3)
-    gw = await start_gateway([addr], nats_module.url)
+    gw = await start_gateway([addr], nats_module.url, admin_token=ADMIN_TOKEN)
     endpoint = metrics.serve(gw.core.registry)
     yield fake, gw, endpoint, addr
     endpoint.close()
@@ -109,11 +109,11 @@ async def test_replica_table_readiness_and_in_flight_gauges(rig):
 async def test_no_replica_is_unavailable_and_not_ready(nats_module):
     fake, server, addr = await start_fake()
     await server.stop(0)  # nothing listens there
-    gw = await start_gateway([addr], nats_module.url)
+    gw = await start_gateway([addr], nats_module.url, admin_token=ADMIN_TOKEN)
     try:
         with pytest.raises(openai.APIStatusError):
             await gw.openai().chat.completions.create(model="tiny", messages=HI)
-        got = await scrape(gw.http.port)  # the HTTP edge's /metrics: the same registry
+        got = await scrape(gw.http.port, token=ADMIN_TOKEN)  # the HTTP edge's: the same registry
         assert got.value("hotloop_gateway_request_errors_total", code="unavailable") == 1
         assert got.value("hotloop_gateway_replica_healthy", address=addr) == 0
         assert got.value("hotloop_gateway_ready") == 0
@@ -124,11 +124,12 @@ async def test_no_replica_is_unavailable_and_not_ready(nats_module):
 async def test_the_http_edge_serves_the_same_registry(rig):
     _, gw, endpoint, _ = rig
     await gw.openai().chat.completions.create(model="tiny", messages=HI)
-    edge, process = await scrape(gw.http.port), await scrape(endpoint.port)
+    edge, process = await scrape(gw.http.port, token=ADMIN_TOKEN), await scrape(endpoint.port)
     for sample in ("hotloop_gateway_requests_total", "hotloop_gateway_completion_tokens_total"):
         assert edge.value(sample) == process.value(sample) > 0
     async with httpx.AsyncClient() as http:  # OpenMetrics when a scraper asks for it
         r = await http.get(f"http://127.0.0.1:{gw.http.port}/metrics",
-                           headers={"Accept": "application/openmetrics-text; version=1.0.0"})
+                           headers={"Accept": "application/openmetrics-text; version=1.0.0",
+                                    "Authorization": f"Bearer {ADMIN_TOKEN}"})
     assert r.headers["content-type"].startswith("application/openmetrics-text")
     assert r.text.rstrip().endswith("# EOF")

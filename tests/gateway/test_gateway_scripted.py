@@ -18,7 +18,7 @@ from hotloop import bus as hbus
 from hotloop.proto.v1 import bus_pb2, common_pb2, gateway_pb2
 from tests.scrape import parse
 
-from .conftest import ANON_KEY, KEY, OTHER_KEY, start_gateway
+from .conftest import ADMIN_TOKEN, ANON_KEY, KEY, OTHER_KEY, operator_headers, start_gateway
 from .fake_rollout import PROMPT_IDS, WORDS, start_fake
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -29,7 +29,7 @@ HI = [{"role": "user", "content": "hi"}]
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def rig(nats_module):
     fake, server, addr = await start_fake(version=3)
-    gw = await start_gateway([addr], nats_module.url)
+    gw = await start_gateway([addr], nats_module.url, admin_token=ADMIN_TOKEN)
     yield fake, gw
     await gw.stop()
     await server.stop(0)
@@ -331,19 +331,21 @@ async def test_status_and_metrics(rig):
     _, gw = rig
     metrics_url = f"http://127.0.0.1:{gw.http.port}/metrics"
     async with httpx.AsyncClient() as http:
-        before_status = (await http.get(f"{gw.base_url}/hotloop/status", headers=headers())).json()
-        before = parse((await http.get(metrics_url)).text)
+        # the counters and /metrics are the operator's (every tenant's traffic): admin token
+        before_status = (await http.get(f"{gw.base_url}/hotloop/status", headers=operator_headers())).json()
+        before = parse((await http.get(metrics_url, headers=operator_headers())).text)
         assert (await http.get(f"{gw.base_url}/hotloop/status")).status_code == 401
         await gw.openai().chat.completions.create(model="tiny", messages=HI, max_tokens=8)
         deadline = asyncio.get_running_loop().time() + 10
         while True:  # the traffic record is published after the answer, off the request's path
-            s = (await http.get(f"{gw.base_url}/hotloop/status", headers=headers())).json()
+            s = (await http.get(f"{gw.base_url}/hotloop/status", headers=operator_headers())).json()
             if s["counters"]["traffic_published"] > before_status["counters"]["traffic_published"]:
                 break
             assert asyncio.get_running_loop().time() < deadline, s["counters"]
             await asyncio.sleep(0.05)
-        m = (await http.get(metrics_url)).text
-    assert s["replicas"][0]["healthy"]
+        m = (await http.get(metrics_url, headers=operator_headers())).text
+        mine = (await http.get(f"{gw.base_url}/hotloop/status", headers=headers())).json()
+    assert s["replicas"][0]["healthy"] and mine["replicas"][0]["healthy"]
     assert s["counters"]["unauthenticated"] == before_status["counters"]["unauthenticated"] + 1
     unauth = ("hotloop_gateway_request_errors_total", {"code": "unauthenticated"})
     assert parse(m).value(unauth[0], **unauth[1]) == before.value(unauth[0], **unauth[1]) + 1

@@ -13,10 +13,11 @@ import pytest
 import pytest_asyncio
 
 from hotloop import bus as hbus
+from hotloop import metrics
 from hotloop.proto.v1 import bus_pb2
 from tests.scrape import scrape
 
-from .conftest import ANON_KEY, KEY, KEYS, OTHER_KEY, start_gateway
+from .conftest import ADMIN_TOKEN, ANON_KEY, KEY, KEYS, OTHER_KEY, start_gateway
 from .fake_rollout import start_fake
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -27,7 +28,7 @@ TENANTS = {"acme": ["alice"], "globex": ["bob"]}  # the anonymous key is in the 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def rig(nats_module):
     fake, server, addr = await start_fake(version=3)
-    gw = await start_gateway([addr], nats_module.url, tenants=TENANTS)
+    gw = await start_gateway([addr], nats_module.url, tenants=TENANTS, admin_token=ADMIN_TOKEN)
     yield fake, gw, addr
     await gw.stop()
     await server.stop(0)
@@ -83,11 +84,15 @@ async def test_an_answer_from_another_tenants_lineage_never_reaches_the_user(rig
     try:
         with pytest.raises(openai.APIStatusError) as e:
             await gw.openai(KEY).chat.completions.create(model="tiny", messages=HI, max_tokens=3)
-        assert e.value.status_code == 503 and "lineage of tenant 'globex'" in e.value.message
+        assert e.value.status_code == 503 and "another tenant's lineage" in e.value.message
+        assert "globex" not in e.value.message  # acme's user never learns another's name
+        # nor from why the replica is down (every user's 503 and /ready say that)
+        assert not gw.core.router.states[0].healthy
+        assert "globex" not in gw.core.router.states[0].reason
     finally:
         fake.lineage = None
     assert gw.core.status()["counters"]["wrong_tenant"] >= 1
-    scraped = await scrape(gw.http.port)  # and where an operator's alert would look
+    scraped = await scrape(gw.http.port, token=ADMIN_TOKEN)  # where an operator's alert looks
     assert scraped.value("hotloop_gateway_wrong_tenant_total") >= 1
     # marked down at the refusal; serving again once a health poll finds it up
     for _ in range(300):
@@ -119,3 +124,59 @@ async def test_a_tenant_naming_a_key_id_no_key_has_is_refused(nats_module):
 
     with pytest.raises(KeyConfigError, match="alicia"):
         await start_gateway(["127.0.0.1:1"], nats_module.url, keys=KEYS, tenants={"acme": ["alicia"]})
+
+
+async def test_a_tenant_sees_only_itself_and_the_operator_sees_every_tenant(rig):
+    """A user key's status names its own tenant and lineage only; `/metrics` on the users'
+    port (whose series carry every tenant's name) is the admin token's; the operator's
+    listener (`metrics_port`) and the admin token's status still show every tenant."""
+    fake, gw, _ = rig
+    fake.tenant_versions = {"acme": 2, "globex": 5}
+    endpoint = metrics.serve(gw.core.registry)  # the process's operator-only listener
+    try:
+        for _ in range(300):  # the health poll reads each replica's tenant versions
+            if gw.core.router.states[0].tenants == fake.tenant_versions:
+                break
+            await asyncio.sleep(0.05)
+        assert gw.core.router.states[0].tenants == {"acme": 2, "globex": 5}
+        async with httpx.AsyncClient() as http:
+            async def get(path: str, token: str | None) -> httpx.Response:
+                headers = {"Authorization": f"Bearer {token}"} if token else {}
+                return await http.get(f"http://127.0.0.1:{gw.http.port}{path}", headers=headers)
+
+            views = {}
+            for key, own, others in ((KEY, "acme", ["globex"]), (OTHER_KEY, "globex", ["acme"]),
+                                     (ANON_KEY, "", ["acme", "globex"])):
+                r = await get("/v1/hotloop/status", key)
+                assert r.status_code == 200
+                views[own] = r.json()
+                for other in others:
+                    assert other not in r.text, (own, r.text)
+                m = await get("/metrics", key)
+                assert m.status_code == 403 and "metrics_port" in m.text
+                for other in others:
+                    assert other not in m.text
+            assert views["acme"]["tenant"] == "acme" and views["acme"]["newest_version"] == 2
+            assert [x["version"] for x in views["acme"]["replicas"]] == [2]
+            assert views["globex"]["newest_version"] == 5
+            assert [x["version"] for x in views["globex"]["replicas"]] == [5]
+            assert views[""]["tenant"] == "" and [x["version"] for x in views[""]["replicas"]] == [3]
+            assert "counters" not in views["acme"]  # gateway-wide: every tenant's traffic
+
+            assert (await get("/metrics", None)).status_code == 401
+            assert (await get("/metrics", "sk-not-a-key")).status_code == 401
+            assert (await get("/v1/hotloop/status", None)).status_code == 401
+
+            full = (await get("/v1/hotloop/status", ADMIN_TOKEN)).json()
+            assert full["replicas"][0]["tenant_versions"] == {"acme": 2, "globex": 5}
+            assert "counters" in full
+        operator = await scrape(gw.http.port, token=ADMIN_TOKEN)
+        listener = await scrape(endpoint.port)  # no token: the listener is the operator's
+        for got in (operator, listener):
+            assert got.value("hotloop_gateway_replica_tenant_version",
+                             address=gw.core.router.states[0].replica.address, tenant="acme") == 2
+            assert got.value("hotloop_gateway_replica_tenant_version",
+                             address=gw.core.router.states[0].replica.address, tenant="globex") == 5
+    finally:
+        endpoint.close()
+        fake.tenant_versions = {}

@@ -21,7 +21,6 @@ from services.rollout.tenants import (
     NoSlots,
     SlotMetrics,
     WorkerSlots,
-    check_tenant,
 )
 
 
@@ -45,15 +44,26 @@ class Worker:
     BYTES = 1000  # what each loaded adapter's factors take, as the worker reports it
 
 
-@pytest.mark.parametrize("name", ["acme", "a", "team-7_x", "0" * 32])
-def test_good_tenant_names(name):
-    assert check_tenant(name) == name
+@pytest.mark.parametrize("name", ["acme", "a", "team-7_x", "0" * 32, ""])
+def test_good_tenant_names_are_parsed_at_the_grpc_edge(name):
+    from hotloop.proto.v1 import rollout_pb2
+    from hotloop.tenants import TenantId
+    from services.rollout.server import generate_input
+
+    got = generate_input(rollout_pb2.GenerateRequest(tenant=name)).tenant
+    assert got == name and type(got) is TenantId
 
 
 @pytest.mark.parametrize("name", ["Acme", "a b", "-x", "_x", "x/y", "../x", "0" * 33, "é", "a\n"])
-def test_bad_tenant_names(name):
+def test_bad_tenant_names_are_invalid_arguments_at_the_grpc_edge(name):
+    from hotloop.proto.v1 import rollout_pb2
+    from services.rollout.core import GenerateInput
+    from services.rollout.server import generate_input
+
     with pytest.raises(InvalidArgument, match="tenant"):
-        check_tenant(name)
+        generate_input(rollout_pb2.GenerateRequest(tenant=name))
+    with pytest.raises(InvalidArgument, match="tenant"):  # an in-process caller's input too
+        GenerateInput(prompts=[], tenant=name)
 
 
 async def test_slots_fill_evict_lru_and_never_a_held_one():

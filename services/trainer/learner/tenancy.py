@@ -26,6 +26,8 @@ from typing import Any
 
 import torch
 
+from hotloop.tenants import TenantId
+
 __all__ = ["AdapterState", "Adapters", "capture", "swap_in"]
 
 
@@ -92,25 +94,25 @@ class Adapters:
         self._states: dict[str, AdapterState] = {}
         self.current: str | None = None
 
-    def __contains__(self, tenant: str) -> bool:
+    def __contains__(self, tenant: TenantId) -> bool:
         return tenant in self._states
 
     def tenants(self) -> list[str]:
         return list(self._states)
 
-    def add(self, tenant: str) -> None:
+    def add(self, tenant: TenantId) -> None:
         """A new tenant, at the fresh init."""
         if tenant in self._states:
             raise ValueError(f"tenant {tenant!r} has an adapter already")
         self._states[tenant] = AdapterState.fresh(self._initial)
 
-    def state(self, tenant: str) -> AdapterState:
+    def state(self, tenant: TenantId) -> AdapterState:
         """The tenant's state (the policy's own when it is the current one)."""
         if tenant == self.current:
             return capture(self.policy)
         return self._states[tenant]
 
-    def use(self, tenant: str) -> None:
+    def use(self, tenant: TenantId) -> None:
         """Make the policy `tenant`'s (a no-op when it is already)."""
         if tenant not in self._states:
             raise KeyError(f"no adapter for tenant {tenant!r}")
@@ -121,7 +123,7 @@ class Adapters:
         swap_in(self.policy, self._states[tenant])
         self.current = tenant
 
-    def reset(self, tenant: str, params: list[torch.Tensor] | None = None) -> None:
+    def reset(self, tenant: TenantId, params: list[torch.Tensor] | None = None) -> None:
         """Put `tenant` back at the fresh init (or at `params`, tensors in the policy's order:
         a version of its own it goes back to) with no optimizer state; its step count stays
         (checkpoint names keep increasing, so the reset one is the latest)."""
@@ -130,7 +132,7 @@ class Adapters:
         if tenant == self.current:
             swap_in(self.policy, self._states[tenant])
 
-    def remove(self, tenant: str) -> None:
+    def remove(self, tenant: TenantId) -> None:
         """Forget `tenant`'s state (its memory goes with the last reference)."""
         del self._states[tenant]
         if tenant == self.current:

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import itertools
 
+from hotloop.tenants import TenantId
+
 
 class FairShare:
     """Start-time fair queueing over tenants' updates, charged in trained tokens.
@@ -28,15 +30,15 @@ class FairShare:
     `done(t, tokens)` when its update ended, `withdraw(t)` when t stops waiting ungranted."""
 
     def __init__(self) -> None:
-        self.vtime: dict[str, float] = {}
-        self.weights: dict[str, float] = {}
-        self._waiting: dict[str, int] = {}  # tenant -> arrival order (ties go to the earliest)
+        self.vtime: dict[TenantId, float] = {}
+        self.weights: dict[TenantId, float] = {}
+        self._waiting: dict[TenantId, int] = {}  # tenant -> arrival order (ties go to the earliest)
         self.running: str | None = None
         self._order = itertools.count()
         self._high = 0.0  # the highest virtual time an update ended at
         self._start = 0.0  # the virtual time the latest grant started at
 
-    def add(self, tenant: str, weight: float = 1.0) -> None:
+    def add(self, tenant: TenantId, weight: float = 1.0) -> None:
         """A tenant joins, at the virtual time service stands at (no credit for not having
         been there)."""
         if tenant in self.vtime:
@@ -46,7 +48,7 @@ class FairShare:
         self.weights[tenant] = float(weight)
         self.vtime[tenant] = self._floor()
 
-    def remove(self, tenant: str) -> None:
+    def remove(self, tenant: TenantId) -> None:
         self.withdraw(tenant)
         if self.running == tenant:
             self.running = None
@@ -58,7 +60,7 @@ class FairShare:
         else the highest time an update ended at."""
         return self._start if self._waiting or self.running is not None else self._high
 
-    def ready(self, tenant: str) -> None:
+    def ready(self, tenant: TenantId) -> None:
         """`tenant` wants a grant (a no-op while it waits already)."""
         if tenant not in self.vtime:
             raise KeyError(f"tenant {tenant!r} is not in the fair share")
@@ -71,7 +73,7 @@ class FairShare:
     def waiting(self) -> list[str]:
         return list(self._waiting)
 
-    def grant(self) -> str | None:
+    def grant(self) -> TenantId | None:
         """The waiting tenant that runs now (None: nobody waits, or one runs already)."""
         if self.running is not None or not self._waiting:
             return None
@@ -81,7 +83,7 @@ class FairShare:
         self._start = self.vtime[tenant]
         return tenant
 
-    def done(self, tenant: str, tokens: int) -> None:
+    def done(self, tenant: TenantId, tokens: int) -> None:
         """`tenant`'s update ended after training `tokens` (0: it trained nothing)."""
         if self.running != tenant:
             raise ValueError(f"tenant {tenant!r} was not granted (running: {self.running!r})")
@@ -91,6 +93,6 @@ class FairShare:
         self.vtime[tenant] += tokens / self.weights[tenant]
         self._high = max(self._high, self.vtime[tenant])
 
-    def withdraw(self, tenant: str) -> None:
+    def withdraw(self, tenant: TenantId) -> None:
         """`tenant` stops waiting before it was granted (its lane stopped)."""
         self._waiting.pop(tenant, None)

@@ -20,6 +20,7 @@ from hotloop import models, telemetry
 from hotloop.clients import ReferenceClient, RolloutClient
 from hotloop.config import MeshConfig
 from hotloop.replicas import References, Replicas, Rewards, Rollouts
+from hotloop.tenants import DEFAULT, TenantId
 
 from . import grpo, grpo_async, report
 from ..config import TrainerConfig
@@ -118,7 +119,7 @@ def advertised(host: str, port: int, configured: str = "") -> str:
 
 
 async def open_edge(mesh_cfg: MeshConfig, trainer_cfg: TrainerConfig, run_dir: Path,
-                    algorithm: str, address: str = "127.0.0.1:0", tenant: str = "",
+                    algorithm: str, address: str = "127.0.0.1:0", tenant: TenantId = DEFAULT,
                     stores=None) -> Edge:
     """Connect the bus (if configured) and the reference, check dtypes, start the trainer's
     Status/FetchAdapter server on `address`. `stores` (server.Stores): the lineages' stores
@@ -247,8 +248,6 @@ async def open_online(mesh_cfg: MeshConfig, job, trainer_cfg: TrainerConfig,
                       address: str = "127.0.0.1:0"):
     """The edge and the `online.OnlineMesh` of an online job; returns (edge, mesh, run_dir).
     Close with `close_online`."""
-    from hotloop.tenants import DEFAULT
-
     from . import online
 
     ep = mesh_cfg.endpoints
@@ -293,8 +292,6 @@ async def open_lanes(mesh_cfg: MeshConfig, job, trainer_cfg: TrainerConfig,
     """The edge and the `lanes.Lanes` of an online job with `[online] tenants`: one process,
     a lane per tenant (lanes.py); the server's FetchAdapter serves each lane's store. Returns
     (edge, lanes); run with `lanes.run()`, close with `close_lanes`."""
-    from hotloop.tenants import DEFAULT
-
     from .lanes import Lanes
     from .publisher import Publisher
     from .usersfirst import UsersFirst
@@ -305,7 +302,7 @@ async def open_lanes(mesh_cfg: MeshConfig, job, trainer_cfg: TrainerConfig,
     UsersFirst(job.users_first).start()  # before the policy loads (see open_online)
     lanes: Lanes | None = None
 
-    def stores(tenant: str):
+    def stores(tenant: TenantId):
         if lanes is None:
             from hotloop.errors import NotFound
 
@@ -314,13 +311,13 @@ async def open_lanes(mesh_cfg: MeshConfig, job, trainer_cfg: TrainerConfig,
 
     edge = await open_edge(mesh_cfg, trainer_cfg, run_dir, "reinforce_tis", address, stores=stores)
 
-    def publisher_for(tenant: str, store_dir: Path) -> Publisher:
+    def publisher_for(tenant: TenantId, store_dir: Path) -> Publisher:
         return Publisher(list(ep.rollout), mesh_cfg.security.admin_token, store_dir, edge.bus,
                          mesh_cfg.model.name, fetch_from=edge.fetch_from, tenant=tenant)
 
     state = edge.state
 
-    def on_step(tenant: str, rec) -> None:
+    def on_step(tenant: TenantId, rec) -> None:
         # Status: the steps of every lineage together; the version of the default lineage
         # (0 when this process does not train it: versions of lineages do not compare)
         state.step = lanes.steps()

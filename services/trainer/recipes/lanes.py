@@ -58,7 +58,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 
 from hotloop.errors import NotFound
-from hotloop.tenants import check_tenant
+from hotloop.tenants import TenantId
 
 from ..config import OnlineConfig, TrainerConfig
 from .base import run_recipe
@@ -69,7 +69,7 @@ from .usersfirst import UsersFirst
 log = logging.getLogger(__name__)
 
 
-def lane_dir(run_dir: Path, tenant: str) -> Path:
+def lane_dir(run_dir: Path, tenant: TenantId) -> Path:
     """A tenant's lane directory: `<run_dir>/tenants/<tenant>`, `<run_dir>` for the default."""
     return Path(run_dir) / "tenants" / tenant if tenant else Path(run_dir)
 
@@ -88,22 +88,22 @@ class Turns:
         self._train: dict[str, asyncio.Future] = {}
         self._short: deque[tuple[str, asyncio.Future]] = deque()
 
-    def add(self, tenant: str) -> None:
+    def add(self, tenant: TenantId) -> None:
         self.adapters.add(tenant)
         self.fair.add(tenant)
 
-    def remove(self, tenant: str) -> None:
+    def remove(self, tenant: TenantId) -> None:
         if self.holder == tenant or tenant in self._train:
             raise RuntimeError(f"tenant {tenant!r} still uses the policy")
         self.adapters.remove(tenant)
         self.fair.remove(tenant)
 
-    def of(self, tenant: str) -> Callable[..., Any]:
+    def of(self, tenant: TenantId) -> Callable[..., Any]:
         """The `turn` of a lane (what `Online` takes)."""
         return lambda train=False: self.turn(tenant, train)
 
     @contextlib.asynccontextmanager
-    async def turn(self, tenant: str, train: bool = False):
+    async def turn(self, tenant: TenantId, train: bool = False):
         """The policy, `tenant`'s, until the block ends; a training turn reports its tokens on
         the yielded `Grant`, which the fair share charges."""
         fut = asyncio.get_running_loop().create_future()
@@ -145,7 +145,7 @@ class Turns:
             self.grants.append(tenant)
             self._train.pop(tenant).set_result(None)
 
-    def _release(self, tenant: str, train: bool, tokens: int) -> None:
+    def _release(self, tenant: TenantId, train: bool, tokens: int) -> None:
         self.holder = None
         if train:
             self.fair.done(tenant, tokens)
@@ -156,7 +156,7 @@ class Turns:
 class Lane:
     """One tenant's loop and what it was started with."""
 
-    tenant: str
+    tenant: TenantId
     dir: Path
     mesh: OnlineMesh
     metrics: OnlineMetrics
@@ -188,7 +188,7 @@ class Lanes:
         self.lanes: dict[str, Lane] = {}
         self.turns: Turns | None = None
         self.users: UsersFirst | None = None
-        self.summaries: dict[str, dict] = {}  # of lanes that ended, by tenant
+        self.summaries: dict[TenantId, dict] = {}  # of lanes that ended, by tenant
         self.held: set[str] = set()  # tenants whose lineage is held (`hold_tenant`); set
         # before `run` for the config tenants' lanes to start held
         self._changed = asyncio.Event()
@@ -257,7 +257,7 @@ class Lanes:
             self.owned.close()
             self.owned = None
 
-    def store(self, tenant: str):
+    def store(self, tenant: TenantId):
         """The `VersionStore` of a lineage this process trains (the trainer's FetchAdapter)."""
         lane = self.lanes.get(tenant)
         if lane is None:
@@ -270,10 +270,10 @@ class Lanes:
         return sum(lane.online.steps for lane in self.lanes.values())
 
     # ---- the lifecycle ----------------------------------------------------------------------
-    async def add_tenant(self, tenant: str, held: bool = False) -> None:
+    async def add_tenant(self, tenant: TenantId, held: bool = False) -> None:
         """Start `tenant`'s lane, held from the start or not (`held`, which replaces whatever
         `self.held` said of the name); returns once it consumes (its setup's error is raised)."""
-        check_tenant(tenant)
+        tenant = TenantId(tenant)  # its lane's directory is named after it
         await self._ready.wait()
         if tenant in self.lanes:
             raise ValueError(f"tenant {tenant!r} is trained here already")
@@ -297,7 +297,7 @@ class Lanes:
             raise
         log.info("tenant %r: lane started in %s", tenant, directory)
 
-    async def reset_tenant(self, tenant: str, to_version: int = 0) -> int:
+    async def reset_tenant(self, tenant: TenantId, to_version: int = 0) -> int:
         """Back to the base (or to the lineage's own `to_version`, read from its store): that
         adapter with no optimizer state, published as a new version above the lineage's latest
         and checkpointed, then the lane goes on from there. Returns the version. A version
@@ -328,7 +328,7 @@ class Lanes:
         await self._started(self.lanes[tenant])
         return version
 
-    def hold_tenant(self, tenant: str, held: bool = True) -> None:
+    def hold_tenant(self, tenant: TenantId, held: bool = True) -> None:
         """Hold `tenant`'s lineage at its version, or let it learn again (`held` False)."""
         lane = self._lane(tenant)
         if held:
@@ -337,7 +337,7 @@ class Lanes:
             self.held.discard(tenant)
         lane.online.hold(held)
 
-    async def remove_tenant(self, tenant: str) -> Path:
+    async def remove_tenant(self, tenant: TenantId) -> Path:
         """Stop the lane, delete its durable consumer (what it had not acked stays in the
         stream), move its directory aside; returns where it went."""
         lane = self._lane(tenant)
@@ -356,13 +356,13 @@ class Lanes:
         return aside
 
     # ---- inside ---------------------------------------------------------------------------
-    def _lane(self, tenant: str) -> Lane:
+    def _lane(self, tenant: TenantId) -> Lane:
         lane = self.lanes.get(tenant)
         if lane is None:
             raise NotFound(f"tenant {tenant!r} is not trained here (trained: {sorted(self.lanes)})")
         return lane
 
-    def _start(self, tenant: str, directory: Path, mesh: OnlineMesh,
+    def _start(self, tenant: TenantId, directory: Path, mesh: OnlineMesh,
                metrics: OnlineMetrics, lease=None) -> None:
         online = Online(self.job.for_tenant(tenant), self.cfg, self.model_dir, mesh,
                         policy=self.policy, metrics=metrics, turn=self.turns.of(tenant),
@@ -401,7 +401,7 @@ class Lanes:
 _LANE_FILES = ("checkpoints", "store", "adapters", "metrics.jsonl", "summary.json")
 
 
-def _retire(run_dir: Path, tenant: str) -> Path:
+def _retire(run_dir: Path, tenant: TenantId) -> Path:
     """Move a removed lane's files to `<run_dir>/removed/<tenant or default>-<time>/`."""
     stem = Path(run_dir) / "removed" / f"{tenant or 'default'}-{time.strftime('%Y%m%d-%H%M%S')}"
     aside, n = stem, 1

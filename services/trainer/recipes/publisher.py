@@ -47,6 +47,7 @@ from hotloop.bus import Bus, announced_key, latest_key, weights_subject
 from hotloop.clients import RolloutClient, direct_channel
 from hotloop.errors import FailedPrecondition, InvalidArgument, NotFound
 from hotloop.proto.v1 import bus_pb2, common_pb2
+from hotloop.tenants import DEFAULT, TenantId
 
 log = logging.getLogger(__name__)
 _tracer = trace.get_tracer(__name__)
@@ -235,7 +236,7 @@ class Publisher:
         fetch_from: str = "",
         max_attempts: int = 4,
         push_timeout_s: float = 120.0,
-        tenant: str = "",
+        tenant: TenantId = DEFAULT,
     ) -> None:
         """`fetch_from`: this trainer's FetchAdapter address, put in the announcement (an
         attribute: set it once the trainer's server has its port).

@@ -303,6 +303,9 @@ async def test_fetch_adapter_and_status_through_a_real_trainer_server(tmp_path):
             with pytest.raises(grpc.aio.AioRpcError) as e:  # a lineage this trainer does not train
                 await fetch(stub, 1, tenant="acme")
             assert e.value.code() == grpc.StatusCode.NOT_FOUND and "'acme'" in e.value.details()
+            with pytest.raises(grpc.aio.AioRpcError) as e:  # a name no tenant may have
+                await fetch(stub, 1, tenant="../acme")
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "tenant name" in e.value.details()
             for token in ("", "wrong-token"):  # a version is a tenant's model: admin only
                 with pytest.raises(grpc.aio.AioRpcError) as e:
                     await fetch(stub, 1, token=token)
