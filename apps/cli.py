@@ -60,7 +60,7 @@ def cmd_models(args) -> int:
 def replica_overrides(text: str | None) -> list[str]:
     """`--replicas rollout=2,reward=2` as the overrides it stands for (`up.replicas.<name>=N`);
     the counts are checked with the rest of `[up]`. ValueError for a malformed item."""
-    from apps.launcher import REPLICATED
+    from launch.mesh import REPLICATED
 
     out = []
     for item in filter(None, (text or "").split(",")):
@@ -75,8 +75,8 @@ def replica_overrides(text: str | None) -> list[str]:
 
 
 def cmd_up(args) -> int:
-    from apps import sections
-    from apps.launcher import ALL_SERVICES, Mesh, available
+    from launch import sections
+    from launch.mesh import ALL_SERVICES, Mesh, available
 
     try:
         overrides = [*args.set, *replica_overrides(args.replicas)]
@@ -107,7 +107,7 @@ def cmd_up(args) -> int:
 
 
 def cmd_serve(args) -> int:
-    from apps.launcher import available
+    from launch.mesh import available
 
     if not available(args.service):
         print(f"service {args.service!r} is not available", file=sys.stderr)

@@ -15,31 +15,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-
-def load_job(config_path: str | None, overrides: list[str], algorithm: str, mesh=None):
-    """The mesh and the job's and `[trainer]`'s sections, every section of the file checked
-    at once; `mesh` (a running mesh's `MeshInfo`) points the mesh sections at it. For `ppo`
-    the trainer's algorithm is PPO whatever the file says."""
-    from apps import sections
-
-    patch = {"trainer": {"algorithm": "ppo"}} if algorithm == "ppo" else None
-    from hotloop.grpcutil import configure
-
-    loaded = sections.load(config_path, overrides, patch)
-    mesh_cfg = mesh.apply(loaded.mesh) if mesh is not None else loaded.mesh
-    configure(mesh_cfg.grpc)  # the job's clients ping as the mesh's do
-    return mesh_cfg, loaded[algorithm], loaded["trainer"]
-
-
-def _running_mesh(run_dir: str):
-    """The running mesh at `run_dir`, or None after saying why not."""
-    from apps.launcher import MeshInfo
-
-    try:
-        return MeshInfo.load(run_dir)
-    except FileNotFoundError as e:
-        print(e)
-        return None
+from launch.jobs import load_job, running_mesh
 
 
 def train(args) -> int:
@@ -47,7 +23,7 @@ def train(args) -> int:
 
     logging.basicConfig(level=os.environ.get("HOTLOOP_LOG_LEVEL", "WARNING"))
     mesh_cfg, job, trainer_cfg = load_job(args.config, args.set, args.algorithm)  # the file first
-    info = _running_mesh(args.run_dir or mesh_cfg.run_dir)
+    info = running_mesh(args.run_dir or mesh_cfg.run_dir)
     if info is None:
         return 2
     mesh_cfg = info.apply(mesh_cfg)
@@ -92,7 +68,7 @@ def evaluate(args) -> int:
     from services.trainer.recipes.grpo import evaluate
 
     mesh_cfg, job, trainer_cfg = load_job(args.config, args.set, "grpo")
-    info = _running_mesh(mesh_cfg.run_dir)
+    info = running_mesh(mesh_cfg.run_dir)
     if info is None:
         return 2
     tasks = load_tasks(args.tasks, args.split)

@@ -30,7 +30,7 @@ def sections() -> dict[str, type[BaseModel]]:
     from services.trainer.recipes.grpo_async import AsyncGrpoJobConfig
     from services.trainer.recipes.ppo import PpoJobConfig
 
-    from apps.launcher import UpConfig
+    from launch.mesh import UpConfig
 
     return {
         "rollout": RolloutConfig, "reward": RewardConfig, "reference": ReferenceServiceConfig,

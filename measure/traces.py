@@ -1,10 +1,10 @@
-"""`hotloop trace budget`: a latency budget (stage, time, share of the loop) from trace files;
-and where a user's time to first token went, hop by hop (`ttft_hops`).
+"""Reading trace files: a latency budget (stage, time, share of the loop; `hotloop trace
+budget` prints it), and where a user's time to first token went, hop by hop (`ttft_hops`).
 
 Reads the OTLP JSON-lines files that the `jsonl` exporter writes (one ExportTraceServiceRequest
 per line), finds the loop's root spans (by name, or the longest roots), and attributes time
 to their direct children by name. Works for the GRPO step (`grpo.step`) and any other loop
-that opens one span per iteration.
+that opens one span per iteration. Does not own the command (`apps/tracebudget.py`).
 """
 
 from __future__ import annotations
@@ -41,16 +41,6 @@ def budget(spans: list[dict], root: str = "grpo.step") -> dict:
     covered = sum(v["total_s"] for v in stages.values())
     return {"root": root, "iterations": len(roots), "median_s": statistics.median(loop),
             "stages": stages, "unattributed_share": 1 - covered / total}
-
-
-def main(args) -> int:
-    result = budget(read_spans(args.paths), args.root or "grpo.step")
-    print(f"{result['root']}: {result['iterations']} iterations, median {result['median_s']:.2f} s")
-    print(f"{'stage':<14}{'median s':>10}{'share':>8}")
-    for name, v in result["stages"].items():
-        print(f"{name:<14}{v['median_s']:>10.3f}{v['share']:>8.1%}")
-    print(f"{'(other)':<14}{'':>10}{result['unattributed_share']:>8.1%}")
-    return 0
 
 
 def read_trace_spans(paths: list[Path]) -> list[dict]:

@@ -1,4 +1,5 @@
-"""`hotloop simulate users`: simulated users who chat through the gateway and rate the answers.
+"""Simulated users who chat through the gateway and rate the answers (`hotloop simulate users`,
+the demos and the benchmarks run them).
 
 Owns:
 - the hidden preferences (`Brevity`, `Bullets`, `Question`, `Exclaim`; `PREFERENCES` by
@@ -11,9 +12,10 @@ Owns:
   preference over a sliding window, the served version, TTFT and inter-chunk latency, and the
   first time a token of each version reached a user (the far end of the update loop).
 
-Does not own: the gateway, the trainer or the mesh. It reaches the mesh over HTTP only (the
-gateway URL and a user key from `<run_dir>/mesh.json`, see `apps.launcher.MeshInfo`), so it
-imports nothing from `services/`.
+Does not own: the gateway, the trainer or the mesh; finding a running mesh's gateway
+(`launch.mesh.find_target` turns `<run_dir>/mesh.json` into a `Target`); the command
+(`apps/simulate.py`). It reaches the mesh over HTTP only, so it imports nothing from
+`services/` or `launch/`.
 
 Failure policy: a request or a feedback that fails (HTTP error, dropped stream, timeout) is a
 record with its `error`, counted, and the user carries on; only a mesh that cannot be found
@@ -518,7 +520,7 @@ def summarize(records: list[Record]) -> dict:
     }
 
 
-# ---- the mesh, over HTTP ----------------------------------------------------------------------
+# ---- where the users go -------------------------------------------------------------------------
 
 
 @dataclass
@@ -527,16 +529,6 @@ class Target:
 
     base_url: str
     api_key: str
-
-
-def find_target(run_dir: str | Path) -> Target:
-    """The gateway URL and the first user key of a mesh started by `hotloop up`."""
-    from apps.launcher import MeshInfo
-
-    info = MeshInfo.load(run_dir)
-    if not info.gateway_url:
-        raise LookupError(f"the mesh at {run_dir} runs no gateway (start it with the gateway service)")
-    return Target(info.gateway_url.rstrip("/").removesuffix("/v1"), info.user_key())
 
 
 # ---- the users ----------------------------------------------------------------------------
@@ -776,51 +768,3 @@ def _describe(e: BaseException) -> str:
     status = getattr(e, "status_code", None)
     text = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
     return f"HTTP {status}: {text}" if status else f"{type(e).__name__}: {text}"
-
-
-# ---- the command ------------------------------------------------------------------------------
-
-
-def main(args) -> int:
-    if args.base_url:
-        if not args.key:
-            print("simulate users: --base-url needs --key", flush=True)
-            return 2
-        target = Target(args.base_url.rstrip("/").removesuffix("/v1"), args.key)
-    else:
-        from hotloop import config
-
-        run_dir = args.run_dir or config.load_mesh(config.raw_config(args.config, args.set)).run_dir
-        try:
-            target = find_target(run_dir)
-        except (FileNotFoundError, LookupError) as e:
-            print(f"simulate users: {e}", flush=True)
-            return 2
-    if not (args.requests or args.duration):
-        args.requests = 10
-    cfg = SimConfig(users=args.users, requests_per_user=args.requests, duration_s=args.duration,
-                    rate=args.rate, max_tokens=args.max_tokens, feedback=not args.no_feedback,
-                    seed=args.seed, progress_s=args.progress)
-    pref = Brevity(args.max_words)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    print(f"[simulate] {cfg.users} users x {cfg.requests_per_user or 'unbounded'} requests"
-          f"{f' or {cfg.duration_s:g}s' if cfg.duration_s else ''} -> {target.base_url}; "
-          f"hidden preference: {pref.describe()}; records: {out}", flush=True)
-    sim = Simulation(target, cfg, pref, out)
-    try:
-        summary = asyncio.run(sim.run())
-    except KeyboardInterrupt:
-        summary = summarize(sim.records)
-    finally:
-        sim.close()
-    print(f"[simulate] done: {summary['requests']} requests, {summary['errors']} errors, "
-          f"matched {_fmt(summary['matched_share'])}, feedback accepted "
-          f"{summary['feedback']['accepted']}/{summary['feedback']['sent']}, versions "
-          f"{summary['versions']}, TTFT p50/p99 {_fmt(summary['ttft_ms']['p50'], '.0f')}/"
-          f"{_fmt(summary['ttft_ms']['p99'], '.0f')} ms", flush=True)
-    return 0
-
-
-def _fmt(x, spec: str = ".2f") -> str:
-    return "-" if x is None else format(x, spec)

@@ -20,8 +20,8 @@ def test_ppo_job_beside_users_through_the_colocated_mesh(tiny_model, tmp_path, m
 
     from hotloop import config
     from apps.cli import PROFILES
-    from apps.launcher import Mesh
-    from apps.train import load_job
+    from launch.mesh import Mesh
+    from launch.jobs import load_job
 
     cfg_path = tmp_path / "ppo.toml"
     cfg_path.write_text(f"""

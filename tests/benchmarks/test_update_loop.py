@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from apps.tracebudget import read_trace_spans
+from measure.traces import read_trace_spans
 from benchmarks.update_loop import loop_stages, markdown
 from tests.apps.test_online_demo import REPO, _config, _left_behind, _span
 

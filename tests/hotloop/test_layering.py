@@ -1,9 +1,13 @@
-"""The layers, checked from the source: `hotloop` (the library) < `services` < `apps` (the
-applications) < `benchmarks`, with the CLI (`apps/cli.py`) on top.
+"""The layers, checked from the source: `hotloop` (the library) < `services` < `measure`
+(measuring from the users' side) < `launch` (starting and running processes) < `apps` (the
+applications) and `benchmarks`, side by side, with the CLI (`apps/cli.py`) on top.
 
 - `hotloop/` names no service;
 - services do not name each other;
-- neither `hotloop/` nor `services/` names `apps` or `benchmarks`;
+- neither `hotloop/` nor `services/` names `measure`, `launch`, `apps` or `benchmarks`;
+- `measure/` names no service and nothing of `launch`, `apps` or `benchmarks`;
+- `launch/` names no app and no benchmark;
+- no module under `benchmarks/` names `apps`;
 - in `apps/`, only the CLI names a benchmark;
 - in the trainer, the learner (`services/trainer/learner/`) names no recipe: orchestration
   imports the math, never the other way round.
@@ -105,11 +109,23 @@ def test_services_do_not_name_each_other() -> None:
     assert not offenders("services", other_service)
 
 
-def test_neither_the_library_nor_a_service_names_an_app_or_a_benchmark() -> None:
+def test_neither_the_library_nor_a_service_names_a_room_above_it() -> None:
     def above(path: Path, m: str) -> bool:
-        return _top(m) in ("apps", "benchmarks")
+        return _top(m) in ("measure", "launch", "apps", "benchmarks")
 
     assert not offenders("hotloop", above) + offenders("services", above)
+
+
+def test_measure_names_no_service_launcher_app_or_benchmark() -> None:
+    assert not offenders("measure", lambda p, m: _top(m) in ("services", "launch", "apps", "benchmarks"))
+
+
+def test_launch_names_no_app_or_benchmark() -> None:
+    assert not offenders("launch", lambda p, m: _top(m) in ("apps", "benchmarks"))
+
+
+def test_no_benchmark_names_an_app() -> None:
+    assert not offenders("benchmarks", lambda p, m: _top(m) == "apps")
 
 
 def test_only_the_cli_names_a_benchmark() -> None:

@@ -11,7 +11,7 @@ import time
 import psutil
 import pytest
 
-from apps.processes import sigterm_interrupts, stop_process, tail_log
+from launch.processes import sigterm_interrupts, stop_process, tail_log
 
 # Ignores SIGTERM, starts a grandchild in its own process group, says so, then sleeps.
 STUBBORN = """
