@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 from launch.jobs import load_job
-from services.trainer.recipes.job import run_job
+from services.trainer.runner import run_job
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "demo.toml"
 

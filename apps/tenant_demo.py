@@ -217,10 +217,10 @@ def trainer_plan(mode: str, tenants: list[str], out: Path) -> TrainerPlan:
     """The one place that decides how the tenants' trainers run. `per-tenant`: a `hotloop train
     online` process per tenant (`[online] tenant`, run id `trainer-<tenant>`). `shared`: the
     mesh's trainer role with `[online] tenants` (one process, one base model, a lane per tenant
-    under `<out>/trainer/tenants/<tenant>/`: `lane_dir` in services/trainer/recipes/lanes.py,
+    under `<out>/trainer/tenants/<tenant>/`: `lane_dir` in services/trainer/tenants/lanes.py,
     with `start_stack`'s `online.out_dir` and run id), following the tenant registry
     (`[online] follow_registry`). Either way a check holds the lineage it checks (`advance`):
-    every trainer applies the registry's hold of its lineages (recipes/follow.py). `auto`:
+    every trainer applies the registry's hold of its lineages (services/trainer/tenants/follow.py). `auto`:
     shared where the trainer has it, else per tenant."""
     if mode == "auto":
         mode = "shared" if shared_trainer_built() else "per-tenant"

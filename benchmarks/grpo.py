@@ -418,7 +418,7 @@ class Bench:
         from hotloop.replicas import Rewards, Rollouts
 
         from services.trainer.recipes import grpo, grpo_async
-        from services.trainer.recipes.job import open_edge
+        from services.trainer.runner import open_edge
 
         ep = mesh_cfg.endpoints
         edge = await open_edge(mesh_cfg, trainer_cfg, self.out / "trainer", "grpo")

@@ -11,14 +11,17 @@ from __future__ import annotations
 
 
 def load_job(config_path: str | None, overrides: list[str], algorithm: str, mesh=None):
-    """The mesh and the job's and `[trainer]`'s sections, every section of the file checked
-    at once; `mesh` (a running mesh's `MeshInfo`) points the mesh sections at it. For `ppo`
-    the trainer's algorithm is PPO whatever the file says."""
+    """The mesh and the job's (`algorithm`: a registered recipe's name, its section) and
+    `[trainer]`'s sections, every section of the file checked at once; `mesh` (a running
+    mesh's `MeshInfo`) points the mesh sections at it. The `[trainer]` values the recipe
+    fixes win over the file's (`ppo`: the trainer's algorithm is PPO whatever the file says)."""
     from hotloop.grpcutil import configure
+    from services.trainer.recipes.registry import recipe
 
     from launch import sections
 
-    patch = {"trainer": {"algorithm": "ppo"}} if algorithm == "ppo" else None
+    fixed = dict(recipe(algorithm).trainer)
+    patch = {"trainer": fixed} if fixed else None
     loaded = sections.load(config_path, overrides, patch)
     mesh_cfg = mesh.apply(loaded.mesh) if mesh is not None else loaded.mesh
     configure(mesh_cfg.grpc)  # the job's clients ping as the mesh's do

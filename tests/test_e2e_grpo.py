@@ -51,7 +51,7 @@ kl_beta = 0.04
     mesh = Mesh(mesh_cfg, str(cfg_path), [], ["reference", "reward", "rollout"], quiet=True)
     with mesh:
         mesh_cfg, job, trainer_cfg = load_job(str(cfg_path), [], "grpo", mesh.info)
-        from services.trainer.recipes.job import run_job
+        from services.trainer.runner import run_job
 
         summary, report = asyncio.run(run_job(mesh_cfg, job, trainer_cfg, progress=False))
 

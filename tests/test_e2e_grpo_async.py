@@ -19,7 +19,7 @@ def test_async_grpo_job_through_the_mesh(tiny_model, tmp_path, monkeypatch):
     from hotloop.clients import RolloutClient
     from launch.mesh import Mesh
     from launch.jobs import load_job
-    from services.trainer.recipes.job import run_job
+    from services.trainer.runner import run_job
 
     cfg_path = tmp_path / "e2e.toml"
     cfg_path.write_text(f"""

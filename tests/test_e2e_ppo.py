@@ -86,7 +86,7 @@ kl_target = 0.1
         try:
             mesh_cfg, job, trainer_cfg = load_job(str(cfg_path), [], "ppo", mesh.info)
             assert trainer_cfg.algorithm == "ppo"
-            from services.trainer.recipes.job import run_job
+            from services.trainer.runner import run_job
 
             summary, report = asyncio.run(
                 run_job(mesh_cfg, job, trainer_cfg, progress=False, recipe="ppo"))

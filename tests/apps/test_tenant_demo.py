@@ -102,7 +102,7 @@ def test_keys_and_tenants_config_give_each_tenant_its_own_key(tmp_path):
 
 def test_the_shared_trainer_plan_is_the_default_and_reads_each_lanes_metrics(tmp_path):
     from launch.stack import TRAINER_RUN
-    from services.trainer.recipes.lanes import lane_dir
+    from services.trainer.tenants.lanes import lane_dir
 
     plan = trainer_plan("auto", ["a", "b"], tmp_path)
     assert plan.mode == "shared" and plan.trainers is None  # the mesh's trainer role

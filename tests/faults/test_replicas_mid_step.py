@@ -81,7 +81,7 @@ async def counted(url: str, sample: str, **labels) -> float:
 
 def test_a_reward_replica_killed_mid_step(tmp_path, tiny_model, monkeypatch):
     from launch.jobs import load_job
-    from services.trainer.recipes.job import run_job
+    from services.trainer.runner import run_job
 
     gate = tmp_path / "gate"
     gate.mkdir()

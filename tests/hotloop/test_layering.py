@@ -9,8 +9,12 @@ applications) and `benchmarks`, side by side, with the CLI (`apps/cli.py`) on to
 - `launch/` names no app and no benchmark;
 - no module under `benchmarks/` names `apps`;
 - in `apps/`, only the CLI names a benchmark;
-- in the trainer, the learner (`services/trainer/learner/`) names no recipe: orchestration
-  imports the math, never the other way round.
+- in the trainer, the learner (`services/trainer/learner/`) names no recipe and nothing of
+  the orchestration around them (the tenants' lanes, pacing, publishing, the runner, the
+  server, reports): orchestration imports the math, never the other way round;
+- the trainer's pacing (`services/trainer/pacing/`) names no recipe and no tenants' lane: the
+  recipes and the lanes use it;
+- no recipe module names the runner: the runner finds recipes through their registry.
 
 "Names" covers every way a module is reached: `import` statements (relative ones resolved),
 and strings: `importlib.import_module("services.x")`, `__import__`, `find_spec`, a
@@ -132,8 +136,22 @@ def test_only_the_cli_names_a_benchmark() -> None:
     assert not offenders("apps", lambda p, m: _top(m) == "benchmarks", exempt=("apps/cli.py",))
 
 
-def test_the_learner_names_no_recipe() -> None:
-    def recipe(path: Path, m: str) -> bool:
-        return m == "services.trainer.recipes" or m.startswith("services.trainer.recipes.")
+def _within(m: str, *rooms: str) -> bool:
+    return any(m == room or m.startswith(room + ".") for room in rooms)
 
-    assert not offenders("services/trainer/learner", recipe)
+
+ORCHESTRATION = tuple(f"services.trainer.{room}" for room in (
+    "recipes", "tenants", "pacing", "publish", "runner", "server", "report", "__main__"))
+
+
+def test_the_learner_names_no_recipe_and_no_orchestration() -> None:
+    assert not offenders("services/trainer/learner", lambda p, m: _within(m, *ORCHESTRATION))
+
+
+def test_pacing_names_no_recipe_and_no_lane() -> None:
+    assert not offenders("services/trainer/pacing", lambda p, m: _within(
+        m, "services.trainer.recipes", "services.trainer.tenants"))
+
+
+def test_no_recipe_names_the_runner() -> None:
+    assert not offenders("services/trainer/recipes", lambda p, m: _within(m, "services.trainer.runner"))
