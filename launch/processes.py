@@ -47,7 +47,9 @@ def hotloop_command(python: str = sys.executable) -> list[str]:
     (the layering test). With `PYTHONPATH` set, the child imports the same copy of the code."""
     from importlib.metadata import entry_points
 
-    (script,) = entry_points(group="console_scripts", name="hotloop")
+    script = next(iter(entry_points(group="console_scripts", name="hotloop")), None)
+    if script is None:
+        raise RuntimeError("no `hotloop` console script: install the package (`pip install -e .`)")
     return [python, "-m", script.module]
 
 
