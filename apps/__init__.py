@@ -1,7 +1,8 @@
-"""The applications: the `hotloop` command line, `hotloop up` (the local mesh launcher), the
-demos, the user simulator, training and evaluation jobs, and trace budgets.
+"""The applications: the `hotloop` command line, and the commands' bodies that are not a
+benchmark: `hotloop up`'s front, the demos, `hotloop simulate users`, training and evaluation
+jobs, trace budgets, the tenant audit.
 
-They import the library (`hotloop`) and the services; nothing in `hotloop/` or `services/`
-imports them (tests/hotloop/test_layering.py). The benchmarks (`benchmarks/`) use the launcher
-and the simulator; only the CLI names the benchmarks.
+They stand on `launch/` (processes, the mesh, config sections), `measure/` (simulated users,
+traces), the services and the library; nothing below them imports them, and the benchmarks
+(`benchmarks/`) do not either: only the CLI names the benchmarks (tests/hotloop/test_layering.py).
 """

@@ -188,7 +188,7 @@ def audit_run(run_dir: Path, model: str | None = None, per_tenant: int = 20, mar
     from hotloop.models import resolve
 
     if prompts is None:
-        from apps.simulate import TENANT_PROMPTS as prompts
+        from measure.users import TENANT_PROMPTS as prompts
     run_dir = Path(run_dir)
     exports = load_exports(run_dir)
     if not exports:

@@ -58,7 +58,7 @@ def cmd_models(args) -> int:
 
 
 def cmd_config(args) -> int:
-    from apps import sections
+    from launch import sections
     from hotloop import configdoc
     from hotloop.config import ConfigError
 
@@ -72,7 +72,7 @@ def cmd_config(args) -> int:
 def replica_overrides(text: str | None) -> list[str]:
     """`--replicas rollout=2,reward=2` as the overrides it stands for (`up.replicas.<name>=N`);
     the counts are checked with the rest of `[up]`. ValueError for a malformed item."""
-    from apps.launcher import REPLICATED
+    from launch.mesh import REPLICATED
 
     out = []
     for item in filter(None, (text or "").split(",")):
@@ -87,8 +87,8 @@ def replica_overrides(text: str | None) -> list[str]:
 
 
 def cmd_up(args) -> int:
-    from apps import sections
-    from apps.launcher import ALL_SERVICES, Mesh, available
+    from launch import sections
+    from launch.mesh import ALL_SERVICES, Mesh, available
 
     try:
         overrides = [*args.set, *replica_overrides(args.replicas)]
@@ -119,7 +119,7 @@ def cmd_up(args) -> int:
 
 
 def cmd_serve(args) -> int:
-    from apps.launcher import available
+    from launch.mesh import available
 
     if not available(args.service):
         print(f"service {args.service!r} is not available", file=sys.stderr)
@@ -177,12 +177,37 @@ def run_module(args) -> int:
     return command_main(args.command, getattr(args, "bench", ""))(args)
 
 
+class _Parser(argparse.ArgumentParser):
+    """A command's parser that may fill itself in when parsing reaches it (`fill`), so that
+    what it needs to read is read only for that command: `hotloop --help` stays instant."""
+
+    fill = None
+
+    def parse_known_args(self, args=None, namespace=None):
+        if self.fill is not None:
+            fill, self.fill = self.fill, None
+            fill(self)
+        return super().parse_known_args(args, namespace)
+
+
+def _train_recipes(t: argparse.ArgumentParser) -> None:
+    """`hotloop train <recipe>`, one per recipe the trainer's registry lists (reading it
+    imports the recipe modules: pydantic, gRPC, OpenTelemetry, never torch)."""
+    from services.trainer.recipes.registry import recipes
+
+    tsub = t.add_subparsers(dest="algorithm", required=True, metavar="RECIPE")
+    for entry in recipes().values():
+        ta = tsub.add_parser(entry.name, help=entry.help)
+        _config_args(ta)
+        ta.add_argument("--run-dir", help="mesh run directory (default: from config)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="hotloop",
         description="RL fine-tuning (GRPO, PPO) of LLMs around a serving engine with hot LoRA updates.",
     )
-    sub = p.add_subparsers(dest="command", required=True)
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     m = sub.add_parser("models", help="provision models")
     msub = m.add_subparsers(dest="action", required=True)
@@ -337,16 +362,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.set_defaults(fn=run_module)
 
     t = sub.add_parser("train", help="run a training job against a running mesh")
-    tsub = t.add_subparsers(dest="algorithm", required=True)
-    for algorithm, what in (
-        ("grpo", "GRPO on LoRA"),
-        ("ppo", "PPO on LoRA with a critic, GAE and a KL-penalised reward ([ppo])"),
-        ("online", "learn from user feedback on the bus ([online]); runs until Ctrl-C"),
-    ):
-        ta = tsub.add_parser(algorithm, help=what)
-        _config_args(ta)
-        ta.add_argument("--run-dir", help="mesh run directory (default: from config)")
-        ta.set_defaults(fn=run_module)
+    t.set_defaults(fn=run_module)
+    t.fill = _train_recipes  # one subcommand per recipe, once parsing reaches `train`
 
     e = sub.add_parser("eval", help="pass@k of a policy version on held-out tasks or HumanEval")
     _config_args(e)

@@ -11,8 +11,8 @@ import os
 import time
 from pathlib import Path
 
-from apps.train import load_job
-from services.trainer.recipes.job import run_job
+from launch.jobs import load_job
+from services.trainer.runner import run_job
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "demo.toml"
 
@@ -20,8 +20,8 @@ DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "demo.toml"
 def main(args) -> int:
     from hotloop.service import run_interruptible
 
-    from apps.launcher import Mesh
-    from apps.processes import sigterm_interrupts
+    from launch.mesh import Mesh
+    from launch.processes import sigterm_interrupts
 
     logging.basicConfig(level=os.environ.get("HOTLOOP_LOG_LEVEL", "WARNING"))
     config_path = args.config or str(DEFAULT_CONFIG)

@@ -2,22 +2,18 @@
 users' side. `hotloop bench update-loop` (benchmarks/update_loop.py) runs on the same stack.
 
 Owns:
-- starting the mesh with the gateway and the online trainer (`apps.launcher`, the trainer
-  role; `hotloop train online` as a subprocess where the role is not built), and stopping all
-  of it on every exit, Ctrl-C and SIGTERM included;
 - the demo's phases: an idle phase (users only, no feedback: idle TTFT/ITL and the base rate
   of the hidden preference), then training (users rate answers, the trainer learns);
 - the loop latency: from a feedback sent to the first token a user receives from a version
-  trained on it. Which version that is comes from the trainer's `metrics.jsonl` (stream
-  sequences per update) and the FEEDBACK stream (sequence -> response id); when a version went
-  live comes from `hotloop.weights.updated` on the bus;
+  trained on it (`measure.loop.LoopTracker` pairs them);
 - what became of the feedback: arrived (accepted by the gateway), trained, dropped (the
   trainer's `settled` records: shed, stale, dead-lettered), per second of training, against
   what the trainer could train in the time it computed;
 - the report: `runs/<id>/online-report.{md,json}` and `online.png`.
 
-Does not own: the services, the hidden preference and the users (`apps.simulate`). Imports
-nothing from `services/`: everything is reached through processes, HTTP and NATS.
+Does not own: the services; starting and stopping the stack (`launch.stack`, the mesh with
+the gateway and the online trainer); the hidden preference and the users (`measure.users`).
+Imports nothing from `services/`: everything is reached through processes, HTTP and NATS.
 """
 
 from __future__ import annotations
@@ -26,261 +22,19 @@ import asyncio
 import json
 import logging
 import os
-import signal
-import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from hotloop.service import run_interruptible
 
-from apps.processes import die_with_parent, sigterm_interrupts, stop_process, tail_log
-from apps.simulate import (
-    Brevity,
-    Record,
-    SimConfig,
-    Simulation,
-    SlidingShare,
-    Target,
-    VersionClock,
-    percentile,
-    summarize,
-)
+from launch.processes import sigterm_interrupts
+from launch.stack import DEFAULT_CONFIG, Stack, start_stack
+from measure.loop import LoopTracker
+from measure.users import Brevity, Record, SimConfig, Simulation, SlidingShare, percentile, summarize
 
-DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "online.toml"
-TRAINER_RUN = "trainer"  # the trainer's metrics and checkpoints: runs/<id>/trainer/
 WARMUP_MAX_S = 300.0  # the longest wait for every user's first answer
-TRAINER_STOP_GRACE_S = 30.0  # SIGTERM -> SIGKILL for a `hotloop train online` subprocess
 log = logging.getLogger(__name__)
-
-
-# ---- the mesh ---------------------------------------------------------------------------------
-
-
-@dataclass
-class Stack:
-    """A running mesh plus the `hotloop train online` processes started beside it (none where
-    the mesh runs the trainer role)."""
-
-    mesh: object  # apps.launcher.Mesh
-    trainers: dict[str, subprocess.Popen]  # name -> process; its log: mesh/logs/<name>.log
-    out: Path  # runs/<id>
-    target: Target
-
-    @property
-    def info(self):
-        return self.mesh.info
-
-    @property
-    def metrics_path(self) -> Path:
-        return self.out / TRAINER_RUN / "metrics.jsonl"
-
-    def _procs(self) -> list[tuple[str, subprocess.Popen, Path]]:
-        procs = [(p.name, p.popen, p.log_path) for p in self.mesh.procs]
-        return procs + [(name, popen, self.out / "mesh" / "logs" / f"{name}.log")
-                        for name, popen in self.trainers.items()]
-
-    def dead(self) -> str | None:
-        """Which process of the stack died, with its log's last lines; None while all run."""
-        for name, popen, log_path in self._procs():
-            if popen.poll() is not None:
-                return (f"{name} died with exit code {popen.returncode}; last lines of {log_path}:\n"
-                        f"{tail_log(log_path, 8)}")
-        return None
-
-    def stop(self) -> str | None:
-        """Stop everything; returns why a process had failed on its own (it can report a
-        fatal error and still be shutting down when the demo ends), else None."""
-        procs = self._procs()
-        for popen in self.trainers.values():  # all at once: each checkpoints meanwhile
-            if popen.poll() is None:
-                popen.send_signal(signal.SIGTERM)
-        for popen in self.trainers.values():
-            stop_process(popen, TRAINER_STOP_GRACE_S)
-        self.mesh.stop()
-        # A process that failed exits 1 (`hotloop.service`); a negative code is a signal, and
-        # a SIGKILL here is the launcher's own, after its grace period (it says so itself).
-        # `hotloop train online` stopped by its SIGTERM exits 130 (the CLI's "interrupted").
-        for name, popen, log_path in procs:
-            code = popen.returncode
-            if code is not None and code > 0 and not (name in self.trainers and code == 130):
-                return f"{name} exited with code {code}; last lines of {log_path}:\n{tail_log(log_path, 8)}"
-        return None
-
-
-def start_stack(config_path: str, overrides: list[str], out: Path, quiet: bool = False,
-                trainers: dict[str, list[str]] | None = None) -> Stack:
-    """Start NATS, the rollout, the gateway, the reference (only with kl_beta > 0 and
-    `[online] reference = "service"`) and the online trainer, with the mesh's files under
-    `out/mesh` and the trainer's under `out/trainer` (`online.run_id`). `trainers`: name ->
-    overrides of its own, one `hotloop train online` process each beside the mesh (its run
-    id, its tenant); None: one trainer, the mesh's trainer role where it is built, else such
-    a process. Raises if any of them does not come up (and stops what did)."""
-    from apps import sections
-    from apps.launcher import Mesh, available
-
-    out = out.resolve()
-    overrides = [*overrides, f"run_dir={out / 'mesh'}", f"online.out_dir={out}",
-                 f"online.run_id={TRAINER_RUN}"]
-    for own in (trainers or {}).values():  # every trainer's sections checked before anything starts
-        sections.load(config_path, [*overrides, *own])
-    loaded = sections.load(config_path, overrides)
-    # the KL's reference: a service of the mesh, unless the trainer computes it itself
-    service_ref = loaded["trainer"].loss.kl_beta > 0 and loaded["online"].reference == "service"
-    role = trainers is None and available("trainer")
-    if trainers is None and not role:
-        trainers = {"trainer": []}
-    services = ["rollout", "gateway"] + (["reference"] if service_ref else []) + (["trainer"] if role else [])
-    mesh = Mesh(loaded.mesh, config_path, overrides, services, quiet=quiet, up=loaded["up"],
-                rollout=loaded["rollout"])
-    mesh.start()
-    procs: dict[str, subprocess.Popen] = {}
-    try:
-        for name, own in (trainers or {}).items():
-            cmd = [sys.executable, "-m", "apps.cli", "train", "online", "--config", config_path,
-                   "--run-dir", str(out / "mesh")] + [a for o in [*overrides, *own] for a in ("--set", o)]
-            with open(out / "mesh" / "logs" / f"{name}.log", "ab") as f:
-                procs[name] = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT,
-                                               start_new_session=True, preexec_fn=die_with_parent)
-        from apps.simulate import find_target
-
-        return Stack(mesh, procs, out, find_target(out / "mesh"))
-    except BaseException:
-        for popen in procs.values():
-            popen.kill()
-        mesh.stop()
-        raise
-
-
-# ---- which version trained on which feedback, and when versions went live -------------------
-
-
-@dataclass
-class Update:
-    version: int
-    seen_at: float  # unix seconds the demo saw the trainer's step record
-    feedback: int
-    score_mean: float
-    response_ids: list[str] = field(default_factory=list)
-    seconds: float = 0.0  # the update's stages, all together
-    tokens: int = 0  # completion tokens trained
-    stages: dict[str, float] = field(default_factory=dict)  # seconds per stage (turn_wait: a
-    # lane of a shared trainer waiting for its turn)
-    kl: float | None = None  # per-token KL of its batch to the base model (with kl_beta > 0)
-    kl_coef: float | None = None  # the KL coefficient it trained with
-
-
-class LoopTracker:
-    """Follows one lineage's trainer from outside: its updates (metrics.jsonl) and the versions
-    the bus announces for `tenant` (its own subject: `bus.weights_subject`). `loops()` pairs
-    them with the users' feedback and first tokens."""
-
-    def __init__(self, nats_url: str, metrics_path: Path, tenant: str = ""):
-        self.nats_url, self.metrics_path, self.tenant = nats_url, metrics_path, tenant
-        self.published_at: dict[int, float] = {}  # version -> unix seconds announced
-        self.trained_in: dict[str, int] = {}  # response id -> first version trained on it
-        self.trained_tenants: dict[str, int] = {}  # tenant a trained feedback names -> count
-        self.updates: list[Update] = []
-        self.settled: dict[str, int] = {}  # kind -> feedback the trainer dropped or dead-lettered
-        self._offset = 0
-        self._bus = None
-        self._task: asyncio.Task | None = None
-
-    async def start(self) -> None:
-        from hotloop.bus import Bus, weights_subject
-        from hotloop.proto.v1 import bus_pb2
-
-        self._bus = await Bus.connect(self.nats_url, f"online-demo-{self.tenant}" if self.tenant
-                                      else "online-demo")
-
-        async def on_weights(msg, headers) -> None:
-            if msg.tenant == self.tenant:
-                self.published_at.setdefault(int(msg.info.version), time.time())
-
-        await self._bus.subscribe(weights_subject(self.tenant), bus_pb2.WeightsUpdated, on_weights)
-        self._task = asyncio.create_task(self._follow())
-
-    async def close(self) -> None:
-        if self._task:
-            self._task.cancel()
-            try:
-                await self._task
-            except (asyncio.CancelledError, Exception):
-                pass
-        if self._bus:
-            await self._bus.close()
-
-    @property
-    def trained_version(self) -> int:
-        return max(self.published_at, default=0)
-
-    async def _follow(self) -> None:
-        while True:
-            await self.poll()
-            await asyncio.sleep(0.25)
-
-    async def poll(self) -> None:
-        """Read new step records; resolve their stream sequences to response ids."""
-        from hotloop.bus import decode
-        from hotloop.proto.v1 import bus_pb2
-
-        if not self.metrics_path.exists():
-            return
-        with open(self.metrics_path) as f:
-            f.seek(self._offset)
-            chunk = f.read()
-        end = chunk.rfind("\n") + 1  # a half-written last line waits for the next poll
-        self._offset += len(chunk[:end].encode())
-        for line in chunk[:end].splitlines():
-            rec = json.loads(line) if line.strip() else {}
-            if "settled" in rec:
-                kind = rec["settled"]["kind"]
-                self.settled[kind] = self.settled.get(kind, 0) + 1
-            step = rec.get("step")
-            if not step:
-                continue
-            up = Update(int(step["version"]), time.time(), int(step["feedback"]), float(step["score_mean"]),
-                        seconds=sum(step["stage_seconds"].values()), tokens=int(step["tokens"]),
-                        stages=dict(step["stage_seconds"]), kl=step.get("train", {}).get("kl"),
-                        kl_coef=step.get("kl_coef"))
-            for seq in step["seqs"]:
-                raw = await self._bus.js.get_msg("FEEDBACK", seq)
-                fb = decode(bus_pb2.FeedbackEvent, raw.data, dict(raw.headers or {}))
-                up.response_ids.append(fb.response_id)
-                self.trained_in.setdefault(fb.response_id, up.version)
-                self.trained_tenants[fb.tenant] = self.trained_tenants.get(fb.tenant, 0) + 1
-            self.updates.append(up)
-
-    def loops(self, feedback_sent: dict[str, float], clock: VersionClock) -> list[dict]:
-        """One entry per trained feedback whose version has reached a user yet; `live`: when
-        the bus announced the version trained on it (None if unheard), which splits the loop
-        into the trainer's side (sent -> live) and the users' (live -> a first token from it)."""
-        out = []
-        for rid, version in self.trained_in.items():
-            sent, first = feedback_sent.get(rid), clock.first_at_least(version)
-            if sent is not None and first is not None:
-                out.append({"response_id": rid, "version": version, "sent": sent,
-                            "live": self.published_at.get(version),
-                            "first_token": first, "loop_ms": (first - sent) * 1e3})
-        return sorted(out, key=lambda e: e["sent"])
-
-    def lag(self, records: list[Record]) -> dict:
-        """How far behind training the served versions were, at each response's first token:
-        in versions, and in seconds since the first newer version was announced."""
-        pub = sorted(self.published_at.items())
-        versions, seconds = [], []
-        for r in records:
-            if r.error or r.version is None or r.ttft_ms is None:
-                continue
-            t = r.ts + r.ttft_ms / 1e3
-            live = [v for v, at in pub if at <= t]
-            newest = max(live, default=0)
-            versions.append(max(0, newest - r.version))
-            newer = [at for v, at in pub if v > r.version and at <= t]
-            seconds.append(t - min(newer) if newer else 0.0)
-        return {"versions": {"p50": percentile(versions, 50), "p99": percentile(versions, 99)},
-                "seconds": {"p50": percentile(seconds, 50), "p99": percentile(seconds, 99)}}
 
 
 # ---- the demo ------------------------------------------------------------------------------

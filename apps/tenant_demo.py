@@ -2,7 +2,7 @@
 its own who like something different, each tenant's model learning its own users' taste live.
 
 Tenants (`TENANTS`, or `--tenants`): `short` (complete answers of 15 to N words:
-`apps.simulate.Brevity`), `direct` (its first sentence says "you": `Direct`), `exclaim` (its
+`measure.users.Brevity`), `direct` (its first sentence says "you": `Direct`), `exclaim` (its
 first sentence ends with "!": `Exclaim`). On the base model these three do not co-vary (see
 `Direct` and `Exclaim`), so a rise of one in another tenant's answers is something that
 tenant's lineage learned beside its own, and each is met on every kind of prompt. `bullets`
@@ -46,8 +46,8 @@ Owns:
   feedback its trainer trained and whose it was, its training turns (updates, tokens, time
   waiting for its turn: the fairness), and answers served from another lineage than the key's.
 
-Does not own: the mesh start-up, the loop bookkeeping (`apps.online_demo`), the users and the
-preferences (`apps.simulate`). Imports nothing from `services/` but the trainer's config
+Does not own: the stack's start-up (`launch.stack`), the loop bookkeeping (`measure.loop`), the users and the
+preferences (`measure.users`). Imports nothing from `services/` but the trainer's config
 section, to see whether one trainer can learn several lineages.
 """
 
@@ -65,19 +65,12 @@ from pathlib import Path
 
 from hotloop.service import run_interruptible
 
-from apps.online_demo import (
-    DEFAULT_CONFIG,
-    TRAINER_RUN,
-    WARMUP_MAX_S,
-    LoopTracker,
-    Stack,
-    loop_summary,
-    start_stack,
-    target_share,
-)
 from apps.audit import ADAPTERS
-from apps.processes import sigterm_interrupts
-from apps.simulate import (
+from apps.online_demo import WARMUP_MAX_S, loop_summary, target_share
+from launch.processes import sigterm_interrupts
+from launch.stack import DEFAULT_CONFIG, TRAINER_RUN, Stack, start_stack
+from measure.loop import LoopTracker
+from measure.users import (
     PREFERENCES,
     TENANT_PROMPTS,
     Preference,
@@ -102,8 +95,8 @@ log = logging.getLogger(__name__)
 def preferences(tenants: tuple[str, ...] | list[str] = TENANTS, max_words: int = 60, min_items: int = 2,
                 min_words: int = 15, min_item_words: int = 4) -> dict[str, Preference]:
     """Each tenant's hidden preference, a tenant named after its users' preference (`--tenants`:
-    any of `apps.simulate.PREFERENCES`). Base rates on `TENANT_PROMPTS`:
-    see there (apps/simulate.py). `short` counts complete answers only (`Brevity.complete`):
+    any of `measure.users.PREFERENCES`). Base rates on `TENANT_PROMPTS`:
+    see there (measure/users.py). `short` counts complete answers only (`Brevity.complete`):
     counted in words within the token limit, it rose in any lineage that learned a style of
     more tokens per word."""
     params = {"short": {"max_words": max_words, "min_words": min_words, "complete": True},
@@ -224,10 +217,10 @@ def trainer_plan(mode: str, tenants: list[str], out: Path) -> TrainerPlan:
     """The one place that decides how the tenants' trainers run. `per-tenant`: a `hotloop train
     online` process per tenant (`[online] tenant`, run id `trainer-<tenant>`). `shared`: the
     mesh's trainer role with `[online] tenants` (one process, one base model, a lane per tenant
-    under `<out>/trainer/tenants/<tenant>/`: `lane_dir` in services/trainer/recipes/lanes.py,
+    under `<out>/trainer/tenants/<tenant>/`: `lane_dir` in services/trainer/tenants/lanes.py,
     with `start_stack`'s `online.out_dir` and run id), following the tenant registry
     (`[online] follow_registry`). Either way a check holds the lineage it checks (`advance`):
-    every trainer applies the registry's hold of its lineages (recipes/follow.py). `auto`:
+    every trainer applies the registry's hold of its lineages (services/trainer/tenants/follow.py). `auto`:
     shared where the trainer has it, else per tenant."""
     if mode == "auto":
         mode = "shared" if shared_trainer_built() else "per-tenant"

@@ -1,4 +1,5 @@
-"""`hotloop train grpo|ppo|online` and `hotloop eval`: jobs against a running mesh (`hotloop up`).
+"""`hotloop train <recipe>` (every recipe the trainer's registry lists: `grpo`, `ppo`,
+`online`, ...) and `hotloop eval`: jobs against a running mesh (`hotloop up`).
 
 The CLI (apps/cli.py) imports these bodies when a command runs. A job gets the running mesh's
 addresses as a typed `MeshConfig` (`MeshInfo.apply`), never through the environment.
@@ -15,45 +16,25 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-
-def load_job(config_path: str | None, overrides: list[str], algorithm: str, mesh=None):
-    """The mesh and the job's and `[trainer]`'s sections, every section of the file checked
-    at once; `mesh` (a running mesh's `MeshInfo`) points the mesh sections at it. For `ppo`
-    the trainer's algorithm is PPO whatever the file says."""
-    from apps import sections
-
-    patch = {"trainer": {"algorithm": "ppo"}} if algorithm == "ppo" else None
-    from hotloop.grpcutil import configure
-
-    loaded = sections.load(config_path, overrides, patch)
-    mesh_cfg = mesh.apply(loaded.mesh) if mesh is not None else loaded.mesh
-    configure(mesh_cfg.grpc)  # the job's clients ping as the mesh's do
-    return mesh_cfg, loaded[algorithm], loaded["trainer"]
-
-
-def _running_mesh(run_dir: str):
-    """The running mesh at `run_dir`, or None after saying why not."""
-    from apps.launcher import MeshInfo
-
-    try:
-        return MeshInfo.load(run_dir)
-    except FileNotFoundError as e:
-        print(e)
-        return None
+from launch.jobs import load_job, running_mesh
 
 
 def train(args) -> int:
+    """`hotloop train <recipe>`: the registered recipe `args.algorithm`, as its entry says it
+    runs (`services.trainer.recipes.registry`)."""
     from hotloop.threads import pin_configured
+    from services.trainer.recipes.registry import recipe
 
     logging.basicConfig(level=os.environ.get("HOTLOOP_LOG_LEVEL", "WARNING"))
+    entry = recipe(args.algorithm)
     mesh_cfg, job, trainer_cfg = load_job(args.config, args.set, args.algorithm)  # the file first
-    info = _running_mesh(args.run_dir or mesh_cfg.run_dir)
+    info = running_mesh(args.run_dir or mesh_cfg.run_dir)
     if info is None:
         return 2
     mesh_cfg = info.apply(mesh_cfg)
-    if args.algorithm == "online":
+    if entry.kind == "online":
         from hotloop.service import run_interruptible
-        from services.trainer.recipes.job import run_online_job
+        from services.trainer.runner import run_online_job
 
         online_job = job
         pin_configured(trainer_cfg.cpus, "trainer")  # on a core where vLLM spins, <1% of it
@@ -67,12 +48,11 @@ def train(args) -> int:
                   f"version {one['version']}, counters {one['counters']}")
         return 0
     from hotloop.service import run_interruptible
-    from services.trainer.recipes.job import run_job
+    from services.trainer.runner import run_job
 
     pin_configured(trainer_cfg.cpus, "trainer")
     if not job.run_id:  # named here, so that the resume line below can say it
-        prefix = "ppo-" if args.algorithm == "ppo" else ""
-        job = job.model_copy(update={"run_id": prefix + time.strftime("%Y%m%d-%H%M%S")})
+        job = job.model_copy(update={"run_id": entry.run_prefix + time.strftime("%Y%m%d-%H%M%S")})
     text = Path(args.config).read_text() if args.config else ""
     result, interrupted = run_interruptible(
         run_job(mesh_cfg, job, trainer_cfg, text, recipe=args.algorithm))
@@ -92,7 +72,7 @@ def evaluate(args) -> int:
     from services.trainer.recipes.grpo import evaluate
 
     mesh_cfg, job, trainer_cfg = load_job(args.config, args.set, "grpo")
-    info = _running_mesh(mesh_cfg.run_dir)
+    info = running_mesh(mesh_cfg.run_dir)
     if info is None:
         return 2
     tasks = load_tasks(args.tasks, args.split)

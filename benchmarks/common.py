@@ -21,7 +21,7 @@ from typing import Any
 
 from hotloop.service import run_interruptible
 
-from apps.processes import sigterm_interrupts, stop_process
+from launch.processes import sigterm_interrupts, stop_process
 
 __all__ = ["exit_code", "report", "run_interruptible", "say_as", "sigterm_interrupts", "stop_process"]
 

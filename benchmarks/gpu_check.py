@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from apps.processes import tail_log
+from launch.processes import hotloop_command, tail_log
 
 REPO = Path(__file__).resolve().parent.parent
 # Qwen2.5-0.5B-Instruct (Apache-2.0) is the smallest model in the 0.5B-1.5B range that vLLM,
@@ -175,7 +175,7 @@ def update_loop_figures(path: Path) -> dict[str, Any]:
 def stages(model: str, work: Path, dry_run: bool, python: str = sys.executable) -> list[Stage]:
     """The check's stages in order. `model`: a hub id, known name or local directory (pulled
     by the `model` stage). Dry run: each benchmark at its smallest on the CPU."""
-    cli = [python, "-m", "apps.cli"]
+    cli = hotloop_command(python)
     tiny = dry_run
     rollout = ["--prompts", "2", "--n", "2", "--max-tokens", "8", "--repeats", "1"] if tiny \
         else ["--prompts", "8", "--n", "8", "--max-tokens", "128", "--repeats", "3"]

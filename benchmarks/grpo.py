@@ -4,7 +4,7 @@ TRL's GRPOTrainer on the same configuration; `--replicas N` runs N processes of 
 and reports each replica's share of the work and whether any was lost or done twice.
 
 Owns:
-- the run: the mesh (NATS, reference, reward, rollout; `apps.launcher.Mesh`), then in this
+- the run: the mesh (NATS, reference, reward, rollout; `launch.mesh.Mesh`), then in this
   process `--steps` steps of the synchronous recipe (`grpo.run`, `max_staleness = 0`) and as
   many of the asynchronous one (`grpo_async.run`), each from a fresh policy on the same tasks,
   with no evaluation; then the mesh stops and, with `--peer trl`, TRL's GRPOTrainer runs a few
@@ -235,7 +235,7 @@ WORK_METHOD = ("each replica's counter (rollout: hotloop_rollout_generated_token
 
 def replica_of(process: str) -> tuple[str, int]:
     """`reward-1` -> ("reward", 1): a process's service and its index among the replicas
-    (`apps.launcher.Mesh` names them so)."""
+    (`launch.mesh.Mesh` names them so)."""
     service, _, index = process.rpartition("-")
     return (service, int(index)) if service and index.isdigit() else (process, 0)
 
@@ -418,7 +418,7 @@ class Bench:
         from hotloop.replicas import Rewards, Rollouts
 
         from services.trainer.recipes import grpo, grpo_async
-        from services.trainer.recipes.job import open_edge
+        from services.trainer.runner import open_edge
 
         ep = mesh_cfg.endpoints
         edge = await open_edge(mesh_cfg, trainer_cfg, self.out / "trainer", "grpo")
@@ -498,8 +498,8 @@ def main(args) -> int:
     from hotloop import config, models, telemetry
     from hotloop.config import TelemetryConfig
 
-    from apps.launcher import Mesh
-    from apps.train import load_job
+    from launch.jobs import load_job
+    from launch.mesh import Mesh
 
     logging.basicConfig(level=os.environ.get("HOTLOOP_LOG_LEVEL", "WARNING"))
     if args.steps < 2:

@@ -2,9 +2,9 @@
 policy, measured in one run.
 
 Owns:
-- the run: the colocated mesh (NATS, rollout, reward, gateway; `apps.launcher.Mesh`),
+- the run: the colocated mesh (NATS, rollout, reward, gateway; `launch.mesh.Mesh`),
   simulated users streaming through the gateway with the `openai` client for the whole run
-  (`apps.simulate`), and `hotloop train ppo` as a subprocess, once per policy;
+  (`measure.users`), and `hotloop train ppo` as a subprocess, once per policy;
 - the phases: warm-up (each user's first answer, excluded), idle (users only), then per
   policy: start the trainer, wait for its first logged step, measure, let the measured
   requests finish, SIGTERM the trainer and wait for it. Training starts where the first step
@@ -17,7 +17,7 @@ Owns:
 - the figures: TTFT and ITL p50/p99 per phase, PPO samples/s per policy, the TTFT p99 ratio
   to idle, the choice of policy and whether the issue's aim (p99 TTFT at most 1.5x idle with
   samples/s > 0) was met; where each phase's TTFT went, hop by hop, from the traces
-  (`apps.tracebudget.ttft_hops`); and how much CPU other work took meanwhile, since the
+  (`measure.traces.ttft_hops`); and how much CPU other work took meanwhile, since the
   machine is shared and a busy neighbour inflates both figures;
 - stopping: the mesh and any trainer are stopped on every exit path, Ctrl-C and SIGTERM
   included (the trainer also dies with this process: PR_SET_PDEATHSIG).
@@ -38,9 +38,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from apps.processes import die_with_parent, stop_process, tail_log
-from apps.simulate import Brevity, Record, SimConfig, Simulation, percentile, summarize
-from apps.tracebudget import TTFT_HOPS, read_trace_spans, ttft_hops
+from launch.processes import die_with_parent, hotloop_command, stop_process, tail_log
+from measure.users import Brevity, Record, SimConfig, Simulation, percentile, summarize
+from measure.traces import TTFT_HOPS, read_trace_spans, ttft_hops
 from benchmarks.common import exit_code, report, run_interruptible, say_as, sigterm_interrupts
 
 REPO = Path(__file__).resolve().parents[1]
@@ -99,7 +99,7 @@ def parse_steps(lines: list[str], seen_at: float) -> list[StepSeen]:
 
 
 def latency(records: list[Record]) -> dict:
-    """TTFT and ITL p50/p99 (ms) of one phase's records, as `apps.simulate.summarize` takes
+    """TTFT and ITL p50/p99 (ms) of one phase's records, as `measure.users.summarize` takes
     them: ITL p50 is the median of per-request medians, p99 the p99 of per-request p99s."""
     s = summarize(records)
     return {"ttft_ms": s["ttft_ms"], "itl_ms": s["itl_ms"], "requests": s["requests"],
@@ -148,7 +148,7 @@ def policy_figures(records: list[Record], policy: str, idle: dict, steps: list[S
 
 
 def hop_figures(hops: dict[str, dict[str, float]], records: list[Record]) -> dict | None:
-    """Where the phase's time to first token went (`apps.tracebudget.ttft_hops`): each hop's
+    """Where the phase's time to first token went (`measure.traces.ttft_hops`): each hop's
     median, and the hops of its slowest requests (what its p99 is made of). None when the
     traces cover none of the phase's requests."""
     mine = sorted(((r.ttft_ms, hops[r.response_id]) for r in records
@@ -357,7 +357,7 @@ class PolicyRun:
 @dataclass
 class Bench:
     out: Path
-    mesh: object  # apps.launcher.Mesh
+    mesh: object  # launch.mesh.Mesh
     config_path: str
     overrides: list[str]
     users: int
@@ -392,7 +392,7 @@ class Bench:
         sets = [*self.overrides, f"ppo.run_id={RUN_ID}", f"ppo.out_dir={self.out}",
                 f"ppo.users_first={policy}", f"trainer.num_steps={ENDLESS_STEPS}", "ppo.train_budget_s=0",
                 "ppo.run_budget_s=0", "ppo.eval_limit=0"]
-        return [sys.executable, "-m", "apps.cli", "train", "ppo", "--config", self.config_path,
+        return [*hotloop_command(), "train", "ppo", "--config", self.config_path,
                 "--run-dir", str(self.mesh.run_dir)] + [a for s in sets for a in ("--set", s)]
 
     def read_steps(self, run: PolicyRun) -> list[StepSeen]:
@@ -434,7 +434,7 @@ class Bench:
             await sim.halt(users)
 
     def mesh_target(self):
-        from apps.simulate import find_target
+        from launch.mesh import find_target
 
         return find_target(self.mesh.run_dir)
 
@@ -498,7 +498,7 @@ class Bench:
                  f"ITL p50 {f(i['p50'])} ms{ppo}")
 
     async def one_policy(self, users: asyncio.Task, run: PolicyRun) -> None:
-        from apps.launcher import MeshInfo
+        from launch.mesh import MeshInfo
 
         await self.switch(users, f"{run.policy}:startup")
         run.offset = self.metrics_path.stat().st_size if self.metrics_path.exists() else 0
@@ -616,9 +616,9 @@ def notes(bench: Bench, result: dict) -> list[str]:
 
 def main(args) -> int:
     """`hotloop bench joint`."""
-    from apps import sections
+    from launch import sections
 
-    from apps.launcher import Mesh
+    from launch.mesh import Mesh
 
     logging.basicConfig(level=os.environ.get("HOTLOOP_LOG_LEVEL", "WARNING"))
     try:

@@ -93,7 +93,7 @@ def run(config: str | None, devices: list[str], batches: list[int], prompt_token
         cpu_threads: int | None = None, overrides: list[str] | None = None) -> dict[str, Any]:
     import torch
 
-    from apps import sections
+    from launch import sections
     from hotloop.models import build_shaped_model, resolve
 
     if not batches or any(b < 1 for b in batches) or updates < 1:

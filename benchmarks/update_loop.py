@@ -4,8 +4,8 @@ streaming meanwhile; and where each loop's time went, stage by stage, from the t
 
 Owns: the loops (rate the newest answer nobody rated, wait for a version trained on it to
 reach a user, or count the feedback lost), the stage budget (`loop_stages`) and its table.
-Does not own the mesh, the trainer or the users: the online demo's (`apps.online_demo`:
-`start_stack`, `LoopTracker`; `apps.simulate`).
+Does not own the mesh, the trainer or the users: the online demo's stack (`launch.stack`),
+its tracker (`measure.loop.LoopTracker`) and users (`measure.users`).
 """
 
 from __future__ import annotations
@@ -17,9 +17,10 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-from apps.online_demo import DEFAULT_CONFIG, LoopTracker, Stack, start_stack
-from apps.simulate import Brevity, SimConfig, Simulation, percentile, summarize
-from apps.tracebudget import read_trace_spans
+from launch.stack import DEFAULT_CONFIG, Stack, start_stack
+from measure.loop import LoopTracker
+from measure.users import Brevity, SimConfig, Simulation, percentile, summarize
+from measure.traces import read_trace_spans
 from benchmarks.common import exit_code, report, run_interruptible, say_as, sigterm_interrupts
 
 say = say_as("update-loop")

@@ -5,7 +5,7 @@ on UNAVAILABLE (channel service config plus a tenacity retry around whole stream
 which gRPC's own retry cannot replay), and clear errors when a service stays down. The one
 rollout client (`RolloutClient`: Generate, PushAdapter, Status, WatchLoad) and its result type
 (`Completion`) serve the trainer's recipes, the gateway (`services/gateway/upstream.py`), the
-publisher (`services/trainer/recipes/publisher.py`), `hotloop eval` and the benchmarks.
+publisher (`services/trainer/publish.py`), `hotloop eval` and the benchmarks.
 Does not own: what the services do, nor a caller's own retry policy: a caller that retries on
 its own schedule (the gateway on another replica, the publisher around a whole push) opens a
 `direct_channel` and passes `retry=False`.

@@ -57,7 +57,7 @@ def adapter_factory(tiny_model, tmp_path_factory):
 
 @pytest.fixture
 def nats_server(tmp_path):
-    from apps.natsserver import NatsServer
+    from launch.natsserver import NatsServer
 
     with NatsServer(tmp_path / "nats") as server:
         yield server

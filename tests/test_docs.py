@@ -114,7 +114,7 @@ TOML_EXAMPLES = [(doc, n, block) for doc in DOCS for n, block in enumerate(TOML_
 def test_toml_examples_load(doc: Path, n: int, block: str, tmp_path: Path) -> None:
     """A config a doc shows is one a user can paste: every section and key checked by the
     project's own loader, as a command would at start."""
-    from apps.sections import load
+    from launch.sections import load
 
     path = tmp_path / "example.toml"
     path.write_text(block)
@@ -122,7 +122,7 @@ def test_toml_examples_load(doc: Path, n: int, block: str, tmp_path: Path) -> No
 
 
 def test_toml_example_check_can_fail(tmp_path: Path) -> None:
-    from apps.sections import load
+    from launch.sections import load
     from hotloop.config import ConfigError
 
     path = tmp_path / "example.toml"

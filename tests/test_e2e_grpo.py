@@ -17,9 +17,9 @@ def test_grpo_job_through_the_mesh(tiny_model, tmp_path, monkeypatch):
     from hotloop import config
     from hotloop.bus import Bus
     from hotloop.clients import RolloutClient
-    from apps.launcher import Mesh
+    from launch.mesh import Mesh
     from hotloop.proto.v1 import common_pb2
-    from apps.train import load_job
+    from launch.jobs import load_job
 
     cfg_path = tmp_path / "e2e.toml"
     cfg_path.write_text(f"""
@@ -51,7 +51,7 @@ kl_beta = 0.04
     mesh = Mesh(mesh_cfg, str(cfg_path), [], ["reference", "reward", "rollout"], quiet=True)
     with mesh:
         mesh_cfg, job, trainer_cfg = load_job(str(cfg_path), [], "grpo", mesh.info)
-        from services.trainer.recipes.job import run_job
+        from services.trainer.runner import run_job
 
         summary, report = asyncio.run(run_job(mesh_cfg, job, trainer_cfg, progress=False))
 
@@ -91,7 +91,7 @@ kl_beta = 0.04
         assert (tmp_path / "runs/e2e" / png).stat().st_size > 1000
     assert (tmp_path / "runs/e2e/checkpoints").is_dir()
     traces = list((tmp_path / "run/traces").glob("*.jsonl"))
-    from apps.tracebudget import budget, read_spans
+    from measure.traces import budget, read_spans
 
     b = budget(read_spans([str(p) for p in traces]))
     assert b["iterations"] == 2 and {"generate", "score", "train"} <= set(b["stages"])

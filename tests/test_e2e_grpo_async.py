@@ -17,9 +17,9 @@ pytestmark = pytest.mark.slow
 def test_async_grpo_job_through_the_mesh(tiny_model, tmp_path, monkeypatch):
     from hotloop import config
     from hotloop.clients import RolloutClient
-    from apps.launcher import Mesh
-    from apps.train import load_job
-    from services.trainer.recipes.job import run_job
+    from launch.mesh import Mesh
+    from launch.jobs import load_job
+    from services.trainer.runner import run_job
 
     cfg_path = tmp_path / "e2e.toml"
     cfg_path.write_text(f"""

@@ -20,8 +20,8 @@ def test_ppo_job_beside_users_through_the_colocated_mesh(tiny_model, tmp_path, m
 
     from hotloop import config
     from apps.cli import PROFILES
-    from apps.launcher import Mesh
-    from apps.train import load_job
+    from launch.mesh import Mesh
+    from launch.jobs import load_job
 
     cfg_path = tmp_path / "ppo.toml"
     cfg_path.write_text(f"""
@@ -86,7 +86,7 @@ kl_target = 0.1
         try:
             mesh_cfg, job, trainer_cfg = load_job(str(cfg_path), [], "ppo", mesh.info)
             assert trainer_cfg.algorithm == "ppo"
-            from services.trainer.recipes.job import run_job
+            from services.trainer.runner import run_job
 
             summary, report = asyncio.run(
                 run_job(mesh_cfg, job, trainer_cfg, progress=False, recipe="ppo"))

@@ -3,7 +3,7 @@
 
 Runs the online loop (online.py) in the background of the trainer's gRPC server (Status,
 FetchAdapter), so a demo can start the gateway and the online trainer together; with
-`[online] tenants`, a lane per tenant on one shared policy (recipes/lanes.py). Reads
+`[online] tenants`, a lane per tenant on one shared policy (tenants/lanes.py). Reads
 `[trainer]` (optimizer, LoRA, dtype, kl_beta) and `[online]`; listens on `[trainer_server]`'s
 address. If the loop fails, the process stops with its error (the launcher reports it); on
 SIGTERM the loop is cancelled and whatever it had not acked is redelivered to the next run.
@@ -43,11 +43,11 @@ async def build(mesh: MeshConfig, cfg: TrainerServerConfig, *, online: OnlineCon
     from hotloop.threads import pin_configured
 
     from .recipes import online as online_loop
-    from .recipes.job import close_lanes, close_online, online_status, open_lanes, open_online
+    from .runner import close_lanes, close_online, online_status, open_lanes, open_online
 
     job, trainer_cfg = online, trainer
     pin_configured(trainer_cfg.cpus, "trainer")
-    if job.lanes:  # a lane per tenant on one policy (recipes/lanes.py)
+    if job.lanes:  # a lane per tenant on one policy (tenants/lanes.py)
         edge, lanes = await open_lanes(mesh, job, trainer_cfg, f"{cfg.host}:{cfg.port}",
                                        registry=metrics.registry())
         loop = asyncio.create_task(lanes.run())

@@ -378,7 +378,7 @@ class OnlineConfig(Section):
     a reset publishes the base model as its next version and training goes on from there."""
     tenants: list[TenantId] = Field(default_factory=list)
     """The tenants this process trains, each in a lane of its own on one shared base model
-    (services/trainer/recipes/lanes.py): its own adapter, optimizer state, baseline, versions,
+    (services/trainer/tenants/lanes.py): its own adapter, optimizer state, baseline, versions,
     consumer (`<durable>-<tenant>`), checkpoints and store under `<run_id>/tenants/<tenant>/`
     (the default tenant "" keeps `<run_id>/` itself), time-shared by a fair rule on trained
     tokens. Empty (the default): the one lineage of `tenant`, exactly as before. When set,
@@ -388,7 +388,7 @@ class OnlineConfig(Section):
     follow_registry: bool = False
     """Also train every tenant created through the admin API (the tenant registry,
     `hotloop.tenants.Registry`): a lane starts when a tenant is created, starts over from the
-    base when it is reset, and stops when it is deleted (recipes/follow.py). Beside them it
+    base when it is reset, and stops when it is deleted (tenants/follow.py). Beside them it
     trains the lanes of `tenants`, or the default lineage's when `tenants` is empty. A reset of
     a config tenant resets its lane where this process trains it (as in every process with
     `tenants`, following or not, which applies the resets and holds of its lanes and starts
@@ -420,7 +420,7 @@ class OnlineConfig(Section):
     """Reusing an id resumes from its last checkpoint and the consumer's position."""
     users_first: Literal["none", "nice", "pause"] = "none"
     """How the trainer yields the CPU to the users the engine serves meanwhile
-    (services/trainer/recipes/usersfirst.py): `nice` runs its threads at the lowest OS priority;
+    (services/trainer/pacing/usersfirst.py): `nice` runs its threads at the lowest OS priority;
     `pause` holds its forward and backward passes between layers while a user waits for a
     first token (at most `max_pause_s` per busy spell), as `[ppo] users_first` does."""
     max_pause_s: float = Field(2.0, gt=0.0, le=60.0)
@@ -455,7 +455,7 @@ class OnlineConfig(Section):
 
     @property
     def lanes(self) -> bool:
-        """Whether this job runs a lane per tenant (recipes/lanes.py)."""
+        """Whether this job runs a lane per tenant (tenants/lanes.py)."""
         return bool(self.tenants) or self.follow_registry
 
     @property

@@ -6,7 +6,7 @@ and `FetchAdapter`, which streams a published version of a lineage out of that l
 latest; an unknown version or a lineage this trainer does not train is NOT_FOUND) so that a
 rollout replica that missed a push can catch up. FetchAdapter is an admin RPC: a version is a
 tenant's model, readable only with the admin token.
-Does not own: training, publishing or the store's layout (publisher.py), or the process.
+Does not own: training, publishing or the store's layout (publish.py), or the process.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from hotloop.hardware import runtime_info
 from hotloop.proto.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
 from hotloop.tenants import TenantId
 
-from .recipes.publisher import Publisher, VersionStore
+from .publish import Publisher, VersionStore
 
 SERVICE = trainer_pb2.DESCRIPTOR.services_by_name["Trainer"].full_name
 ADMIN_METHODS = [f"/{SERVICE}/FetchAdapter"]

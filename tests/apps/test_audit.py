@@ -12,7 +12,7 @@ import json
 
 import pytest
 
-from apps.simulate import TENANT_PROMPTS
+from measure.users import TENANT_PROMPTS
 from tests.conftest import make_adapter
 
 MAX_NEW = 48

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from apps import sections
+from launch import sections
 from apps.cli import main
 from hotloop import configdoc
 from hotloop.config import ConfigError, load_sections, raw_config

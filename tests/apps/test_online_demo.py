@@ -1,4 +1,4 @@
-"""`hotloop demo-online`: the loop bookkeeping directly (update records, versions seen, trace
+"""`hotloop demo-online`: the loop bookkeeping directly (update records, feedback rates, trace
 spans), and a short real run on the tiny model through the CLI, checked for its report and for
 leaving no process behind. Stopping on SIGTERM (exit 130, the interrupted report, nothing left
 running) is checked by tests/apps/test_tenant_demo.py's real run: both demos stop through
@@ -13,9 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from apps.online_demo import LoopTracker, target_share
-from apps.simulate import Record, VersionClock
-from apps.tracebudget import read_trace_spans, ttft_hops
+from apps.online_demo import target_share
+from measure.loop import LoopTracker
+from measure.traces import read_trace_spans, ttft_hops
+from measure.users import Record
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -24,20 +25,6 @@ def test_target_is_three_times_the_base_rate_capped_at_point_eight():
     assert target_share(0.15) == pytest.approx(0.45)
     assert target_share(0.5) == 0.8
     assert target_share(0.0) == 0.8 and target_share(None) == 0.8
-
-
-def test_loops_pair_feedback_with_the_first_token_of_a_version_trained_on_it():
-    t = LoopTracker("nats://unused", Path("/nonexistent"))
-    t.trained_in = {"a": 1, "b": 2, "c": 3}
-    t.published_at = {2: 108.0}  # v1's announcement unheard
-    clock = VersionClock()
-    clock.saw(0, 100.0)
-    clock.saw(2, 110.0)  # v1 never reached a user: v2 (trained on a's feedback too) did
-    sent = {"a": 101.0, "b": 102.5, "c": 103.0, "never-trained": 99.0}
-    loops = t.loops(sent, clock)
-    assert [(e["response_id"], e["version"]) for e in loops] == [("a", 1), ("b", 2)]  # c: v3 unseen
-    assert loops[0]["loop_ms"] == pytest.approx(9000) and loops[1]["loop_ms"] == pytest.approx(7500)
-    assert (loops[0]["live"], loops[1]["live"]) == (None, 108.0)
 
 
 def test_the_loop_trend_compares_the_first_third_of_the_feedback_with_the_last():
@@ -67,8 +54,9 @@ def test_the_loop_splits_at_the_versions_announcement():
 def test_feedback_rates_count_what_arrived_trained_and_was_dropped(tmp_path):
     import asyncio
 
-    from apps.online_demo import DemoState, Update, feedback_rates
-    from apps.simulate import Brevity
+    from apps.online_demo import DemoState, feedback_rates
+    from measure.loop import Update
+    from measure.users import Brevity
 
     metrics = tmp_path / "metrics.jsonl"
     metrics.write_text("".join(json.dumps({"settled": {"seq": s, "kind": k, "reason": "r"}}) + "\n"
@@ -92,50 +80,9 @@ def test_feedback_rates_count_what_arrived_trained_and_was_dropped(tmp_path):
     assert got["trainer_busy_share"] == pytest.approx(0.3)
 
 
-def test_version_lag_in_versions_and_seconds():
-    t = LoopTracker("nats://unused", Path("/nonexistent"))
-    t.published_at = {1: 100.0, 2: 105.0}
-    recs = [
-        Record(ts=99.0, user=0, phase="training", prompt=0, version=0, ttft_ms=500),  # before v1
-        Record(ts=106.0, user=0, phase="training", prompt=0, version=0, ttft_ms=1000),  # v2 live
-        Record(ts=106.0, user=1, phase="training", prompt=0, version=2, ttft_ms=1000),
-        Record(ts=106.0, user=1, phase="training", prompt=0, error="HTTP 503"),
-    ]
-    lag = t.lag(recs)
-    assert lag["versions"]["p99"] == pytest.approx(1.96)  # [0, 2, 0]: 2 behind at most
-    assert lag["versions"]["p50"] == 0
-    assert lag["seconds"]["p50"] == 0 and lag["seconds"]["p99"] == pytest.approx(6.86)  # 107 - 100
-
-
-def _span(name, trace, span_id, parent, start, end, **attrs):
-    return {"traceId": trace, "spanId": span_id, "parentSpanId": parent, "name": name,
-            "startTimeUnixNano": str(int(start * 1e9)), "endTimeUnixNano": str(int(end * 1e9)),
-            "attributes": [{"key": k, "value": {"intValue": str(v)}} for k, v in attrs.items()]}
-
-
-def test_ttft_hops_split_a_users_first_token_along_its_trace(tmp_path):
-    gen = "/hotloop.v1.Rollout/Generate"
-    gw = _span("gateway.generate", "t1", "g", "", 10.02, 10.5)
-    gw["attributes"] = [{"key": "hotloop.response_id", "value": {"stringValue": "chatcmpl-1"}}]
-    server = _span(gen, "t1", "rs", "gc", 10.03, 10.4)
-    server["events"] = [{"name": "first_token", "timeUnixNano": str(int(10.13 * 1e9))}]
-    other = _span(gen, "t2", "rs2", "", 10.0, 10.1)  # a trace no user request belongs to
-    doc = {"resourceSpans": [{"scopeSpans": [{"spans": [gw, server, other]}]}]}
-    (tmp_path / "t.jsonl").write_text(json.dumps(doc) + "\n")
-    spans = read_trace_spans([tmp_path / "t.jsonl"])
-    sent = {"response_id": "chatcmpl-1", "ts": 10.0, "ttft_ms": 150.0}
-    hops = ttft_hops(spans, [sent, {"response_id": "chatcmpl-2", "ts": 11.0, "ttft_ms": 90.0}])
-    assert list(hops) == ["chatcmpl-1"]  # no trace for the second: left out, not guessed
-    got = {k: round(v) for k, v in hops["chatcmpl-1"].items()}
-    assert got == {"to_gateway": 20, "to_replica": 10, "replica": 100, "to_client": 20}
-    assert sum(hops["chatcmpl-1"].values()) == pytest.approx(150.0)  # the hops add up to the TTFT
-    server["events"] = []  # a replica that recorded no first token: nothing to split
-    (tmp_path / "t.jsonl").write_text(json.dumps({"resourceSpans": [{"scopeSpans": [{"spans": [gw, server]}]}]}))
-    assert ttft_hops(read_trace_spans([tmp_path / "t.jsonl"]), [sent]) == {}
-
 def test_a_run_stopped_before_any_answer_still_writes_its_report(tmp_path):
     from apps.online_demo import DemoState, write_demo_report
-    from apps.simulate import Brevity
+    from measure.users import Brevity
 
     state = DemoState("early", tmp_path, Brevity(), window=40, interrupted=True)
     report = write_demo_report(state)

@@ -3,7 +3,7 @@ run on the tiny model through the CLI (three tenants, one engine, one shared tra
 per tenant), stopped by SIGTERM once every tenant has a trained version, checked for its
 interrupted report, for each tenant's feedback training its own lane only, and for leaving no
 process behind. The SIGTERM check is demo-online's too: both stop through
-`apps.online_demo.Stack.stop`."""
+`launch.stack.Stack.stop`."""
 
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from apps.online_demo import LoopTracker
-from apps.simulate import PREFERENCES, TENANT_PROMPTS, Bullets, Direct, Exclaim, Question, Record, list_items
+from measure.loop import LoopTracker
+from measure.users import PREFERENCES, TENANT_PROMPTS, Bullets, Direct, Exclaim, Question, Record, list_items
 from apps.tenant_demo import (BATCH_SIZE, KL_HORIZON, MAX_WAIT_S, NEGATIVE_WEIGHT, SERVE_AVERAGE, TENANTS,
                               TenantRun, key_id, make_keys, tenant_overrides, trainer_plan,
                               training_overrides, wrong_adapter)
@@ -101,8 +101,8 @@ def test_keys_and_tenants_config_give_each_tenant_its_own_key(tmp_path):
 
 
 def test_the_shared_trainer_plan_is_the_default_and_reads_each_lanes_metrics(tmp_path):
-    from apps.online_demo import TRAINER_RUN
-    from services.trainer.recipes.lanes import lane_dir
+    from launch.stack import TRAINER_RUN
+    from services.trainer.tenants.lanes import lane_dir
 
     plan = trainer_plan("auto", ["a", "b"], tmp_path)
     assert plan.mode == "shared" and plan.trainers is None  # the mesh's trainer role
@@ -147,7 +147,7 @@ def test_an_answer_is_from_the_wrong_adapter_when_its_lineage_is_not_the_keys():
 
 
 def test_the_report_pools_the_base_rates_and_measures_the_other_preferences_rise(tmp_path):
-    from apps.simulate import VersionClock
+    from measure.users import VersionClock
     from apps.tenant_demo import TenantsState, preferences, write_tenants_report
 
     prefs = preferences(["short", "bullets", "exclaim"], max_words=6, min_words=5)  # 5 to 6 words;
@@ -189,7 +189,7 @@ def test_the_report_pools_the_base_rates_and_measures_the_other_preferences_rise
                         LoopTracker("nats://unused", tmp_path, name))
         run.base, run.target, run.learned_until = 0.1, 0.3, learned_until
         state.runs[name] = run
-    from apps.online_demo import Update
+    from measure.loop import Update
 
     state.runs["short"].tracker.updates = [  # its lane's step records: two turns, 30 tokens
         Update(1, 6.0, 2, 0.5, tokens=10, stages={"turn_wait": 1.0, "train": 2.0}, kl=0.02, kl_coef=0.1),
@@ -286,7 +286,7 @@ def test_a_block_past_the_target_pauses_a_tenant_and_a_check_of_fresh_answers_co
     it in between does not); the version it then serves is judged on answers to requests sent
     after the pause only, the newest version's only; below the target by its noise the users
     rate again and the blocks count from then."""
-    from apps.simulate import SimConfig
+    from measure.users import SimConfig
     from apps.tenant_demo import advance
 
     hit, miss = "Wow! Yes.", "Yes."
@@ -356,7 +356,7 @@ def test_a_check_needs_its_target_plus_its_margin(tmp_path):
     """A check's bar is the target plus `margin_se` standard errors of `check_answers` (the
     demo's `CHECK_MARGIN_SE`): 0.3 + 1.5 x 0.065 of 50 answers is 0.397, so 19 hits are refused
     and 20 accepted; at one standard error (0.365) 19 would be enough."""
-    from apps.simulate import SimConfig
+    from measure.users import SimConfig
     from apps.tenant_demo import CHECK_MARGIN_SE, advance
 
     class Sim:
@@ -413,7 +413,7 @@ def test_an_unconfirmed_tenant_goes_back_to_the_checked_version_that_met_its_tar
 def test_a_block_is_read_once(tmp_path):
     """A block below the bar stays below it: read again, later, it does not pause the tenant,
     and neither do the answers of a block not yet complete."""
-    from apps.simulate import SimConfig
+    from measure.users import SimConfig
     from apps.tenant_demo import advance
 
     class Sim:
@@ -533,7 +533,7 @@ def _trained(log: str) -> dict[str, int]:
 @pytest.mark.slow
 def test_demo_tenants_trains_each_lane_on_its_own_feedback_and_stops_on_sigterm(tiny_model, tmp_path):
     """One shared trainer (the default) with a lane per tenant: once every tenant has a trained
-    version the demo gets SIGTERM (the stop path `apps.online_demo.Stack.stop` is demo-online's
+    version the demo gets SIGTERM (the stop path `launch.stack.Stack.stop` is demo-online's
     too), exits 130, still writes its whole report, and leaves nothing running."""
     out = tmp_path / "runs"
     cmd = [sys.executable, "-m", "apps.cli", "demo-tenants", "--config", str(_config(tmp_path, tiny_model)),

@@ -97,7 +97,7 @@ def test_an_override_of_a_nested_table_keeps_its_other_keys():
 
 @pytest.mark.parametrize("dry_run", [True, False])
 def test_the_update_loop_config_loads_with_the_model_under_test(tmp_path, dry_run):
-    from apps import sections
+    from launch import sections
 
     path = tmp_path / "online.toml"
     path.write_text(online_config("/models/qwen", dry_run))

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from apps.simulate import Record
+from measure.users import Record
 from benchmarks.joint import (
     CpuMark,
     StepSeen,

@@ -9,9 +9,10 @@ import sys
 
 import pytest
 
-from apps.tracebudget import read_trace_spans
+from measure.traces import read_trace_spans
 from benchmarks.update_loop import loop_stages, markdown
-from tests.apps.test_online_demo import REPO, _config, _left_behind, _span
+from tests.apps.test_online_demo import REPO, _config, _left_behind
+from tests.measure.test_traces import _span
 
 
 def test_stage_budget_of_one_loop_from_otlp_json_lines(tmp_path):

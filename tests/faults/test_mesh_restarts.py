@@ -1,7 +1,7 @@
 """A rollout replica killed under `hotloop up` comes back by itself on every tenant's latest
 version.
 
-The whole mesh as `hotloop up` runs it (`apps.launcher.Mesh`, real processes): NATS, two
+The whole mesh as `hotloop up` runs it (`launch.mesh.Mesh`, real processes): NATS, two
 rollout replicas (vLLM, the tiny model, merged mode with tenant slots), the gateway and one
 online trainer for two tenants (`[online] tenants = ["", "acme"]`: a lane each). Each tenant's
 users (an API key each: the default's and acme's, `[tenants.acme] keys`) chat through the
@@ -38,7 +38,7 @@ from hotloop import config
 from hotloop.bus import Bus, latest_key
 from hotloop.clients import Completion, RolloutClient
 from hotloop.errors import Unavailable
-from apps.launcher import Mesh, MeshInfo
+from launch.mesh import Mesh, MeshInfo
 from hotloop.proto.v1 import common_pb2
 from tests.scrape import scrape
 

@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from apps.natsserver import NatsCluster
+from launch.natsserver import NatsCluster
 from hotloop.bus import FEEDBACK, LATEST_KEY, VERSIONS_BUCKET, WEIGHTS_UPDATED, Bus, traffic_subject
 from hotloop.proto.v1 import bus_pb2, common_pb2
 from tests.procs import freeze

@@ -15,11 +15,11 @@ import time
 import pytest
 
 from hotloop.bus import FEEDBACK, Bus, traffic_subject
-from apps.natsserver import NatsServer
+from launch.natsserver import NatsServer
 from hotloop.proto.v1 import bus_pb2, common_pb2
 from services.trainer.recipes import online
 from services.trainer.config import OnlineConfig
-from services.trainer.recipes.publisher import Publisher
+from services.trainer.publish import Publisher
 
 pytestmark = pytest.mark.slow
 DURABLE = "faults-online"

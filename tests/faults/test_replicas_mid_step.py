@@ -1,7 +1,7 @@
 """A reward replica SIGKILLed in the middle of a GRPO step: the job finishes, nothing is lost,
 nothing is scored twice.
 
-The mesh as `hotloop up --replicas rollout=2,reference=2,reward=2` runs it (`apps.launcher.Mesh`,
+The mesh as `hotloop up --replicas rollout=2,reference=2,reward=2` runs it (`launch.mesh.Mesh`,
 real processes on the tiny model) with the gateway. A GRPO job of 2 steps spreads generation,
 scoring and reference passes over the replicas while a user streams answers through the
 gateway. The reward scorer (gated_scorer.py) holds its first call until released, saying which
@@ -22,7 +22,7 @@ import httpx
 import openai
 import pytest
 
-from apps.launcher import Mesh
+from launch.mesh import Mesh
 from tests.scrape import parse
 
 pytestmark = pytest.mark.slow
@@ -80,8 +80,8 @@ async def counted(url: str, sample: str, **labels) -> float:
 
 
 def test_a_reward_replica_killed_mid_step(tmp_path, tiny_model, monkeypatch):
-    from apps.train import load_job
-    from services.trainer.recipes.job import run_job
+    from launch.jobs import load_job
+    from services.trainer.runner import run_job
 
     gate = tmp_path / "gate"
     gate.mkdir()

@@ -31,7 +31,7 @@ IDLE_S = 3.0
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def mesh(tiny_model, tmp_path_factory):
-    from apps.natsserver import NatsServer
+    from launch.natsserver import NatsServer
     from services.rollout.config import RolloutConfig
     from services.rollout.core import RolloutCore
     from services.rollout.server import serve as serve_rollout

@@ -4,7 +4,7 @@ trained exactly once into the checkpointed lineage, and no version ever goes to 
 tenant's lineage, KV key or subject.
 
 Real: nats-server (JetStream), the trainer process, and a gRPC rollout replica that keeps a
-lineage per tenant without an engine (tests/trainer/recipes/lineage_replica.py; a vLLM
+lineage per tenant without an engine (tests/trainer/tenants/lineage_replica.py; a vLLM
 replica is not what is under test). The test plays the gateway: traffic and feedback on each
 tenant's subjects. The kill comes once a tenant has published a trained version that no
 checkpoint holds yet (its metrics.jsonl has a step and its checkpoint interval is not reached),
@@ -26,8 +26,8 @@ import pytest
 
 from hotloop.bus import Bus, feedback_subject, latest_key, traffic_subject, weights_subject
 from hotloop.proto.v1 import bus_pb2, common_pb2
-from services.trainer.recipes.lanes import lane_dir
-from tests.trainer.recipes.lineage_replica import start_replica, traffic
+from services.trainer.tenants.lanes import lane_dir
+from tests.trainer.tenants.lineage_replica import start_replica, traffic
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]

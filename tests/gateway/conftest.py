@@ -95,7 +95,7 @@ async def start_gateway(replicas: list[str], nats_url: str, served_model: str = 
 @pytest.fixture(scope="module")
 def nats_module(tmp_path_factory):
     """One NATS per module (the shared `nats_server` fixture is per test)."""
-    from apps.natsserver import NatsServer
+    from launch.natsserver import NatsServer
 
     with NatsServer(tmp_path_factory.mktemp("nats")) as server:
         yield server

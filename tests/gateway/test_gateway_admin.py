@@ -279,7 +279,7 @@ class Trainer:
     version is announced at once)."""
 
     async def start(self, tmp_path, bus, tenant: str, token: str = ADMIN):
-        from services.trainer.recipes.publisher import Publisher
+        from services.trainer.publish import Publisher
         from services.trainer.server import TrainerState, serve
 
         self.publisher = Publisher([], token, tmp_path / "store", bus, BASE, tenant=tenant)

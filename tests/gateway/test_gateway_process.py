@@ -12,7 +12,7 @@ import openai
 import pytest
 
 from hotloop import config
-from apps.launcher import Mesh, MeshInfo
+from launch.mesh import Mesh, MeshInfo
 
 from .fake_rollout import WORDS, start_fake
 

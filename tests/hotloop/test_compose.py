@@ -7,7 +7,7 @@ from pathlib import Path
 import yaml
 
 from apps.cli import SERVICES
-from apps.launcher import OPT_IN_SERVICES
+from launch.mesh import OPT_IN_SERVICES
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -122,7 +122,7 @@ def test_every_config_file_parses(path):
     from services.trainer.recipes.grpo_async import AsyncGrpoJobConfig
     from services.trainer.recipes.ppo import PpoJobConfig
 
-    from apps.launcher import UpConfig
+    from launch.mesh import UpConfig
 
     sections = {"rollout": RolloutConfig, "reward": RewardConfig, "reference": ReferenceConfig,
                 "trainer": TrainerConfig, "grpo": AsyncGrpoJobConfig, "gateway": GatewayConfig,

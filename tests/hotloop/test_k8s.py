@@ -14,7 +14,7 @@ from pathlib import Path
 import yaml
 
 from apps.cli import SERVICES
-from apps.launcher import OPT_IN_SERVICES
+from launch.mesh import OPT_IN_SERVICES
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy/k8s"
@@ -57,7 +57,7 @@ def config_file() -> Path:
 
 def loaded():
     """The ConfigMap's TOML through the project's loader: every section checked at once."""
-    from apps.sections import sections
+    from launch.sections import sections
     from hotloop import config
 
     return config.load_sections(config.raw_config(config_file(), environ={}), sections())

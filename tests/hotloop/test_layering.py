@@ -1,12 +1,20 @@
-"""The layers, checked from the source: `hotloop` (the library) < `services` < `apps` (the
-applications) < `benchmarks`, with the CLI (`apps/cli.py`) on top.
+"""The layers, checked from the source: `hotloop` (the library) < `services` < `measure`
+(measuring from the users' side) < `launch` (starting and running processes) < `apps` (the
+applications) and `benchmarks`, side by side, with the CLI (`apps/cli.py`) on top.
 
 - `hotloop/` names no service;
 - services do not name each other;
-- neither `hotloop/` nor `services/` names `apps` or `benchmarks`;
+- neither `hotloop/` nor `services/` names `measure`, `launch`, `apps` or `benchmarks`;
+- `measure/` names no service and nothing of `launch`, `apps` or `benchmarks`;
+- `launch/` names no app and no benchmark;
+- no module under `benchmarks/` names `apps`;
 - in `apps/`, only the CLI names a benchmark;
-- in the trainer, the learner (`services/trainer/learner/`) names no recipe: orchestration
-  imports the math, never the other way round.
+- in the trainer, the learner (`services/trainer/learner/`) names no recipe and nothing of
+  the orchestration around them (the tenants' lanes, pacing, publishing, the runner, the
+  server, reports): orchestration imports the math, never the other way round;
+- the trainer's pacing (`services/trainer/pacing/`) names no recipe and no tenants' lane: the
+  recipes and the lanes use it;
+- no recipe module names the runner: the runner finds recipes through their registry.
 
 "Names" covers every way a module is reached: `import` statements (relative ones resolved),
 and strings: `importlib.import_module("services.x")`, `__import__`, `find_spec`, a
@@ -105,19 +113,45 @@ def test_services_do_not_name_each_other() -> None:
     assert not offenders("services", other_service)
 
 
-def test_neither_the_library_nor_a_service_names_an_app_or_a_benchmark() -> None:
+def test_neither_the_library_nor_a_service_names_a_room_above_it() -> None:
     def above(path: Path, m: str) -> bool:
-        return _top(m) in ("apps", "benchmarks")
+        return _top(m) in ("measure", "launch", "apps", "benchmarks")
 
     assert not offenders("hotloop", above) + offenders("services", above)
+
+
+def test_measure_names_no_service_launcher_app_or_benchmark() -> None:
+    assert not offenders("measure", lambda p, m: _top(m) in ("services", "launch", "apps", "benchmarks"))
+
+
+def test_launch_names_no_app_or_benchmark() -> None:
+    assert not offenders("launch", lambda p, m: _top(m) in ("apps", "benchmarks"))
+
+
+def test_no_benchmark_names_an_app() -> None:
+    assert not offenders("benchmarks", lambda p, m: _top(m) == "apps")
 
 
 def test_only_the_cli_names_a_benchmark() -> None:
     assert not offenders("apps", lambda p, m: _top(m) == "benchmarks", exempt=("apps/cli.py",))
 
 
-def test_the_learner_names_no_recipe() -> None:
-    def recipe(path: Path, m: str) -> bool:
-        return m == "services.trainer.recipes" or m.startswith("services.trainer.recipes.")
+def _within(m: str, *rooms: str) -> bool:
+    return any(m == room or m.startswith(room + ".") for room in rooms)
 
-    assert not offenders("services/trainer/learner", recipe)
+
+ORCHESTRATION = tuple(f"services.trainer.{room}" for room in (
+    "recipes", "tenants", "pacing", "publish", "runner", "server", "report", "__main__"))
+
+
+def test_the_learner_names_no_recipe_and_no_orchestration() -> None:
+    assert not offenders("services/trainer/learner", lambda p, m: _within(m, *ORCHESTRATION))
+
+
+def test_pacing_names_no_recipe_and_no_lane() -> None:
+    assert not offenders("services/trainer/pacing", lambda p, m: _within(
+        m, "services.trainer.recipes", "services.trainer.tenants"))
+
+
+def test_no_recipe_names_the_runner() -> None:
+    assert not offenders("services/trainer/recipes", lambda p, m: _within(m, "services.trainer.runner"))

@@ -32,9 +32,9 @@ from services.rollout.catchup import (
     bus_tenants,
     listen,
 )
-from services.trainer.recipes.publisher import Publisher
+from services.trainer.publish import Publisher
 from services.trainer.server import TrainerState, serve
-from tests.trainer.recipes.test_publisher import free_port, make_adapter_dir
+from tests.trainer.test_publish import free_port, make_adapter_dir
 
 BASE = "tiny-base"
 TENANTS = ("acme", "globex")

@@ -256,7 +256,7 @@ async def test_watch_load_follows_users_to_their_first_token(rollout):
 async def test_a_pause_trainer_sees_users_wait_and_get_served(rollout):
     """`users_first = "pause"` end to end on the stream: the trainer's watcher thread (its own
     event loop and channel) is told when a user waits for a first token and when none does."""
-    from services.trainer.recipes.usersfirst import UsersFirst
+    from services.trainer.pacing.usersfirst import UsersFirst
 
     _, stub, address = rollout
     users = UsersFirst("pause", rollout=address, max_pause_s=1.0)

@@ -15,7 +15,7 @@ process-wide stream) and the optimizer's hyperparameters (every tenant trains wi
 `[trainer]`).
 
 Does not own: when to swap or who may use the policy meanwhile (the trainer's turns,
-recipes/lanes.py), checkpoints (a tenant's are written and restored while it is swapped in).
+tenants/lanes.py), checkpoints (a tenant's are written and restored while it is swapped in).
 Not thread-safe: swap only while no `train_step` runs.
 """
 

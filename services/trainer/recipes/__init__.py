@@ -1,7 +1,10 @@
-"""The recipes: orchestration around the learner.
+"""The recipes: what to sample and when to update, around the learner.
 
-Owns what to sample and when to update (`grpo`, `grpo_async`, `ppo`, `online`), publishing
-versions (`publisher`), how a trainer yields to users (`usersfirst`), step budgets
-(`budget`), run reports (`report`) and the process around a job (`job`). Does not own the
-update's math or the model (`services.trainer.learner`).
+Holds only recipes (`grpo`, `grpo_async`, `ppo`, `online`), their interface (`base`) and the
+registry they enter themselves in (`registry`: name, config section, how the runner runs it,
+report writer), which the runner, the CLI and the config-section table read. Does not own the
+update's math or the model (`services.trainer.learner`), the process around a job
+(`services.trainer.runner`), publishing (`services.trainer.publish`), reports
+(`services.trainer.report`), a trainer's tenants (`services.trainer.tenants`) or its pacing
+(`services.trainer.pacing`).
 """

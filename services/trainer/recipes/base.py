@@ -9,7 +9,7 @@ the same for every recipe and lives here, in `run_recipe`:
     evaluate       before the first step, when the schedule evaluates
     each step      `raise_if_cancelled`, a `<name>.step` span around `Recipe.step`, the step's
                    record in metrics.jsonl, a checkpoint when due (`Recipe.save`), `on_step`,
-                   an evaluation when due, the step budget (budget.py)
+                   an evaluation when due, the step budget (pacing/budget.py)
     the end        a checkpoint of what is not saved yet, `Recipe.close`, the final
                    evaluation, summary.json
     a stop         (Ctrl-C or SIGTERM cancel the task) the train thread stops within its
@@ -24,12 +24,12 @@ implements, top to bottom, `setup` (build a `LoraPolicy` with the algorithm's ob
 update through `run.train`, publish; return the step's record, a dataclass with `step`,
 `version` and `stage_seconds`), `save` (`policy.save_checkpoint` with the data position a
 resume needs), `evaluate` if it evaluates, `close` and `summary`; then `run = runner(TheClass)`
-is its entry point. `hotloop train <name>` reaches it through job.py's `run_job`, which maps
+is its entry point. `hotloop train <name>` reaches it through runner.py's `run_job`, which maps
 the name to the recipe and its report (apps/train.py loads its config section). grpo.py is the
 shortest example; ppo.py adds a critic and users-first; online.py steps on feedback as it
 arrives.
 
-Does not own: the mesh's clients and the trainer's own server (job.py), or the update's math
+Does not own: the mesh's clients and the trainer's own server (runner.py), or the update's math
 (services.trainer.learner).
 """
 
@@ -52,7 +52,7 @@ from opentelemetry.context import Context
 
 from hotloop.aio import finish, raise_if_cancelled
 
-from .budget import StepBudget
+from ..pacing.budget import StepBudget
 
 log = logging.getLogger(__name__)
 _tracer = trace.get_tracer("hotloop.trainer")
@@ -78,7 +78,7 @@ class Schedule:
     train_budget_s: float = 0.0
     """Stop once another step would end past this many seconds of training (0: no bound)."""
     run_budget_s: float = 0.0
-    """Stop early enough for the whole run to fit (budget.py; 0: no bound)."""
+    """Stop early enough for the whole run to fit (pacing/budget.py; 0: no bound)."""
 
 
 class Run:
@@ -282,7 +282,7 @@ async def run_recipe(recipe: Recipe, run_dir: Path, *, progress: bool = True,
 
 
 def runner(recipe: Callable[..., Recipe]) -> Callable[..., Awaitable[dict]]:
-    """The entry point of a recipe built from a job's sections and a mesh: what job.py and the
+    """The entry point of a recipe built from a job's sections and a mesh: what runner.py and the
     tests call as `run(job, trainer_cfg, model_dir, mesh, run_dir, progress=True, on_step=None)`."""
 
     async def run(job, trainer_cfg, model_dir: Path, mesh, run_dir: Path, progress: bool = True,

@@ -64,7 +64,7 @@ class TaskJobConfig(Section):
     run_budget_s: float = Field(0.0, ge=0.0)
     """Bound the whole run (setup, both evaluations, training) to about this many seconds:
     training also stops once another step would leave less time than the final evaluation
-    needs, predicted from the base one (`budget.py`). At least one step runs. 0: no bound."""
+    needs, predicted from the base one (`pacing/budget.py`). At least one step runs. 0: no bound."""
     stop: list[Annotated[str, Field(min_length=1)]] = Field(default_factory=list, max_length=8)
     """Strings that end a completion, in training and in evaluation alike (left out of its
     text; its tokens are trained on). The demo ends each completion at the first code block's
@@ -268,7 +268,7 @@ class Mesh:
     rollout: Rollouts  # every replica, each pushed every version; training samples spread over them
     reward: Rewards | RewardClient
     reference: References | ReferenceClient | None
-    publisher: object  # services.trainer.recipes.publisher.Publisher
+    publisher: object  # services.trainer.publish.Publisher
 
     def __post_init__(self) -> None:
         if not isinstance(self.rollout, Rollouts):

@@ -6,6 +6,9 @@ the staleness gate (`StalenessGate`); and producing a batch (`produce`), where e
 scored as soon as the engine finishes it and its reference logprobs are requested as soon as
 its rewards are known, over one stream per replica of each service (hotloop.replicas).
 
+Registers `hotloop train grpo` (`[grpo]`: `AsyncGrpoJobConfig`, both modes' fields), since
+choosing between the two modes (`recipe`) is this module's.
+
 Does not own: the objective (`algorithms.make_offpolicy_algorithm`), the update, publishing,
 evaluation, checkpoints and task order (`grpo.Grpo`, whose `learn` each step calls), or the
 LoRA step (policy.py).
@@ -40,8 +43,10 @@ from pydantic import Field
 from hotloop.clients import Completion, Score
 from hotloop.tasks import CodeTask
 
+from .. import report
 from .base import Recipe, Run, Schedule, runner
 from .grpo import Batch, Grpo, GrpoJobConfig, Mesh, StepRecord, chat, score_item
+from .registry import Registered, register
 
 log = logging.getLogger(__name__)
 _tracer = trace.get_tracer("hotloop.trainer")
@@ -308,3 +313,17 @@ class AsyncGrpo(Recipe):
 
 
 run = runner(AsyncGrpo)
+
+
+def check(job, trainer_cfg, endpoints) -> None:
+    """The reference GRPO's KL needs: a service (its logprobs of the sampled tokens only)."""
+    if trainer_cfg.loss.kl_beta > 0 and not endpoints.reference:
+        raise SystemExit("kl_beta > 0 needs the reference service: no endpoint configured")
+    if trainer_cfg.loss.kl_beta > 0 and trainer_cfg.loss.kl_estimator == "full":
+        raise SystemExit('[trainer.loss] kl_estimator = "full" needs the colocated reference, '
+                         "which GRPO does not have (its reference service returns sampled "
+                         'tokens\' logprobs): use "k3"')
+
+
+register(Registered(
+    "grpo", "GRPO on LoRA", AsyncGrpoJobConfig, run=recipe, report=report.write, check=check))

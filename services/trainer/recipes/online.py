@@ -77,13 +77,13 @@ Served weights: with `serve_average` > 0 a version is a running average of the t
 it; 0 publishes the adapter as trained.
 
 Many tenants: one loop trains one lineage. A multi-tenant trainer runs a loop per tenant on one
-shared policy (lanes.py); every use of the policy here (restore, the colocated reference, train,
+shared policy (tenants/tenants/lanes.py); every use of the policy here (restore, the colocated reference, train,
 pack, checkpoint) is inside the injected `turn`, where that tenant's adapter is swapped in and
 the fair share decides whose update runs. Alone, the turn is a no-op (`solo_turn`).
 
 Does not own: the services it talks to, the policy's update math (policy.py, algorithms.py),
-the loop around its steps and the stop handling (base.py), the tenants' turns (lanes.py), or
-the process around it (job.py, __main__.py).
+the loop around its steps and the stop handling (base.py), the tenants' turns (tenants/tenants/lanes.py), or
+the process around it (runner.py, __main__.py).
 """
 
 from __future__ import annotations
@@ -117,7 +117,8 @@ from hotloop.proto.v1 import bus_pb2, common_pb2
 
 from ..config import OnlineConfig, TrainerConfig
 from .base import Recipe, Run, Schedule, run_recipe
-from .usersfirst import UsersFirst
+from .registry import Registered, register
+from ..pacing.usersfirst import UsersFirst
 
 if TYPE_CHECKING:
     from ..learner.averaging import PolyakAverage
@@ -133,7 +134,7 @@ class OnlineMesh:
     """What the loop talks to."""
 
     bus: Bus
-    publisher: Any  # services.trainer.recipes.publisher.Publisher
+    publisher: Any  # services.trainer.publish.Publisher
     reference: ReferenceClient | None = None
     rollout: list[RolloutClient] = field(default_factory=list)  # read for their latest version
     # the tenant registry (hotloop.tenants.Registry), whose hold of this lineage `run` applies
@@ -473,7 +474,7 @@ async def mesh_latest(mesh: OnlineMesh) -> int:
 @dataclass
 class Grant:
     """What a turn on the policy hands its holder: a training turn says here how many tokens
-    its update trained (what the fair share charges; lanes.py)."""
+    its update trained (what the fair share charges; tenants/lanes.py)."""
 
     tokens: int = 0
 
@@ -493,7 +494,7 @@ class Online(Recipe):
 
     `turn(train)`: an async context manager around every use of the policy (the restore, the
     initial pack, each update's train and pack, each checkpoint), yielding a `Grant`; a lane
-    of a multi-tenant trainer (lanes.py) waits there for its fair share and has its tenant's
+    of a multi-tenant trainer (tenants/tenants/lanes.py) waits there for its fair share and has its tenant's
     adapter swapped in. None: the policy is this loop's alone (`solo_turn`). `users`: the
     process's `UsersFirst`, shared by the lanes and closed by its owner (None: this loop's)."""
 
@@ -679,7 +680,7 @@ class Online(Recipe):
         t = time.perf_counter()
         adapter = None
         async with self.turn(True) as grant:
-            if self.turn is not solo_turn:  # a lane's wait for its fair share (lanes.py)
+            if self.turn is not solo_turn:  # a lane's wait for its fair share (tenants/tenants/lanes.py)
                 secs["turn_wait"] = time.perf_counter() - t
             # colocated: the step scores the base itself, in this lane's turn of the shared
             # policy, running the layers below the adapter once for both (`train_step`)
@@ -915,12 +916,12 @@ async def run(job: OnlineConfig, trainer_cfg: TrainerConfig, model_dir: Path, me
               run_dir: Path, on_step=None, policy=None, metrics: OnlineMetrics | None = None) -> dict:
     """Train from feedback until `job.max_steps` updates (0: until cancelled); returns a summary
     (counters, last version). `policy`, `metrics`: as `Online`. With `mesh.registry`, the
-    lineage follows the registry (follow.py, `FollowedLineage`): its hold holds the loop (read
+    lineage follows the registry (tenants/follow.py, `FollowedLineage`): its hold holds the loop (read
     before the first update), its reset starts the lineage over from the base model."""
     if mesh.registry is None:
         online = Online(job, trainer_cfg, model_dir, mesh, policy, metrics)
         return await run_recipe(online, run_dir, progress=False, on_step=on_step)
-    from .follow import FollowedLineage
+    from ..tenants.follow import FollowedLineage
 
     return await FollowedLineage(job, trainer_cfg, model_dir, mesh, run_dir, on_step=on_step,
                                  policy=policy, metrics=metrics).run()
@@ -977,7 +978,7 @@ async def publish_tolerant(mesh: OnlineMesh, version: int, adapter: Path) -> Non
     """Publish; a replica that could not be reached does not stop training once the version
     is announced (live on another replica): it catches up from the announcement and the
     store when it is back. A refusal, or a version no replica took, still raises."""
-    from .publisher import PublishError, ReplicaUnavailable
+    from ..publish import PublishError, ReplicaUnavailable
 
     try:
         await mesh.publisher.publish(version, adapter)
@@ -986,3 +987,9 @@ async def publish_tolerant(mesh: OnlineMesh, version: int, adapter: Path) -> Non
                 isinstance(f, ReplicaUnavailable) for f in e.failures.values()):
             raise
         log.warning("%s; training goes on (the replicas that were away catch up)", e)
+
+
+# The runner's online path runs it (`runner.run_online_job`: `run` here, or a lane per tenant).
+register(Registered(
+    "online", "learn from user feedback on the bus ([online]); runs until Ctrl-C", OnlineConfig,
+    kind="online"))

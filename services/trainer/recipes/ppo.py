@@ -13,7 +13,7 @@ serves users. Per step:
    together (policy.train_step with the critic);
 7. publish the adapter as a new version; adapt kl_coef toward kl_target.
 Users first: `users_first` chooses how the trainer yields the CPU to users sharing the host
-(usersfirst.py); benchmarks/joint.py measures the policies.
+(pacing/usersfirst.py); benchmarks/joint.py measures the policies.
 
 Failure policy (as GRPO's): a reward scorer error is a sample with reward 0 and its status
 counted; a non-finite loss, or a value loss past `[trainer.critic] max_value_loss`
@@ -40,9 +40,11 @@ from pydantic import Field
 from hotloop.clients import TRAINING_PRIORITY, Completion, ScoreItem
 from hotloop.tasks import CodeTask, load_tasks
 
+from .. import report
 from .base import Recipe, Run, Schedule, runner
 from .grpo import Mesh, TaskJobConfig, chat, publish, start_on_tasks
-from .usersfirst import UsersFirst
+from .registry import Registered, register
+from ..pacing.usersfirst import UsersFirst
 
 log = logging.getLogger(__name__)
 _tracer = trace.get_tracer("hotloop.trainer")
@@ -361,3 +363,16 @@ def summarize(steps: list[PpoStep], evals: list[HeldOut], heldout: list[CodeTask
                             "base_reward": first.per_task[i], "final_reward": last.per_task[i]}
                            for i, t in enumerate(heldout[: job.examples])]
     return out
+
+
+def check(job: PpoJobConfig, trainer_cfg, endpoints) -> None:
+    """A reference where `[ppo] reference` says it is."""
+    if job.reference == "service" and not endpoints.reference:
+        raise SystemExit("[ppo] reference = 'service' needs the reference service: no endpoint "
+                         "configured (or use reference = 'colocated')")
+
+
+register(Registered(
+    "ppo", "PPO on LoRA with a critic, GAE and a KL-penalised reward ([ppo])", PpoJobConfig,
+    run=lambda job: run, report=report.write_ppo, check=check, run_prefix="ppo-",
+    trainer={"algorithm": "ppo"}))

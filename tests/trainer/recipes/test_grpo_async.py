@@ -296,7 +296,7 @@ def test_max_staleness_zero_runs_the_synchronous_recipe(tmp_path):
 
 
 def test_the_grpo_section_reads_the_async_fields(tmp_path):
-    from apps.train import load_job
+    from launch.jobs import load_job
     from hotloop.config import ConfigError
 
     cfg = tmp_path / "c.toml"

@@ -48,7 +48,7 @@ def test_report_carries_paired_greedy_and_sampled_and_says_what_changed(tmp_path
     import json
 
     from hotloop.tasks import load_tasks
-    from services.trainer.recipes import report
+    from services.trainer import report
     from services.trainer.recipes.grpo import GrpoJobConfig, StepRecord, summarize
 
     tasks = load_tasks("builtin", "test")
@@ -92,7 +92,7 @@ def test_report_carries_paired_greedy_and_sampled_and_says_what_changed(tmp_path
 
 
 def test_demo_aim_needs_ten_points_and_greedy_not_worse():
-    from services.trainer.recipes.report import aim_line
+    from services.trainer.report import aim_line
 
     def p(diff, lo, hi):
         return {"diff": diff, "ci95": [lo, hi]}

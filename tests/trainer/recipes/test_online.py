@@ -31,7 +31,7 @@ from hotloop.clients import ReferenceClient, RolloutClient
 from hotloop.proto.v1 import bus_pb2, common_pb2, trainer_pb2, trainer_pb2_grpc
 from services.trainer.recipes import online
 from services.trainer.config import OnlineConfig
-from services.trainer.recipes.publisher import Publisher
+from services.trainer.publish import Publisher
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 TOKEN = "test-admin-token"
@@ -149,8 +149,8 @@ async def test_batch_of_one_trains_publishes_then_acks_in_one_linked_trace(
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
     from services.trainer.recipes import base as recipe_base
-    from services.trainer.recipes import publisher as publisher_module
-    from services.trainer.recipes.job import online_status
+    from services.trainer import publish as publisher_module
+    from services.trainer.runner import online_status
     from services.trainer.server import TrainerState, serve
 
     exporter = InMemorySpanExporter()
@@ -648,7 +648,7 @@ async def test_a_flood_meets_the_bounded_queue_and_nothing_is_lost(
 async def test_reference_in_another_dtype_stops_the_job_before_training(
         nats_server, rollout, reference, tmp_path, make_cfg):
     from hotloop.config import MeshConfig
-    from services.trainer.recipes.job import open_online
+    from services.trainer.runner import open_online
 
     mesh_cfg = MeshConfig.model_validate({
         "nats": {"url": nats_server.url},

@@ -18,7 +18,7 @@ from hotloop.proto.v1 import bus_pb2
 from services.trainer.config import OnlineConfig
 from services.trainer.recipes import online
 from services.trainer.recipes.online import FeedbackQueue, Pending
-from services.trainer.recipes.publisher import Publisher
+from services.trainer.publish import Publisher
 
 pytestmark = [pytest.mark.slow]
 DURABLE = "online-load-test"

@@ -266,7 +266,7 @@ def test_a_checkpoint_cancelled_twice_still_sends_every_ack_and_its_step_ends() 
 
 def test_the_kl_needs_a_reference_service_only_where_it_is_asked(make_cfg):
     from hotloop.config import MeshConfig
-    from services.trainer.recipes.job import _check_online_mesh
+    from services.trainer.runner import _check_online_mesh
 
     no_reference = MeshConfig.model_validate({"nats": {"url": "nats://127.0.0.1:1"},
                                               "endpoints": {"rollout": ["127.0.0.1:2"]}})
@@ -279,7 +279,7 @@ def test_the_kl_needs_a_reference_service_only_where_it_is_asked(make_cfg):
 
 def test_kl_target_needs_a_starting_kl_beta() -> None:
     from hotloop.config import MeshConfig
-    from services.trainer.recipes.job import _check_online_mesh
+    from services.trainer.runner import _check_online_mesh
 
     mesh = MeshConfig.model_validate({"nats": {"url": "nats://127.0.0.1:1"},
                                       "endpoints": {"rollout": "127.0.0.1:2"}})

@@ -11,7 +11,7 @@ import typing
 
 from pydantic import BaseModel
 
-from apps.sections import sections
+from launch.sections import sections
 from hotloop.config import MeshConfig, Section
 from hotloop.hardware import Dtype
 

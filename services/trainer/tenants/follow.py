@@ -73,7 +73,7 @@ class FollowedLineage:
 
     def __init__(self, job, trainer_cfg, model_dir: Path, mesh, run_dir: Path, *,
                  on_step=None, policy=None, metrics=None) -> None:
-        from .online import OnlineMetrics
+        from ..recipes.online import OnlineMetrics
 
         self.job, self.cfg, self.model_dir, self.mesh = job, trainer_cfg, model_dir, mesh
         self.run_dir, self.on_step, self.policy = Path(run_dir), on_step, policy
@@ -137,8 +137,8 @@ class FollowedLineage:
         """Start the loop; `lease`: the lineage's, kept by the loop a reset stopped."""
         import asyncio
 
-        from .base import run_recipe
-        from .online import Online
+        from ..recipes.base import run_recipe
+        from ..recipes.online import Online
 
         self.online = Online(self.job, self.cfg, self.model_dir, self.mesh, self.policy,
                              self.metrics, lease=lease)
@@ -177,7 +177,7 @@ class FollowedLineage:
     async def _reset_loop(self, generation: int, to_version: int) -> None:
         import asyncio
 
-        from .online import VersionUnusable, read_version, reset_lineage, solo_turn
+        from ..recipes.online import VersionUnusable, read_version, reset_lineage, solo_turn
 
         params = None
         if to_version:
@@ -200,7 +200,7 @@ class FollowedLineage:
                 await asyncio.wait([started, recipe], return_when=asyncio.FIRST_COMPLETED)
             finally:
                 started.cancel()
-            self.online.keep_lease()  # held from the stop to the next loop (online.py)
+            self.online.keep_lease()  # held from the stop to the next loop (recipes/online.py)
             recipe.cancel()
             await asyncio.wait([recipe])  # it stops (and closes); its outcome stays on it
             lease = self.online.lease
@@ -281,7 +281,7 @@ class RegistryFollower:
         first start with `follow_registry` does not reset a config tenant reset long ago."""
         from hotloop.bus import announced_key, latest_key
 
-        from .online import VersionUnusable
+        from ..recipes.online import VersionUnusable
 
         lanes = self.lanes
         if not self.manage and name not in lanes.lanes:

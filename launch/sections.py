@@ -1,7 +1,7 @@
 """Every section of a hotloop config file, and loading a whole file at once.
 
-Owns the one table from a section's name to its typed model (each service's, each job's,
-`[up]`'s) and `load`, which reads a file with its environment and `--set` overrides and
+Owns the one table from a section's name to its typed model (each service's, each recipe's
+as the trainer's registry lists them, `[up]`'s) and `load`, which reads a file with its environment and `--set` overrides and
 validates every section in one pass: a command reports all of a file's problems together
 (`hotloop.config.ConfigError`, exit status 2 at the CLI), before it starts anything. Does not
 own: the models (each lives beside its code) or the loader's rules (`hotloop.config`).
@@ -26,17 +26,17 @@ def sections() -> dict[str, type[BaseModel]]:
     from services.reward.config import RewardConfig
     from services.rollout.config import RolloutConfig
     from services.trainer.__main__ import TrainerServerConfig
-    from services.trainer.config import OnlineConfig, TrainerConfig
-    from services.trainer.recipes.grpo_async import AsyncGrpoJobConfig
-    from services.trainer.recipes.ppo import PpoJobConfig
+    from services.trainer.config import TrainerConfig
+    from services.trainer.recipes.registry import recipes
 
-    from apps.launcher import UpConfig
+    from launch.mesh import UpConfig
 
     return {
         "rollout": RolloutConfig, "reward": RewardConfig, "reference": ReferenceServiceConfig,
         "gateway": GatewayConfig, "trainer": TrainerConfig, "trainer_server": TrainerServerConfig,
-        # `[grpo]` holds the asynchronous mode's fields too (`max_staleness`, `is_cap`)
-        "grpo": AsyncGrpoJobConfig, "ppo": PpoJobConfig, "online": OnlineConfig, "up": UpConfig,
+        # each recipe's own section, as it registered it (`[grpo]`, `[ppo]`, `[online]`, ...)
+        **{name: entry.config for name, entry in recipes().items()},
+        "up": UpConfig,
     }
 
 

@@ -10,7 +10,7 @@ from services.reference.config import ReferenceConfig
 from services.reference.core import ReferenceCore
 from services.reference.server import serve
 from services.trainer.config import TrainerConfig
-from services.trainer.recipes.job import check_dtype
+from services.trainer.runner import check_dtype
 
 
 @pytest.fixture

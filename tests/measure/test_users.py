@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from apps.simulate import (
+from measure.users import (
     PROMPTS,
     Brevity,
     PromptDeck,
@@ -62,7 +62,7 @@ def test_brevity_scores_plus_one_when_met_and_grades_the_excess():
 
 
 def test_a_cut_off_answer_is_not_short_when_only_complete_answers_count():
-    from apps.simulate import Record
+    from measure.users import Record
 
     text = " ".join(["w!"] * 8)  # few words in many tokens, ended by the token limit
     cut = Record(ts=0, user=0, phase="train", prompt=0, answer=text, finish_reason="length")
@@ -166,8 +166,9 @@ def test_simulated_users_through_a_real_gateway(tiny_model, tmp_path):
     """A short bounded run: every request streams through the gateway and gets a record with
     its response id and version; every feedback is accepted; no request fails."""
     from hotloop import config
-    from apps.launcher import Mesh
-    from apps.simulate import SimConfig, Simulation, find_target
+    from launch.mesh import Mesh
+    from launch.mesh import find_target
+    from measure.users import SimConfig, Simulation
 
     cfg_path = tmp_path / "sim.toml"
     cfg_path.write_text(f"""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.trainer.recipes.fairshare import FairShare
+from services.trainer.tenants.fairshare import FairShare
 
 
 def run_one(fs: FairShare, tokens: dict[str, int], again: set[str]) -> str:

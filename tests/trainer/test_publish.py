@@ -32,7 +32,7 @@ from hotloop.proto.v1 import (
     trainer_pb2,
     trainer_pb2_grpc,
 )
-from services.trainer.recipes.publisher import (
+from services.trainer.publish import (
     PublishError,
     Publisher,
     ReplicaRefused,
@@ -348,7 +348,7 @@ async def test_publish_span_has_one_child_span_per_replica(tmp_path, replicas, m
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-    from services.trainer.recipes import publisher as publisher_module
+    from services.trainer import publish as publisher_module
 
     exporter = InMemorySpanExporter()
     provider = TracerProvider()
@@ -434,7 +434,7 @@ async def test_reannounce_says_the_latest_announced_version_again_with_this_trai
 def test_the_announced_fetch_address_is_one_a_replica_can_reach():
     import socket
 
-    from services.trainer.recipes.job import advertised
+    from services.trainer.runner import advertised
 
     assert advertised("127.0.0.1", 50055) == "127.0.0.1:50055"
     assert advertised("0.0.0.0", 50055, "online-trainer:50055") == "online-trainer:50055"

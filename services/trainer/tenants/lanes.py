@@ -1,7 +1,7 @@
 """One online trainer process for many tenants (`[online] tenants`): a lane per tenant, all
 time-sharing one base model.
 
-A lane is an `Online` loop (online.py) with everything of its own: its adapter and AdamW state
+A lane is an `Online` loop (recipes/online.py) with everything of its own: its adapter and AdamW state
 (swapped into the shared `LoraPolicy` for its turns: learner/tenancy.py), step count, EMA
 baseline, version counter, durable consumer (`<durable>-<tenant>`), feedback queue, publisher
 (`Publisher(tenant=...)`) and run directory: `<run_dir>/tenants/<tenant>/` (metrics.jsonl,
@@ -38,8 +38,8 @@ base rather than resuming one whose consumer position is gone. `hold_tenant(t, T
 the lane at its version (`Online.hold`: no update starts until `hold_tenant(t, False)`); the
 hold outlives a reset (the reset's base version is what the lineage then holds at).
 
-Does not own: the loop (online.py), the swap (tenancy.py), the fairness rule (fairshare.py),
-connections and the trainer's server (job.py).
+Does not own: the loop (recipes/online.py), the swap (learner/tenancy.py), the fairness rule (fairshare.py),
+connections and the trainer's server (runner.py).
 """
 
 from __future__ import annotations
@@ -61,10 +61,10 @@ from hotloop.errors import NotFound
 from hotloop.tenants import TenantId
 
 from ..config import OnlineConfig, TrainerConfig
-from .base import run_recipe
+from ..recipes.base import run_recipe
 from .fairshare import FairShare
-from .online import Grant, Online, OnlineMesh, OnlineMetrics, read_version, reset_lineage
-from .usersfirst import UsersFirst
+from ..recipes.online import Grant, Online, OnlineMesh, OnlineMetrics, read_version, reset_lineage
+from ..pacing.usersfirst import UsersFirst
 
 log = logging.getLogger(__name__)
 
@@ -302,7 +302,7 @@ class Lanes:
         adapter with no optimizer state, published as a new version above the lineage's latest
         and checkpointed, then the lane goes on from there. Returns the version. A version
         the store does not hold is NotFound, one that is not this policy's adapter
-        VersionUnusable (online.py, `read_version`), and the lane goes on untouched."""
+        VersionUnusable (recipes/online.py, `read_version`), and the lane goes on untouched."""
         lane = self._lane(tenant)
         params = (read_version(self.policy, lane.mesh.publisher.store, to_version)
                   if to_version else None)

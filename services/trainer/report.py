@@ -10,8 +10,8 @@ import json
 import re
 from pathlib import Path
 
-from .grpo import STAGES
-from ..learner.stats import verdict
+from .recipes.grpo import STAGES
+from .learner.stats import verdict
 
 
 def _plots(summary: dict, out: Path) -> list[str]:
@@ -144,7 +144,7 @@ def _fenced(text: str) -> list[str]:
 
 
 def _replicas(summary: dict) -> list[str]:
-    """What each replica did, for the services the job spread over several (job.py)."""
+    """What each replica did, for the services the job spread over several (runner.py)."""
     spread = {name: reps for name, reps in summary.get("replicas", {}).items() if len(reps) > 1}
     if not spread:
         return []
@@ -207,7 +207,7 @@ def _ppo_plots(summary: dict, out: Path) -> list[str]:
 
 def write_ppo(summary: dict, run_dir: Path, config_text: str = "") -> Path:
     """report.json, report.md and ppo.png of a PPO run."""
-    from .ppo import STAGES as PPO_STAGES
+    from .recipes.ppo import STAGES as PPO_STAGES
 
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "report.json").write_text(json.dumps(summary, indent=2))

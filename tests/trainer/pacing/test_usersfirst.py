@@ -1,4 +1,4 @@
-"""`UsersFirst` (services/trainer/recipes/usersfirst.py): the `pause` policy holds a model's forward
+"""`UsersFirst` (services/trainer/pacing/usersfirst.py): the `pause` policy holds a model's forward
 and backward between decoder layers while users wait for a first token, within a per-spell
 budget, and through a real rollout's WatchLoad stream."""
 
@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from services.trainer.recipes.usersfirst import UsersFirst, decoder_layers
+from services.trainer.pacing.usersfirst import UsersFirst, decoder_layers
 
 
 def tiny_llama(layers: int = 3):

@@ -7,11 +7,12 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import psutil
 import pytest
 
-from apps.processes import sigterm_interrupts, stop_process, tail_log
+from launch.processes import sigterm_interrupts, stop_process, tail_log
 
 # Ignores SIGTERM, starts a grandchild in its own process group, says so, then sleeps.
 STUBBORN = """
@@ -65,3 +66,17 @@ def test_tail_log(tmp_path):
     log.write_text("".join(f"line {i}\n" for i in range(30)))
     assert tail_log(log, 2) == "line 28\nline 29"
     assert tail_log(tmp_path / "missing.log") == "(no log)"
+
+
+def test_hotloop_command_runs_the_cli_of_this_checkout():
+    """What the stack and the benchmarks start as `hotloop`: the installed console script's
+    module with this interpreter, importing the code on this PYTHONPATH."""
+    from launch.processes import hotloop_command
+
+    cmd = hotloop_command()
+    assert cmd[:2] == [sys.executable, "-m"]
+    root = Path(__file__).resolve().parents[2]
+    r = subprocess.run([*cmd, "train", "--help"], capture_output=True, text=True, cwd=root,
+                       env={**os.environ, "PYTHONPATH": str(root)}, timeout=60)
+    assert r.returncode == 0 and "usage: hotloop train" in r.stdout, r.stderr
+    assert "ppo" in r.stdout and "online" in r.stdout  # the recipes, from the registry

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from services.trainer.recipes.budget import FINAL_EVAL_MARGIN, StepBudget
+from services.trainer.pacing.budget import FINAL_EVAL_MARGIN, StepBudget
 from tests.clock import Clock
 
 

@@ -1,4 +1,5 @@
-"""`hotloop up`: a whole mesh on one machine, as local processes on loopback, kept running.
+"""A whole mesh on one machine, as local processes on loopback, kept running (`hotloop up`,
+the demos, the benchmarks).
 
 Owns: starting NATS (one JetStream server, or a cluster of `[up] nats_servers`, stores under
 the run directory), generating the admin
@@ -17,6 +18,7 @@ new pid. A restarted service reads the endpoints as they are then (a replica res
 the trainer came up knows where to fetch the versions it missed). One crash more than
 `[up] max_restarts` within `restart_window_s` stops the mesh, saying which process, how it
 ended and its last log lines: a service that cannot stay up is a fault to fix, not to hide.
+Also: where a running mesh's users go (`find_target`: its gateway and a user key, from mesh.json).
 Does not own: any service's logic; services get their endpoints through the environment.
 """
 
@@ -40,8 +42,9 @@ from hotloop import config as hconfig
 from hotloop.config import MeshConfig, Section
 from services.rollout.config import RolloutConfig
 
-from apps.natsserver import NatsCluster, NatsServer
-from apps.processes import die_with_parent, tail_log
+from launch.natsserver import NatsCluster, NatsServer
+from launch.processes import die_with_parent, tail_log
+from measure.users import Target
 
 # Start order: the trainer job and the gateway need the others' endpoints.
 ALL_SERVICES = ["reference", "reward", "rollout", "gateway"]
@@ -599,3 +602,11 @@ class Mesh:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def find_target(run_dir: str | Path) -> Target:
+    """The gateway URL and the first user key of a mesh started by `hotloop up`."""
+    info = MeshInfo.load(run_dir)
+    if not info.gateway_url:
+        raise LookupError(f"the mesh at {run_dir} runs no gateway (start it with the gateway service)")
+    return Target(info.gateway_url.rstrip("/").removesuffix("/v1"), info.user_key())

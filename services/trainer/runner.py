@@ -1,7 +1,9 @@
 """A training job against a running mesh: clients, publisher, the trainer's own gRPC
 server (Status, FetchAdapter), then the recipe, then the report.
 
-Used by `hotloop train grpo`, `hotloop train online`, `hotloop demo` and the trainer's
+Runs any registered recipe (`recipes.registry`): a batch one (`run_job`: its checks, its run,
+its report writer, as its entry says) or the online loop (`run_online_job`, a lane per tenant
+where configured). Used by `hotloop train <recipe>`, `hotloop demo` and the trainer's
 `__main__` (the online trainer as a mesh process). `open_edge` is what every job holds around
 its recipe. Endpoints come from the mesh config (`[endpoints]`, filled in by `hotloop up`
 through the environment or mesh.json); each service's replicas are one balanced client
@@ -22,8 +24,8 @@ from hotloop.config import MeshConfig
 from hotloop.replicas import References, Replicas, Rewards, Rollouts
 from hotloop.tenants import DEFAULT, TenantId
 
-from . import grpo, grpo_async, report
-from ..config import TrainerConfig
+from .recipes import grpo, registry
+from .config import TrainerConfig
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +82,7 @@ class Edge:
 
     bus: Any  # hotloop.bus.Bus | None
     reference: References | None
-    publisher: Any  # .publisher.Publisher; None where the lanes make one per tenant (lanes.py)
+    publisher: Any  # .publish.Publisher; None where the lanes make one per tenant (tenants/lanes.py)
     state: Any  # .server.TrainerState
     server: Any  # grpc.aio.Server
     port: int
@@ -125,8 +127,8 @@ async def open_edge(mesh_cfg: MeshConfig, trainer_cfg: TrainerConfig, run_dir: P
     Status/FetchAdapter server on `address`. `stores` (server.Stores): the lineages' stores
     when the caller publishes per tenant (no publisher here then); else one publisher for
     `tenant`'s lineage under `run_dir`. Close with `Edge.close()`."""
-    from .publisher import Publisher
-    from ..server import TrainerState, serve
+    from .publish import Publisher
+    from .server import TrainerState, serve
 
     ep = mesh_cfg.endpoints
     bus = None
@@ -161,28 +163,18 @@ async def open_edge(mesh_cfg: MeshConfig, trainer_cfg: TrainerConfig, run_dir: P
 
 async def run_job(mesh_cfg: MeshConfig, job, trainer_cfg: TrainerConfig, config_text: str = "",
                   progress: bool = True, recipe: str = "grpo") -> tuple[dict, Path]:
-    """A batch job (`recipe`: "grpo" or "ppo", with its `[grpo]` / `[ppo]` section as `job`)
+    """A batch job (`recipe`: a registered batch recipe's name, with its section as `job`)
     against the running mesh; returns its summary and the report's path."""
+    entry = registry.recipe(recipe)
+    if entry.kind != "batch":
+        raise ValueError(f"recipe {recipe!r} is not a batch job: run_online_job runs it")
     ep = mesh_cfg.endpoints
     missing = [n for n, v in (("rollout", ep.rollout), ("reward", ep.reward)) if not v]
     if missing:
         raise SystemExit(f"no endpoint for {missing}: start the mesh with `hotloop up` first")
-    if recipe == "ppo":
-        from . import ppo
-
-        run, write, default_id = ppo.run, report.write_ppo, "ppo-"
-        if job.reference == "service" and not ep.reference:
-            raise SystemExit("[ppo] reference = 'service' needs the reference service: no endpoint "
-                             "configured (or use reference = 'colocated')")
-    else:
-        run = grpo_async.recipe(job)  # max_staleness 0: the synchronous baseline, grpo.run
-        write, default_id = report.write, ""
-        if trainer_cfg.loss.kl_beta > 0 and not ep.reference:
-            raise SystemExit("kl_beta > 0 needs the reference service: no endpoint configured")
-        if trainer_cfg.loss.kl_beta > 0 and trainer_cfg.loss.kl_estimator == "full":
-            raise SystemExit('[trainer.loss] kl_estimator = "full" needs the colocated reference, '
-                             "which GRPO does not have (its reference service returns sampled "
-                             'tokens\' logprobs): use "k3"')
+    if entry.check is not None:
+        entry.check(job, trainer_cfg, ep)
+    run, write, default_id = entry.run(job), entry.report, entry.run_prefix
     telemetry.setup("trainer", mesh_cfg.telemetry, mesh_cfg.run_dir)
     model_dir = models.resolve(mesh_cfg.model.name)
     run_id = job.run_id or default_id + time.strftime("%Y%m%d-%H%M%S")
@@ -248,12 +240,12 @@ async def open_online(mesh_cfg: MeshConfig, job, trainer_cfg: TrainerConfig,
                       address: str = "127.0.0.1:0"):
     """The edge and the `online.OnlineMesh` of an online job; returns (edge, mesh, run_dir).
     Close with `close_online`."""
-    from . import online
+    from .recipes import online
 
     ep = mesh_cfg.endpoints
     _check_online_mesh(mesh_cfg, trainer_cfg, job)
     run_dir = Path(job.out_dir) / job.run_id
-    from .usersfirst import UsersFirst
+    from .pacing.usersfirst import UsersFirst
 
     # Here, in the processes that run the loop, before the policy loads (torch's threads
     # inherit the priority); not in `online.run`, which tests drive inside pytest.
@@ -290,11 +282,11 @@ async def close_online(edge: Edge, mesh) -> None:
 async def open_lanes(mesh_cfg: MeshConfig, job, trainer_cfg: TrainerConfig,
                      address: str = "127.0.0.1:0", registry=None):
     """The edge and the `lanes.Lanes` of an online job with `[online] tenants`: one process,
-    a lane per tenant (lanes.py); the server's FetchAdapter serves each lane's store. Returns
+    a lane per tenant (tenants/lanes.py); the server's FetchAdapter serves each lane's store. Returns
     (edge, lanes); run with `lanes.run()`, close with `close_lanes`."""
-    from .lanes import Lanes
-    from .publisher import Publisher
-    from .usersfirst import UsersFirst
+    from .tenants.lanes import Lanes
+    from .publish import Publisher
+    from .pacing.usersfirst import UsersFirst
 
     ep = mesh_cfg.endpoints
     _check_online_mesh(mesh_cfg, trainer_cfg, job)
@@ -336,7 +328,7 @@ async def open_lanes(mesh_cfg: MeshConfig, job, trainer_cfg: TrainerConfig,
     if edge.bus is not None:
         from hotloop.tenants import Registry
 
-        from .follow import RegistryFollower, held_tenants
+        from .tenants.follow import RegistryFollower, held_tenants
 
         # Every lanes trainer applies the registry's resets and holds of its lineages (the
         # admin API's); one that follows the registry also adds and removes lanes.
@@ -358,7 +350,7 @@ async def run_online_job(mesh_cfg: MeshConfig, job, trainer_cfg: TrainerConfig) 
     """`hotloop train online`: the online loop until `max_steps` updates or Ctrl-C. With
     `[online] tenants`, a lane per tenant; the summary then has each tenant's under
     `tenants`."""
-    from . import online
+    from .recipes import online
 
     telemetry.setup("trainer", mesh_cfg.telemetry, mesh_cfg.run_dir)
     try:

@@ -3,8 +3,9 @@ jobs and the benchmarks.
 
 Owns: making a child die with its parent (`die_with_parent`), stopping a child (SIGTERM, a
 grace period, then SIGKILL of its process group: `stop_process`), the tail of a child's log
-for an error message (`tail_log`), and SIGTERM treated as Ctrl-C while an application starts
-or tears down (`sigterm_interrupts`).
+for an error message (`tail_log`), SIGTERM treated as Ctrl-C while an application starts
+or tears down (`sigterm_interrupts`), and the command line that runs `hotloop` as a child
+(`hotloop_command`).
 
 Does not own: the asynchronous part of stopping a job, where the first SIGINT or SIGTERM
 cancels the job's coroutine so it can checkpoint (`hotloop.service.run_interruptible`), nor a
@@ -18,6 +19,7 @@ import logging
 import os
 import signal
 import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -36,6 +38,19 @@ def die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
     except OSError:  # not glibc Linux: the launcher's own stop() remains the only guard
         pass
+
+
+def hotloop_command(python: str = sys.executable) -> list[str]:
+    """`hotloop` as a child's command line, with `python`: `python -m` the module of
+    the package's `hotloop` console script, read from the installed metadata, so that the
+    rooms below the CLI (this one, the benchmarks) start it without naming the CLI's module
+    (the layering test). With `PYTHONPATH` set, the child imports the same copy of the code."""
+    from importlib.metadata import entry_points
+
+    script = next(iter(entry_points(group="console_scripts", name="hotloop")), None)
+    if script is None:
+        raise RuntimeError("no `hotloop` console script: install the package (`pip install -e .`)")
+    return [python, "-m", script.module]
 
 
 def tail_log(path: Path, lines: int = 25) -> str:

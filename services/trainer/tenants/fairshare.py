@@ -12,8 +12,8 @@ monopoly. So a tenant with a burst of feedback cannot starve a quiet one: the qu
 ready, is granted before the bursty one's next update; and always-backlogged tenants train
 equal tokens (within one update's) per weight.
 
-Does not own: waiting for a grant or the policy swap (recipes/lanes.py `Turns`), or what an
-update is (online.py).
+Does not own: waiting for a grant or the policy swap (lanes.py `Turns`), or what an
+update is (recipes/online.py).
 """
 
 from __future__ import annotations

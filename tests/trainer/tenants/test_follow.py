@@ -15,8 +15,8 @@ from nats.js.errors import NotFoundError
 from hotloop.bus import announced_key
 from hotloop.proto.v1 import bus_pb2
 from hotloop.tenants import Registry
-from services.trainer.recipes.follow import RegistryFollower, held_tenants
-from tests.trainer.recipes.test_lanes import DURABLE, TOKEN, Mesh, steps, stop, until
+from services.trainer.tenants.follow import RegistryFollower, held_tenants
+from tests.trainer.tenants.test_lanes import DURABLE, TOKEN, Mesh, steps, stop, until
 
 pytestmark = [pytest.mark.slow]
 MAX_WAIT_S = 2.0  # the held lineage's test: its feedback waits longer than this, held
@@ -192,7 +192,7 @@ async def test_two_trainers_following_the_registry_split_its_tenants_first_come(
     refused (`hotloop.leases`), leaves it alone and goes on with its own lanes."""
     from services.trainer.learner.policy import LoraPolicy
 
-    caplog.set_level("INFO", logger="services.trainer.recipes.follow")
+    caplog.set_level("INFO", logger="services.trainer.tenants.follow")
     registry = Registry(mesh.bus)
     runs = []
     for name, own in (("t1", "own1"), ("t2", "own2")):
@@ -248,7 +248,7 @@ async def test_a_trainer_of_config_lanes_applies_the_registry_s_resets_and_holds
     """Without `follow_registry` (the trainer's job wiring, `open_lanes`): a reset or a hold
     through the admin API of a lineage it trains is applied, as by a trainer that follows
     the registry; a tenant created there starts no lane here."""
-    from services.trainer.recipes.job import close_lanes, open_lanes
+    from services.trainer.runner import close_lanes, open_lanes
 
     registry = Registry(mesh.bus)
     await registry.hold("cfg", config=True)  # held before the trainer starts
@@ -284,7 +284,7 @@ async def test_a_trainer_of_config_lanes_applies_the_registry_s_resets_and_holds
 async def test_config_lanes_end_at_max_steps_beside_the_registry(mesh, tmp_path, make_cfg, tiny_model):
     """The hold-and-reset follower does not keep a trainer up past its last update (only
     one that adds lanes from the registry waits for tenants to come)."""
-    from services.trainer.recipes.job import close_lanes, open_lanes
+    from services.trainer.runner import close_lanes, open_lanes
 
     edge, lanes = await open_lanes(mesh_config(mesh, tiny_model),
                                    online_job(tmp_path, tenants=[""], max_steps=1), make_cfg())
@@ -306,7 +306,7 @@ async def one_lineage(mesh, tmp_path, make_cfg, tiny_model):
     `open_online`), running: (job, edge, its mesh, run dir, policy, task)."""
     from services.trainer.learner.policy import LoraPolicy
     from services.trainer.recipes import online
-    from services.trainer.recipes.job import open_online
+    from services.trainer.runner import open_online
 
     job = online_job(tmp_path, tenant="cfg")
     edge, omesh, run_dir = await open_online(mesh_config(mesh, tiny_model), job, make_cfg())
@@ -323,7 +323,7 @@ async def test_a_trainer_of_one_named_lineage_applies_the_registry_s_hold_and_re
     next version and the loop goes on from there; a reset made while it was down is applied
     once when it is back, and not again after."""
     from services.trainer.recipes import online
-    from services.trainer.recipes.job import close_online
+    from services.trainer.runner import close_online
 
     registry = Registry(mesh.bus)
     await registry.hold("cfg", config=True)
@@ -399,7 +399,7 @@ async def test_a_one_lineage_trainer_resets_to_the_version_the_registry_names(
     import torch
 
     from hotloop.adapters import read_archive
-    from services.trainer.recipes.job import close_online
+    from services.trainer.runner import close_online
 
     registry = Registry(mesh.bus)
     job, edge, omesh, run_dir, policy, task = await one_lineage(mesh, tmp_path, make_cfg,

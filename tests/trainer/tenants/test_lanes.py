@@ -19,9 +19,9 @@ from hotloop.clients import RolloutClient, TrainerClient
 from hotloop.errors import NotFound
 from hotloop.proto.v1 import bus_pb2, common_pb2
 from services.trainer.config import OnlineConfig
-from services.trainer.recipes.lanes import Lanes, lane_dir
-from services.trainer.recipes.publisher import Publisher
-from tests.trainer.recipes.lineage_replica import start_replica, traffic
+from services.trainer.tenants.lanes import Lanes, lane_dir
+from services.trainer.publish import Publisher
+from tests.trainer.tenants.lineage_replica import start_replica, traffic
 
 pytestmark = [pytest.mark.slow]
 TOKEN = "lanes-admin-token"
@@ -282,7 +282,7 @@ def _adapter(archive: Path) -> dict:
 
 async def test_turns_one_at_a_time_short_ones_first_and_a_stopped_waiter_leaves_no_trace(make_cfg):
     from services.trainer.learner.policy import LoraPolicy
-    from services.trainer.recipes.lanes import Turns
+    from services.trainer.tenants.lanes import Turns
 
     turns = Turns(LoraPolicy(make_cfg()))
     for t in ("a", "b"):

@@ -11,7 +11,7 @@ import pytest
 
 from hotloop import config
 from hotloop.grpcutil import wait_healthy
-from apps.launcher import Mesh, MeshInfo, RestartPolicy, UpConfig
+from launch.mesh import Mesh, MeshInfo, RestartPolicy, UpConfig
 
 
 def test_restart_policy_backs_off_and_gives_up_past_its_limit_within_the_window():
@@ -187,7 +187,7 @@ def test_services_die_with_a_killed_launcher(tmp_path):
 
     code = (
         "from hotloop import config\n"
-        "from apps.launcher import Mesh\n"
+        "from launch.mesh import Mesh\n"
         f"cfg = config.load_mesh(config.raw_config(None, ['run_dir={tmp_path}'], environ={{}}))\n"
         f"m = Mesh(cfg, None, ['run_dir={tmp_path}'], ['reward'], quiet=True)\n"
         "info = m.start(timeout_s=120)\n"
