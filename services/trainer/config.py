@@ -374,7 +374,7 @@ class OnlineConfig(Section):
     """The tenant whose lineage this loop trains (`[tenants.<name>]`; "": the default tenant).
     It reads only that tenant's feedback subject, and dead-letters (reason `other_tenant`) a
     feedback or traffic record that names another tenant. A named tenant's hold and reset
-    through the admin API apply to it (the registry's, recipes/follow.py `FollowedLineage`):
+    through the admin API apply to it (the registry's, tenants/follow.py `FollowedLineage`):
     a reset publishes the base model as its next version and training goes on from there."""
     tenants: list[TenantId] = Field(default_factory=list)
     """The tenants this process trains, each in a lane of its own on one shared base model
