@@ -30,6 +30,8 @@ def sections() -> dict[str, type[BaseModel]]:
     from services.trainer.recipes.grpo_async import AsyncGrpoJobConfig
     from services.trainer.recipes.ppo import PpoJobConfig
 
+    from hotloop.tracking import ReportConfig
+
     from apps.launcher import UpConfig
 
     return {
@@ -37,6 +39,7 @@ def sections() -> dict[str, type[BaseModel]]:
         "gateway": GatewayConfig, "trainer": TrainerConfig, "trainer_server": TrainerServerConfig,
         # `[grpo]` holds the asynchronous mode's fields too (`max_staleness`, `is_cap`)
         "grpo": AsyncGrpoJobConfig, "ppo": PpoJobConfig, "online": OnlineConfig, "up": UpConfig,
+        "report": ReportConfig,
     }
 
 

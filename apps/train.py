@@ -20,6 +20,11 @@ def load_job(config_path: str | None, overrides: list[str], algorithm: str, mesh
     """The mesh and the job's and `[trainer]`'s sections, every section of the file checked
     at once; `mesh` (a running mesh's `MeshInfo`) points the mesh sections at it. For `ppo`
     the trainer's algorithm is PPO whatever the file says."""
+    return load_job_report(config_path, overrides, algorithm, mesh)[:3]
+
+
+def load_job_report(config_path: str | None, overrides: list[str], algorithm: str, mesh=None):
+    """`load_job`'s sections and `[report]` (the experiment trackers, hotloop.tracking)."""
     from apps import sections
 
     patch = {"trainer": {"algorithm": "ppo"}} if algorithm == "ppo" else None
@@ -28,7 +33,7 @@ def load_job(config_path: str | None, overrides: list[str], algorithm: str, mesh
     loaded = sections.load(config_path, overrides, patch)
     mesh_cfg = mesh.apply(loaded.mesh) if mesh is not None else loaded.mesh
     configure(mesh_cfg.grpc)  # the job's clients ping as the mesh's do
-    return mesh_cfg, loaded[algorithm], loaded["trainer"]
+    return mesh_cfg, loaded[algorithm], loaded["trainer"], loaded["report"]
 
 
 def _running_mesh(run_dir: str):
@@ -46,7 +51,7 @@ def train(args) -> int:
     from hotloop.threads import pin_configured
 
     logging.basicConfig(level=os.environ.get("HOTLOOP_LOG_LEVEL", "WARNING"))
-    mesh_cfg, job, trainer_cfg = load_job(args.config, args.set, args.algorithm)  # the file first
+    mesh_cfg, job, trainer_cfg, report = load_job_report(args.config, args.set, args.algorithm)  # the file first
     info = _running_mesh(args.run_dir or mesh_cfg.run_dir)
     if info is None:
         return 2
@@ -57,7 +62,8 @@ def train(args) -> int:
 
         online_job = job
         pin_configured(trainer_cfg.cpus, "trainer")  # on a core where vLLM spins, <1% of it
-        summary, interrupted = run_interruptible(run_online_job(mesh_cfg, online_job, trainer_cfg))
+        summary, interrupted = run_interruptible(run_online_job(mesh_cfg, online_job, trainer_cfg,
+                                                                report))
         if interrupted:  # nothing to save: un-acked feedback is redelivered to the next run
             print(f"online: stopped; resume with --set online.run_id={online_job.run_id}")
             return 130
@@ -75,7 +81,7 @@ def train(args) -> int:
         job = job.model_copy(update={"run_id": prefix + time.strftime("%Y%m%d-%H%M%S")})
     text = Path(args.config).read_text() if args.config else ""
     result, interrupted = run_interruptible(
-        run_job(mesh_cfg, job, trainer_cfg, text, recipe=args.algorithm))
+        run_job(mesh_cfg, job, trainer_cfg, text, recipe=args.algorithm, report=report))
     if interrupted:
         print(f"{args.algorithm}: stopped; checkpoint under {job.out_dir}/{job.run_id}/checkpoints. "
               f"Resume: the same command with --set {args.algorithm}.run_id={job.run_id}")
