@@ -297,18 +297,25 @@ def _build(backend: str, cfg: ReportConfig, run_dir: Path, run_name: str) -> Tra
     return WandbTracker(w.project, w.entity, w.mode, Path(w.dir) if w.dir else run_dir, run_name)
 
 
-def open_tracker(cfg: ReportConfig, run_dir: Path, run_name: str,
-                 close_timeout_s: float = 60.0) -> Trackers:
-    """Every tracker `cfg.to` names for the run in `run_dir` (the job's run directory), named
-    `cfg.run_name` or else `run_name`. A missing package is a `ConfigError` naming it, before
-    anything opens; a backend that fails to open raises its error (the ones opened before it
-    are closed). With `to` empty, a `Trackers` of none: every call is a no-op."""
+def check_installed(cfg: ReportConfig) -> None:
+    """A `ConfigError` naming each package a tracker of `cfg.to` needs and this host lacks
+    (found without importing it). A job calls it before it connects to anything."""
     missing = {b: m for b in cfg.to if (m := _missing(b, cfg))}
     if missing:
         raise ConfigError([
             f"[report] to: {backend!r} needs {' and '.join(pkgs)}, not installed here: "
             f"pip install 'hotloop[tracking]' (or {' '.join(pkgs)})"
             for backend, pkgs in missing.items()])
+
+
+def open_tracker(cfg: ReportConfig, run_dir: Path, run_name: str,
+                 close_timeout_s: float = 60.0) -> Trackers:
+    """Every tracker `cfg.to` names for the run in `run_dir` (the job's run directory), named
+    `cfg.run_name` or else `run_name`. A missing package is a `ConfigError` naming it
+    (`check_installed`), before anything opens; a backend that fails to open raises its error
+    (the ones opened before it are closed). With `to` empty, a `Trackers` of none: every call
+    is a no-op."""
+    check_installed(cfg)
     name = cfg.run_name or run_name
     return Trackers([(b, lambda b=b: _build(b, cfg, run_dir, name)) for b in cfg.to],
                     close_timeout_s)

@@ -163,7 +163,12 @@ async def run_job(mesh_cfg: MeshConfig, job, trainer_cfg: TrainerConfig, config_
     """A batch job (`recipe`: "grpo" or "ppo", with its `[grpo]` / `[ppo]` section as `job`)
     against the running mesh; returns its summary and the report's path. `report`: the
     `[report]` section (hotloop.tracking.ReportConfig), the trackers the records also go to."""
+    from hotloop.tracking import check_installed
+
     from ..tracking import open_job_tracker
+
+    if report is not None:
+        check_installed(report)  # a tracker's missing package: before anything connects
 
     ep = mesh_cfg.endpoints
     missing = [n for n, v in (("rollout", ep.rollout), ("reward", ep.reward)) if not v]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -89,6 +90,26 @@ def test_the_report_section_is_read_with_the_rest_of_the_file(tmp_path):
         sections.load(str(path))
     assert len(bad.value.problems) == 2
     assert any(p.startswith(f"{path}: [report] to.1:") and "'comet'" in p for p in bad.value.problems)
+
+
+async def test_a_missing_tracker_package_stops_a_job_before_it_connects(tmp_path, monkeypatch):
+    from hotloop.config import ConfigError, MeshConfig
+    from services.trainer.config import OnlineConfig, TrainerConfig
+    from services.trainer.recipes.grpo import GrpoJobConfig
+    from services.trainer.recipes.job import run_job, run_online_job
+
+    monkeypatch.setitem(sys.modules, "wandb", None)  # how Python marks a module not importable
+    wandb = ReportConfig(to=["wandb"])
+    batch, online = GrpoJobConfig(out_dir=str(tmp_path)), OnlineConfig(out_dir=str(tmp_path))
+    with pytest.raises(ConfigError, match="'wandb' needs wandb, not installed here"):
+        await run_job(MeshConfig(), batch, TrainerConfig(), report=wandb)
+    with pytest.raises(ConfigError, match="'wandb' needs wandb, not installed here"):
+        await run_online_job(MeshConfig(), online, TrainerConfig(), report=wandb)
+    # with what is installed, the same jobs go on to the mesh (none here) and stop there
+    with pytest.raises(SystemExit, match="no endpoint"):
+        await run_job(MeshConfig(), batch, TrainerConfig(), report=ReportConfig(to=["tensorboard"]))
+    with pytest.raises(SystemExit, match="no \\[nats\\] url"):
+        await run_online_job(MeshConfig(), online, TrainerConfig(), report=ReportConfig())
 
 
 @pytest.mark.slow
