@@ -51,7 +51,8 @@ def train(args) -> int:
     from hotloop.threads import pin_configured
 
     logging.basicConfig(level=os.environ.get("HOTLOOP_LOG_LEVEL", "WARNING"))
-    mesh_cfg, job, trainer_cfg, report = load_job_report(args.config, args.set, args.algorithm)  # the file first
+    # the file first
+    mesh_cfg, job, trainer_cfg, report = load_job_report(args.config, args.set, args.algorithm)
     info = _running_mesh(args.run_dir or mesh_cfg.run_dir)
     if info is None:
         return 2

@@ -268,11 +268,12 @@ _NEEDS: dict[str, tuple[tuple[str, str], ...]] = {  # backend -> (module, the pa
     "wandb": (("wandb", "wandb"),),
 }
 _SQL = (("sqlalchemy", "SQLAlchemy"), ("alembic", "alembic"))  # MLflow's database stores
+_NOT_SQL = ("http:", "https:", "databricks", "file:")  # stores MLflow reaches without them
 
 
 def _missing(backend: str, cfg: ReportConfig) -> list[str]:
     needs = _NEEDS[backend]
-    if backend == "mlflow" and not cfg.mlflow.tracking_uri.startswith(("http:", "https:", "databricks")):
+    if backend == "mlflow" and not cfg.mlflow.tracking_uri.startswith(_NOT_SQL):
         needs += _SQL
     return [package for module, package in needs if importlib.util.find_spec(module) is None]
 

@@ -8,8 +8,9 @@ the same for every recipe and lives here, in `run_recipe`:
                    replicas serve it; it returns its `Schedule`
     evaluate       before the first step, when the schedule evaluates
     each step      `raise_if_cancelled`, a `<name>.step` span around `Recipe.step`, the step's
-                   record in metrics.jsonl (and the run's trackers), a checkpoint when due (`Recipe.save`), `on_step`,
-                   an evaluation when due, the step budget (budget.py)
+                   record in metrics.jsonl (and the run's trackers: `[report]`), a checkpoint
+                   when due (`Recipe.save`), `on_step`, an evaluation when due, the step
+                   budget (budget.py)
     the end        a checkpoint of what is not saved yet, `Recipe.close`, the final
                    evaluation, summary.json
     a stop         (Ctrl-C or SIGTERM cancel the task) the train thread stops within its

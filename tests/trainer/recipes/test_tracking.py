@@ -131,9 +131,15 @@ async def test_each_tenants_lane_writes_its_updates_and_loop_latency_under_its_n
     def publisher_for(tenant: str, store_dir: Path) -> Publisher:
         return Publisher([mesh.addr], TOKEN, store_dir, mesh.trainer_bus, "tiny", tenant=tenant)
 
-    def steps(tenant: str) -> list[dict]:
+    def lines(tenant: str, kind: str) -> list[dict]:
         path = lane_dir(run_dir, tenant) / "metrics.jsonl"
-        return records(path).get("step", []) if path.exists() else []
+        return records(path).get(kind, []) if path.exists() else []
+
+    def steps(tenant: str) -> list[dict]:
+        return lines(tenant, "step")
+
+    def published(tenant: str) -> list[dict]:
+        return lines(tenant, "published")
 
     tracker = open_job_tracker(ReportConfig(to=["tensorboard", "mlflow"]), run_dir, "run",
                                {"online": job.model_dump(mode="json")})
@@ -149,7 +155,6 @@ async def test_each_tenants_lane_writes_its_updates_and_loop_latency_under_its_n
         for score in (1.0, -1.0):
             await mesh.feedback("", score)
         await mesh.feedback("acme", 1.0)
-        published = lambda t: records(lane_dir(run_dir, t) / "metrics.jsonl").get("published", [])  # noqa: E731
         await until(lambda: len(steps("")) == 2 and len(steps("acme")) == 1
                     and len(published("")) == 2 and len(published("acme")) == 1,
                     "every feedback trains and its version lands", task=task)
