@@ -60,25 +60,7 @@ def test_a_restarted_replica_knows_where_to_fetch_missed_versions():
 def test_every_served_service_exposes_metrics_on_a_port_of_its_own():
     """A scraper in the compose network finds each service's /metrics on a fixed port, set in
     the section the service reads (the one its gRPC port is set in) and valid there."""
-    from hotloop import config
-    from services.gateway.config import GatewayConfig
-    from services.reference.__main__ import ReferenceServiceConfig
-    from services.reward.config import RewardConfig
-    from services.rollout.config import RolloutConfig
-    from services.trainer.__main__ import TrainerServerConfig
-
-    models = {"rollout": RolloutConfig, "reference": ReferenceServiceConfig, "reward": RewardConfig,
-              "gateway": GatewayConfig, "trainer_server": TrainerServerConfig}
-    services = yaml.safe_load((ROOT / "compose/docker-compose.yml").read_text())["services"]
-    ports = {}
-    for name, svc in services.items():
-        cmd = svc.get("command", [])
-        if cmd[:1] != ["serve"]:
-            continue
-        sets = [cmd[i + 1] for i, a in enumerate(cmd) if a == "--set"]
-        (section,) = {s.split(".")[0] for s in sets if s.split("=")[0].endswith(".port")}
-        tree = config.raw_config(None, sets, environ={})
-        ports[name] = config.load_section(tree, section, models[section]).metrics_port
+    ports = _metrics_ports()
     assert {"rollout", "reference", "reward", "gateway", "online-trainer"} <= set(ports)
     assert all(p > 0 for p in ports.values()) and len(set(ports.values())) == len(ports), ports
 
