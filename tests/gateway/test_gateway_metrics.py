@@ -77,6 +77,10 @@ async def test_requests_tokens_errors_and_feedback_are_counted(rig):
     assert delta("hotloop_gateway_time_to_first_token_seconds_count") == 3
     assert delta("hotloop_gateway_time_to_first_token_seconds_sum") > 0
     assert after.type_of("hotloop_gateway_time_to_first_token_seconds") == "histogram"
+    # the inter-token latency: one observation per token after each choice's first
+    assert delta("hotloop_gateway_inter_token_seconds_count") == 3 * (len(WORDS) - 1)
+    assert delta("hotloop_gateway_inter_token_seconds_sum") > 0
+    assert after.type_of("hotloop_gateway_inter_token_seconds") == "histogram"
 
 
 async def test_replica_table_readiness_and_in_flight_gauges(rig):

@@ -1,7 +1,10 @@
-"""The GPU deployment cannot run here; check what can be checked: it parses, every served
-service exists and has a health check, and the configs it names exist and validate."""
+"""The GPU deployment cannot run here (no docker, no GPU); check what can be checked statically:
+it parses, every served service exists and has a health check, the configs it names exist and
+validate, Prometheus scrapes every service's metrics port, and Grafana's dashboard reads only
+metrics the services define."""
 
 import json
+import re
 from pathlib import Path
 
 import yaml
@@ -57,25 +60,7 @@ def test_a_restarted_replica_knows_where_to_fetch_missed_versions():
 def test_every_served_service_exposes_metrics_on_a_port_of_its_own():
     """A scraper in the compose network finds each service's /metrics on a fixed port, set in
     the section the service reads (the one its gRPC port is set in) and valid there."""
-    from hotloop import config
-    from services.gateway.config import GatewayConfig
-    from services.reference.__main__ import ReferenceServiceConfig
-    from services.reward.config import RewardConfig
-    from services.rollout.config import RolloutConfig
-    from services.trainer.__main__ import TrainerServerConfig
-
-    models = {"rollout": RolloutConfig, "reference": ReferenceServiceConfig, "reward": RewardConfig,
-              "gateway": GatewayConfig, "trainer_server": TrainerServerConfig}
-    services = yaml.safe_load((ROOT / "compose/docker-compose.yml").read_text())["services"]
-    ports = {}
-    for name, svc in services.items():
-        cmd = svc.get("command", [])
-        if cmd[:1] != ["serve"]:
-            continue
-        sets = [cmd[i + 1] for i, a in enumerate(cmd) if a == "--set"]
-        (section,) = {s.split(".")[0] for s in sets if s.split("=")[0].endswith(".port")}
-        tree = config.raw_config(None, sets, environ={})
-        ports[name] = config.load_section(tree, section, models[section]).metrics_port
+    ports = _metrics_ports()
     assert {"rollout", "reference", "reward", "gateway", "online-trainer"} <= set(ports)
     assert all(p > 0 for p in ports.values()) and len(set(ports.values())) == len(ports), ports
 
@@ -204,3 +189,135 @@ def test_the_gateway_finds_every_replica_of_a_scaled_rollout():
     assert f"rollout.port={port}" in rollout["command"] and "rollout.host=0.0.0.0" in rollout["command"]
     assert "ports" not in rollout and "container_name" not in rollout
     assert rollout["deploy"]["resources"]["reservations"]["devices"][0]["count"] == 1  # one GPU each
+
+
+# ---- Prometheus and Grafana (static: no docker here; the files as compose mounts them) ----------
+
+
+def _compose() -> dict:
+    return yaml.safe_load((ROOT / "compose/docker-compose.yml").read_text())
+
+
+def _mounts(svc: dict) -> dict[str, Path]:
+    """A service's bind mounts: container path -> the file or folder in the repository."""
+    out = {}
+    for v in svc.get("volumes", []):
+        src, dst = v.split(":")[:2]
+        if src.startswith("."):
+            out[dst] = (ROOT / "compose" / src).resolve()
+    return out
+
+
+def _metrics_ports() -> dict[str, int]:
+    """Compose service -> the metrics port its `serve` command sets in its own section."""
+    from hotloop import config
+    from services.gateway.config import GatewayConfig
+    from services.reference.__main__ import ReferenceServiceConfig
+    from services.reward.config import RewardConfig
+    from services.rollout.config import RolloutConfig
+    from services.trainer.__main__ import TrainerServerConfig
+
+    models = {"rollout": RolloutConfig, "reference": ReferenceServiceConfig, "reward": RewardConfig,
+              "gateway": GatewayConfig, "trainer_server": TrainerServerConfig}
+    ports = {}
+    for name, svc in _compose()["services"].items():
+        cmd = svc.get("command", [])
+        if cmd[:1] != ["serve"]:
+            continue
+        sets = [cmd[i + 1] for i, a in enumerate(cmd) if a == "--set"]
+        (section,) = {s.split(".")[0] for s in sets if s.split("=")[0].endswith(".port")}
+        tree = config.raw_config(None, sets, environ={})
+        ports[name] = config.load_section(tree, section, models[section]).metrics_port
+    return ports
+
+
+def test_prometheus_scrapes_every_services_metrics_port_and_nothing_else():
+    """Each `serve` service's metrics port, by its compose name (every replica of a scaled
+    service: DNS service discovery), and never a users' port (the gateway's 8000)."""
+    prometheus = _compose()["services"]["prometheus"]
+    (config_file,) = [v for k, v in _mounts(prometheus).items() if k.endswith("prometheus.yml")]
+    assert "--config.file=/etc/prometheus/prometheus.yml" in prometheus["command"]
+    scrape = yaml.safe_load(config_file.read_text())["scrape_configs"]
+    targets: dict[str, int] = {}
+    for job in scrape:
+        for sd in job.get("dns_sd_configs", []):
+            assert sd["type"] == "A", job
+            targets.update(dict.fromkeys(sd["names"], sd["port"]))
+        for static in job.get("static_configs", []):
+            targets.update({t.split(":")[0]: int(t.split(":")[1]) for t in static["targets"]})
+    ports = _metrics_ports()
+    assert {"rollout", "reference", "reward", "gateway", "online-trainer"} <= set(ports)
+    assert targets == ports
+    assert len({job["job_name"] for job in scrape}) == len(scrape)
+
+
+def test_grafana_is_provisioned_with_prometheus_and_the_hotloop_dashboard():
+    services = _compose()["services"]
+    grafana = services["grafana"]
+    mounts = _mounts(grafana)
+    provisioning = mounts["/etc/grafana/provisioning"]
+    (source,) = yaml.safe_load((provisioning / "datasources/prometheus.yml").read_text())["datasources"]
+    assert source["type"] == "prometheus" and source["url"] == "http://prometheus:9090"
+    assert "--config.file=/etc/prometheus/prometheus.yml" in services["prometheus"]["command"]
+    assert grafana["depends_on"]["prometheus"]["condition"] == "service_healthy"
+    (provider,) = yaml.safe_load((provisioning / "dashboards/hotloop.yml").read_text())["providers"]
+    dashboards = mounts[provider["options"]["path"]]
+    assert dashboards == ROOT / "compose/grafana/dashboards"
+    home = grafana["environment"]["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"]
+    assert (dashboards / Path(home).relative_to(provider["options"]["path"])).is_file()
+    for path in dashboards.glob("*.json"):
+        panels = [p for p in json.loads(path.read_text())["panels"] if p["type"] != "row"]
+        assert panels, path
+        for panel in panels:
+            assert panel["datasource"]["uid"] == source["uid"] and panel["targets"], panel["title"]
+    for name in ("prometheus", "grafana"):
+        assert services[name]["restart"] == "unless-stopped"
+        assert all(p.startswith("127.0.0.1:") for p in services[name]["ports"]), name
+
+
+def _defined_metrics() -> set[str]:
+    """Every metric name a service or the library defines: a `hotloop_...` string passed to a
+    call (prometheus_client's Counter/Histogram/Gauge, the state collectors' counter/gauge),
+    without a counter's `_total`, which prometheus_client adds or keeps."""
+    import ast
+
+    names = set()
+    for root in ("services", "hotloop"):
+        for path in (ROOT / root).rglob("*.py"):
+            if "proto" in path.parts:
+                continue
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.Call):
+                    for arg in node.args[:2]:
+                        if isinstance(arg, ast.Constant) and isinstance(arg.value, str) \
+                                and re.fullmatch(r"hotloop_[a-z0-9_]+", arg.value):
+                            names.add(arg.value.removesuffix("_total"))
+    return names
+
+
+def _dashboard_metrics() -> dict[str, set[str]]:
+    """Dashboard file -> the metric names its queries read (the PromQL parsed loosely: every
+    `hotloop_...` word, without a histogram's `_bucket`/`_sum`/`_count` or a counter's `_total`)."""
+    out = {}
+    for path in (ROOT / "compose/grafana/dashboards").glob("*.json"):
+        exprs = [t["expr"] for p in json.loads(path.read_text())["panels"] for t in p.get("targets", [])]
+        out[path.name] = {re.sub(r"_(bucket|sum|count)$", "", n).removesuffix("_total")
+                          for e in exprs for n in re.findall(r"hotloop_\w+", e)}
+    return out
+
+
+def test_every_metric_a_dashboard_reads_is_one_a_service_defines():
+    defined = _defined_metrics()
+    assert {"hotloop_trainer_loop_seconds", "hotloop_gateway_feedback", "hotloop_rollout_pushes"} <= defined
+    used = _dashboard_metrics()
+    assert used, "no dashboard"
+    for name, metrics in used.items():
+        assert metrics - defined == set(), name
+    # what the dashboard is for: the update loop, versions per replica and per tenant, feedback
+    # accepted, trained and dropped by reason, users' time to first token and between tokens
+    assert {"hotloop_trainer_loop_seconds", "hotloop_gateway_replica_version", "hotloop_rollout_version",
+            "hotloop_gateway_tenant_newest_version", "hotloop_gateway_replica_tenant_version",
+            "hotloop_gateway_feedback", "hotloop_trainer_feedback_trained",
+            "hotloop_trainer_feedback_dropped", "hotloop_trainer_feedback_dead_lettered",
+            "hotloop_gateway_time_to_first_token_seconds",
+            "hotloop_gateway_inter_token_seconds"} <= used["hotloop.json"]

@@ -8,8 +8,9 @@ the same for every recipe and lives here, in `run_recipe`:
                    replicas serve it; it returns its `Schedule`
     evaluate       before the first step, when the schedule evaluates
     each step      `raise_if_cancelled`, a `<name>.step` span around `Recipe.step`, the step's
-                   record in metrics.jsonl, a checkpoint when due (`Recipe.save`), `on_step`,
-                   an evaluation when due, the step budget (pacing/budget.py)
+                   record in metrics.jsonl (and the run's trackers: `[report]`), a checkpoint
+                   when due (`Recipe.save`), `on_step`, an evaluation when due, the step
+                   budget (pacing/budget.py)
     the end        a checkpoint of what is not saved yet, `Recipe.close`, the final
                    evaluation, summary.json
     a stop         (Ctrl-C or SIGTERM cancel the task) the train thread stops within its
@@ -85,9 +86,10 @@ class Run:
     """What the runner lends a recipe: the run's directory, its metrics.jsonl, its checkpoints,
     and the thread that computes updates, which a stop interrupts between micro-batches."""
 
-    def __init__(self, run_dir: Path) -> None:
+    def __init__(self, run_dir: Path, tracker=None) -> None:
         run_dir.mkdir(parents=True, exist_ok=True)
         self.dir = run_dir
+        self.tracker = tracker  # hotloop.tracking.Tracker: mirrors the records that have a step
         self.checkpoints = run_dir / "checkpoints"
         self.started = time.monotonic()
         self.loop_seconds = 0.0  # the steps' wall time, set once they end
@@ -101,6 +103,15 @@ class Run:
             self._metrics = open(self.dir / "metrics.jsonl", "a")
         self._metrics.write(json.dumps({kind: record}) + "\n")
         self._metrics.flush()
+        if isinstance(record.get("step"), int):
+            self.track(kind, record, record["step"])
+
+    def track(self, group: str, record: dict, step: int) -> None:
+        """`record`'s numbers to the run's trackers (if any), as `group/...` at `step`."""
+        if self.tracker is not None:
+            from hotloop.tracking import scalars
+
+            self.tracker.log_metrics(step, scalars(record, group))
 
     def restore(self, policy, extras: dict[str, Callable[[Path], None]] | None = None) -> dict | None:
         """Restore `policy` from the run's latest checkpoint, and each of `extras` (name -> a
@@ -201,12 +212,16 @@ class Recipe(ABC):
 
 
 async def run_recipe(recipe: Recipe, run_dir: Path, *, progress: bool = True,
-                     on_step: Callable[[Any], None] | None = None) -> dict:
+                     on_step: Callable[[Any], None] | None = None, tracker=None) -> dict:
     """Run `recipe` in `run_dir`; returns the summary also written to `run_dir/summary.json`.
-    `on_step(record)` after each step's checkpoint (the trainer's Status reads it)."""
+    `on_step(record)` after each step's checkpoint (the trainer's Status reads it). `tracker`
+    (hotloop.tracking; its owner opens and closes it) gets the records, each step's
+    throughput and the summary (services/trainer/tracking.py lists what)."""
     from tqdm import tqdm
 
-    run = Run(run_dir)
+    from ..tracking import throughput
+
+    run = Run(run_dir, tracker)
     records: list = []
     evaluated: int | None = None  # the step of the last evaluation
 
@@ -230,7 +245,7 @@ async def run_recipe(recipe: Recipe, run_dir: Path, *, progress: bool = True,
                     await evaluate(step)
                 budget = StepBudget(plan.train_budget_s, plan.run_budget_s, run.started,
                                     time.monotonic() - loop_started)
-                loop_started = time.monotonic()
+                loop_started = last_ended = time.monotonic()
                 while plan.last is None or step < plan.last:
                     raise_if_cancelled()  # a Ctrl-C that a library swallowed mid-step (hotloop.aio)
                     parent = await recipe.before_step()
@@ -241,7 +256,11 @@ async def run_recipe(recipe: Recipe, run_dir: Path, *, progress: bool = True,
                         continue
                     step += 1
                     records.append(rec)
-                    run.write("step", asdict(rec))
+                    line = asdict(rec)
+                    run.write("step", line)
+                    now = time.monotonic()
+                    run.track("throughput", throughput(line, now - last_ended), rec.step)
+                    last_ended = now
                     bar.update()
                     bar.set_postfix_str(recipe.progress(rec))
                     every = plan.checkpoint_every
@@ -276,6 +295,8 @@ async def run_recipe(recipe: Recipe, run_dir: Path, *, progress: bool = True,
             await evaluate(step)
         summary = recipe.summary(records)
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        if records:
+            run.track("summary", summary, records[-1].step)
         return summary
     finally:
         run._close()
@@ -286,9 +307,9 @@ def runner(recipe: Callable[..., Recipe]) -> Callable[..., Awaitable[dict]]:
     tests call as `run(job, trainer_cfg, model_dir, mesh, run_dir, progress=True, on_step=None)`."""
 
     async def run(job, trainer_cfg, model_dir: Path, mesh, run_dir: Path, progress: bool = True,
-                  on_step: Callable[[Any], None] | None = None) -> dict:
+                  on_step: Callable[[Any], None] | None = None, tracker=None) -> dict:
         """Train; returns the summary written to `run_dir/summary.json`."""
         return await run_recipe(recipe(job, trainer_cfg, model_dir, mesh), run_dir,
-                                progress=progress, on_step=on_step)
+                                progress=progress, on_step=on_step, tracker=tracker)
 
     return run

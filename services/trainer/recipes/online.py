@@ -730,7 +730,7 @@ class Online(Recipe):
         for w in waited:
             metrics.wait_seconds.observe(w)
         # The push runs beside the next update's training; its "publish" span stays this step's.
-        self.publishing = asyncio.create_task(self.publish(self.version, adapter, rows),
+        self.publishing = asyncio.create_task(self.publish(self.version, adapter, rows, self.steps),
                                               name=f"publish-v{self.version}")
         self.updates += 1
         t = time.perf_counter()
@@ -758,9 +758,11 @@ class Online(Recipe):
         return self.policy.save_adapter(
             directory, None if self.average is None else self.average.tensors)
 
-    async def publish(self, version: int, adapter: Path, rows: list[tuple[Pending, Any, Any]]) -> None:
+    async def publish(self, version: int, adapter: Path, rows: list[tuple[Pending, Any, Any]],
+                      step: int = 0) -> None:
         """Make `version` the mesh's; only then do its feedback count as trained (for the next
-        checkpoint, then the ack)."""
+        checkpoint, then the ack). Its loop latencies go to metrics.jsonl as a `published`
+        record of the update's `step`."""
         t = time.perf_counter()
         self.lease.check()  # another trainer took the lineage over while this one stalled
         await publish_tolerant(self.mesh, version, adapter)  # opens the "publish" span
@@ -771,9 +773,14 @@ class Online(Recipe):
         metrics.version = version
         metrics.published.inc()
         metrics.steps.labels("published").inc()
-        for _, fb, _ in rows:
-            if fb.received_at > 0:  # 0: a gateway that did not say
-                metrics.loop_seconds.observe(max(0.0, served_at - fb.received_at))
+        loops = [max(0.0, served_at - fb.received_at) for _, fb, _ in rows
+                 if fb.received_at > 0]  # 0: a gateway that did not say
+        for seconds in loops:
+            metrics.loop_seconds.observe(seconds)
+        if loops:
+            self.run.write("published", {"step": step, "version": version, "feedback": len(loops),
+                                         "loop_seconds_mean": statistics.fmean(loops),
+                                         "loop_seconds_max": max(loops)})
         for p, _, _ in rows:
             self.trained.add(p.seq)
             self.uncommitted.append(p)
@@ -913,18 +920,20 @@ class Online(Recipe):
 
 
 async def run(job: OnlineConfig, trainer_cfg: TrainerConfig, model_dir: Path, mesh: OnlineMesh,
-              run_dir: Path, on_step=None, policy=None, metrics: OnlineMetrics | None = None) -> dict:
+              run_dir: Path, on_step=None, policy=None, metrics: OnlineMetrics | None = None,
+              tracker=None) -> dict:
     """Train from feedback until `job.max_steps` updates (0: until cancelled); returns a summary
     (counters, last version). `policy`, `metrics`: as `Online`. With `mesh.registry`, the
     lineage follows the registry (tenants/follow.py, `FollowedLineage`): its hold holds the loop (read
-    before the first update), its reset starts the lineage over from the base model."""
+    before the first update), its reset starts the lineage over from the base model.
+    `tracker`: the records go to it too (`run_recipe`)."""
     if mesh.registry is None:
         online = Online(job, trainer_cfg, model_dir, mesh, policy, metrics)
-        return await run_recipe(online, run_dir, progress=False, on_step=on_step)
+        return await run_recipe(online, run_dir, progress=False, on_step=on_step, tracker=tracker)
     from ..tenants.follow import FollowedLineage
 
     return await FollowedLineage(job, trainer_cfg, model_dir, mesh, run_dir, on_step=on_step,
-                                 policy=policy, metrics=metrics).run()
+                                 policy=policy, metrics=metrics, tracker=tracker).run()
 
 
 class VersionUnusable(FailedPrecondition):

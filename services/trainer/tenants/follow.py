@@ -72,11 +72,12 @@ class FollowedLineage:
     back to); else built here."""
 
     def __init__(self, job, trainer_cfg, model_dir: Path, mesh, run_dir: Path, *,
-                 on_step=None, policy=None, metrics=None) -> None:
+                 on_step=None, policy=None, metrics=None, tracker=None) -> None:
         from ..recipes.online import OnlineMetrics
 
         self.job, self.cfg, self.model_dir, self.mesh = job, trainer_cfg, model_dir, mesh
         self.run_dir, self.on_step, self.policy = Path(run_dir), on_step, policy
+        self.tracker = tracker  # each loop's records go to it too (`run_recipe`)
         self.metrics = metrics if metrics is not None else OnlineMetrics()
         self.state_path = self.run_dir / "registry.json"
         self.applied: dict[str, int] = (json.loads(self.state_path.read_text())
@@ -144,7 +145,8 @@ class FollowedLineage:
                              self.metrics, lease=lease)
         self.online.hold(self.held)
         self.recipe = asyncio.create_task(
-            run_recipe(self.online, self.run_dir, progress=False, on_step=self.on_step),
+            run_recipe(self.online, self.run_dir, progress=False, on_step=self.on_step,
+                       tracker=self.tracker),
             name="online-loop")
 
     async def _follow(self, ready) -> None:

@@ -61,6 +61,7 @@ from hotloop.errors import NotFound
 from hotloop.tenants import TenantId
 
 from ..config import OnlineConfig, TrainerConfig
+from ..tracking import lane_tracker
 from ..recipes.base import run_recipe
 from .fairshare import FairShare
 from ..recipes.online import Grant, Online, OnlineMesh, OnlineMetrics, read_version, reset_lineage
@@ -172,7 +173,8 @@ class Lanes:
     `publisher_for(tenant, store_dir)`: a `Publisher` for the tenant's lineage (closed here).
     `policy`: an already built `LoraPolicy` (tests), else built by `run`. `registry`: where
     the lanes' metrics are exported with a `tenant` label (None: not exported).
-    `on_step(tenant, record)`: after each update's record, as `online.run`'s. `follow`, when
+    `on_step(tenant, record)`: after each update's record, as `online.run`'s. `tracker`
+    (hotloop.tracking): each lane's records go to it under its tenant's prefix. `follow`, when
     set before `run`: (lanes) -> a coroutine run beside the lanes (the registry follower,
     follow.py); its failure stops them as a lane's does."""
 
@@ -180,8 +182,9 @@ class Lanes:
                  bus, publisher_for: Callable[[str, Path], Any], run_dir: Path,
                  reference=None, rollout: list | None = None, policy=None,
                  registry: CollectorRegistry | None = None,
-                 on_step: Callable[[str, Any], None] | None = None) -> None:
+                 on_step: Callable[[str, Any], None] | None = None, tracker=None) -> None:
         self.job, self.cfg, self.model_dir = job, trainer_cfg, model_dir
+        self.tracker = tracker
         self.bus, self.reference, self.rollout = bus, reference, list(rollout or [])
         self.publisher_for, self.run_dir, self.on_step = publisher_for, Path(run_dir), on_step
         self.policy, self.owned = policy, None
@@ -373,7 +376,8 @@ class Lanes:
             if self.on_step is not None:
                 self.on_step(tenant, rec)
 
-        task = asyncio.create_task(run_recipe(online, directory, progress=False, on_step=on_step),
+        task = asyncio.create_task(run_recipe(online, directory, progress=False, on_step=on_step,
+                                              tracker=lane_tracker(self.tracker, tenant)),
                                    name=f"lane-{tenant or 'default'}")
         self.lanes[tenant] = Lane(tenant, directory, mesh, metrics, online, task)
         self._changed.set()
