@@ -153,9 +153,9 @@ def verdicts(answer: Answer, scores: dict[str, float], others: list[str], margin
             "own_minus_other": own - scores[best_other] if best_other else None,
             "other": best_other, "own_minus_base": own - scores["base"],
             # another tenant's adapter explains it best of all, and its own by the margin: an
-            # answer the base explains best is no evidence of another adapter (d12: a base-like
-            # answer of `direct`'s, 10.8 nats likelier under the base than under its own
-            # adapter, was 4.4 likelier under `short`'s, a lineage barely off the base)
+            # answer the base explains best is no evidence of another adapter (measured: a
+            # base-like answer of `direct`'s, 10.8 nats likelier under the base than under its
+            # own adapter, was 4.4 likelier under `short`'s, a lineage barely off the base)
             "wrong": best_other is not None and scores[best_other] - own > margin
             and scores[best_other] >= scores["base"]}
 

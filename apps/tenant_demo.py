@@ -6,9 +6,9 @@ Tenants (`TENANTS`, or `--tenants`): `short` (complete answers of 15 to N words:
 first sentence ends with "!": `Exclaim`). On the base model these three do not co-vary (see
 `Direct` and `Exclaim`), so a rise of one in another tenant's answers is something that
 tenant's lineage learned beside its own, and each is met on every kind of prompt. `bullets`
-(lists: `Bullets`), the third until run c7, is met on the requests for a list and almost
-nowhere else, so twice its base rate asked for a habit on a third of the prompts, at a target
-that moved with the few list answers of the idle phase (docs/results.md, c5-c7).
+(lists: `Bullets`) is not a default: it is met on the requests for a list and almost nowhere
+else, so twice its base rate asks for a habit on a third of the prompts, at a target that moves
+with the few list answers of the idle phase.
 Every tenant's users ask the same prompts (`TENANT_PROMPTS`, each drawn from a deck: every
 prompt once before any again, `PromptDeck`), so each preference's base rate is the same for all
 of them before training, and a rise of another tenant's preference in a
@@ -139,14 +139,14 @@ KL_HORIZON = 20  # feedback over which the KL coefficient may move by e^0.2 (the
 BATCH_SIZE = 4  # feedback one update of a lineage takes, newest first (the mesh's: 2)
 MAX_WAIT_S = 30.0  # feedback that waited longer for its lineage's turn is shed (the mesh's: 3)
 CHECK_MARGIN_SE = 1.5  # a check confirms a version at its target plus this many standard errors
-SERVE_AVERAGE = 0.8  # users are served a running average of each lineage's adapter (d19-d20)
+SERVE_AVERAGE = 0.8  # users are served a running average of each lineage's adapter
 
 
 def training_overrides(kl_beta: float, lr: float, max_tokens: int) -> list[str]:
     """The demo's learning: the KL penalty to the base model (`[trainer.loss] kl_beta`), the
     exact KL over the vocabulary at every token (`kl_estimator = "full"`: with k3 lineages
     learned what their users did not ask for beside what they did, `exclaim` going short in
-    d4, d8, d10 and d13; with the exact KL none did in d14-d16, docs/results.md), its reference
+    four runs; with the exact KL more rarely), its reference
     from the trainer's own base with the adapter disabled (`[online] reference =
     "colocated"`: on 2 cores a reference process slowed the engine and the trainer; and only
     there are the base's whole distributions at hand), the LoRA learning rate (`[trainer.optimizer] lr`), each
@@ -160,31 +160,30 @@ def training_overrides(kl_beta: float, lr: float, max_tokens: int) -> list[str]:
     learned too slowly for a 900 s run and 2e-3 met every target in some runs. Against the
     running baseline, which lags the scores, updates pushed every answer down while a lineage
     scored below it, and lineages wandered into incoherent text; larger batches (6, gathered
-    for 12 s) did not fix that and doubled the loop (docs/results.md, "Many tenants", b1).
-    With the fixed coefficient the lineages that turned incoherent had drifted to a per-token
-    KL of 0.3-0.7; those that met their targets did at 0.03-0.1 (b2). A rating below the
-    baseline weighs `NEGATIVE_WEIGHT` of itself (`[online] negative_weight`): `bullets`, three
-    ratings in four at -1, stayed at its base over 242 updates without it (b9) and met its
-    target with it in 2 of 5 runs (b10-b14), in none of 9 before. Users are served each
-    lineage's running average (`[online] serve_average` = `SERVE_AVERAGE`: after each update
-    s <- 0.8 s + 0.2 theta, published as the version): on 2 cores an update holds one rating
-    once the first queue is gone, adjacent versions then differ by as much as 0.4 in a
-    preference's share (d18 `short`: v58 at 0.16 inside a stretch at 0.43), and the version a
-    check holds is one of the tens a block of answers spans; averaged, a version moves a fifth
-    of an update. With the k3 estimate it slowed `exclaim` (c1, c2, c4); with the exact KL
-    every check it made confirmed or refused what the blocks had seen (d19, d20 in
-    docs/results.md). The coefficient moves at most e^0.2 per `KL_HORIZON` feedback
-    (`[online] kl_horizon`): at the mesh's 2 it rose to 0.64 in c5 and `short`, met, fell back
-    to 0.00; at 20 it stayed at 0.11-0.16 (c6, c7). Three lanes take turns on one trainer core
-    at ~2 s of trainer time per feedback (before the step shared the layers below the adapter
-    with its reference pass; ~1.3 s since, d4-d5), so a rating waits for its lineage's turn: at
-    the mesh's `max_wait_s` of 3 s a fifth of them were shed unused (c7), and each update held
-    one. The demo takes up to `BATCH_SIZE` per update and sheds only past `MAX_WAIT_S`: the
-    trainer core bounded how many ratings taught (d1-d3: 327-395 in 900 s; c7: 276 in 711 s),
-    but a third of the updates hold two or more, which `leave_one_out` baselines by each other
-    (d1-d3: 32-40% of updates, c7: 22%), and what is shed is the surplus of a tenant rating
-    faster than its share of turns (d1: `short` 107 of 180, `direct` 23 of 182; d4 `short` 49
-    of 180), for a longer loop (d1: p50 14-23 s, p95 ~42 s, against 13-14 s and 20-26 s)."""
+    for 12 s) did not fix that and doubled the loop. With a fixed coefficient the lineages
+    that turned incoherent had drifted to a per-token KL of 0.3-0.7; those that met their
+    targets did at 0.03-0.1. A rating below the baseline weighs `NEGATIVE_WEIGHT` of itself
+    (`[online] negative_weight`): `bullets`, three ratings in four at -1, stayed at its base
+    over 242 updates without it and met its target with it in 2 of 5 runs, in none of 9
+    without. Users are served each lineage's running average (`[online] serve_average` =
+    `SERVE_AVERAGE`: after each update s <- 0.8 s + 0.2 theta, published as the version): on
+    2 cores an update holds one rating once the first queue is gone, adjacent versions then
+    differ by as much as 0.4 in a preference's share (one version of `short` at 0.16 inside a
+    stretch at 0.43), and the version a check holds is one of the tens a block of answers
+    spans; averaged, a version moves a fifth of an update. With the k3 estimate the average
+    slowed `exclaim`; with the exact KL every check confirmed or refused what its blocks had
+    seen. The coefficient moves at most e^0.2 per `KL_HORIZON` feedback (`[online]
+    kl_horizon`): at the mesh's 2 it rose to 0.64 and `short`, met, fell back to 0.00; at 20
+    it stays at 0.11-0.16. Three lanes take turns on one trainer core at ~1.3 s of trainer
+    time per feedback (the step shares the layers below the adapter with its reference
+    pass), so a rating waits for its lineage's turn: at the mesh's `max_wait_s` of 3 s a
+    fifth of them were shed unused and each update held one. The demo takes up to
+    `BATCH_SIZE` per update and sheds only past `MAX_WAIT_S`: the trainer core still bounds
+    how many ratings teach (276-395 in 711-900 s of training), but 22-40% of the updates hold
+    two or more, which `leave_one_out` baselines by each other, and what is shed is the
+    surplus of a tenant rating faster than its share of turns (measured: `short` shed 107 of
+    its 180 ratings, `direct` 23 of 182), at the cost of a longer loop (p50 14-23 s, p95 ~42
+    s, against 13-14 s and 20-26 s)."""
     kl = [f"trainer.loss.kl_beta={kl_beta:g}", "trainer.loss.kl_estimator=full",
           "online.reference=colocated", f"online.kl_target={KL_TARGET:g}"
           ] if kl_beta > 0 else ["trainer.loss.kl_beta=0"]
@@ -277,8 +276,8 @@ class Phases:
     """... and until every tenant's idle answers together number this many (the base rates'
     sample; at most `PHASE_MAX_S` more). A target is twice its base rate, so the base's noise
     doubles into it: from 150 answers `short`'s target drew 0.32-0.43 across runs (one
-    standard error of the target ~0.065), from 300 ~0.046, for ~75 s more of idle phase
-    (docs/results.md, d28): the flag's default is 300."""
+    standard error of the target ~0.065), from 300 ~0.046, for ~75 s more of idle phase:
+    the flag's default is 300."""
     train_s: float
     """The longest training phase."""
     target_factor: float
@@ -291,8 +290,7 @@ class Phases:
     answers meets the target its users pause, and `check_answers` fresh answers of the version
     it then serves confirm it or send them back to rating). Else it keeps rating, and the
     shared trainer's fair share keeps its faster feedback from starving the others, but its
-    lineage goes on moving: measured, it drifted along other preferences as well
-    (docs/results.md)."""
+    lineage goes on moving: measured, it drifted along other preferences as well."""
     check_answers: int
     """A check's sample: this many answers of the version a paused tenant serves, to requests
     sent after its users paused."""
@@ -345,8 +343,9 @@ def base_rates(state: TenantsState) -> dict[str, float | None]:
 def length(records: list[Record]) -> dict[str, float | None]:
     """How long `records`' answers are: the share cut off at the token limit and the median
     word count. Beside the preferences, what a lineage learns unasked: no user rates length but
-    `short`'s, and the KL to the base holds it loosely (docs/results.md, d14-d22: most lineages
-    went to answers that never end, two to short greetings)."""
+    `short`'s, and the KL to the base holds it loosely (most lineages go to answers that run
+    to the token limit, a few to short greetings; docs/results.md, "Many tenants (`make
+    demo-tenants`)")."""
     return {"cut_off": sum(r.cut_off for r in records) / len(records) if records else None,
             "words_p50": percentile((r.words for r in records if r.words is not None), 50)}
 
@@ -403,16 +402,15 @@ def advance(run: TenantRun, now: float, window: int, check_answers: int,
       `window`, each once, when it is complete; once a block meets the target by more than
       its noise (`met_target`, the check's own margin), they pause (keep asking, stop rating,
       also what they are reading), and the caller holds its lineage (`hold`), so it stops
-      moving: without the hold, the feedback sent before the pause went on training, and d6
+      moving: without the hold, the feedback sent before the pause goes on training (measured:
       `short` checked the version two updates later, back at its base share (0.15), where the
-      block had met its target at 0.6 (docs/results.md). Not a sliding window: read
-      again after every answer, hundreds of times a run, it crossed the bar by chance far
-      more often than one sample of `window` does and was read at its luckiest, so the
-      checks refused most pauses, even of versions a fifth of an update apart (c1-c2 in
-      docs/results.md). A block lags the lineage it measures (a tenant's 3 users finish
-      0.2-0.35 answers a second while its lineage publishes a version every 3-10 s): stopping
-      on it went on training past the target (a target of 0.30 ended at 0.71), and the
-      further a lineage goes, the more it moves its other styles too.
+      block had met its target at 0.6). Not a sliding window: read again after every answer,
+      hundreds of times a run, it crosses the bar by chance far more often than one sample of
+      `window` does and is read at its luckiest, so the checks refused most pauses, even of
+      versions a fifth of an update apart. A block lags the lineage it measures (a tenant's
+      3 users finish 0.2-0.35 answers a second while its lineage publishes a version every
+      3-10 s): stopping on it went on training past the target (a target of 0.30 ended at
+      0.71), and the further a lineage goes, the more it moves its other styles too.
     - Paused: once the version it then serves (the newest: an update under way when the hold
       came lands first, and without a hold feedback sent before the pause still trains) gave
       enough answers to requests sent after the pause, their share decides: at or above the
@@ -428,8 +426,8 @@ def advance(run: TenantRun, now: float, window: int, check_answers: int,
       accepted is judged on its final share at the target. With 40 answers at a target of
       0.35, one standard error accepts a version truly at 0.35 one time in eight, 1.5 one
       time in fourteen (one at 0.45: 0.56 and 0.44 of the time), and both misses of that kind
-      were versions at or below their target accepted on a lucky check (c7 `direct` 0.44 of
-      39, then 0.30; d2 `short` 0.50 of 40, then 0.37 of 360)."""
+      were versions at or below their target accepted on a lucky check (`direct` 0.44 of 39,
+      then 0.30; `short` 0.50 of 40, then 0.37 of 360)."""
     if run.learned_until is not None or run.target is None:
         return None
     if run.paused_at is None:
@@ -467,7 +465,7 @@ def rollback_choice(run: TenantRun) -> dict | None:
     """For a tenant whose target no check confirmed when training ended: the check whose
     version met the target best (its share at or above the target, refused only for falling
     short of the margin), when that version is not the one it serves. The lineage wanders on
-    after a refused check, and ended below where a check had measured it (d9 `short`: two
+    after a refused check, and can end below where a check had measured it (`short`: two
     checks at 0.41 of 37 against a target of 0.35, its final version 0.21): the demo then
     serves that version again, as an operator would (`POST /admin/tenants/<name>/reset` with
     the version). The choice is made on the check's answers, so the final share is measured
@@ -878,8 +876,9 @@ def across_a_hold(loop: dict, holds: list[tuple[float, float]]) -> bool:
 def loop_report(loops: list[dict], holds: list[tuple[float, float]]) -> dict:
     """`loop_summary` of every loop, and `unheld`: of those no check's hold delayed
     (`across_a_hold`), which `held` counts. A check pauses the tenant's users for a minute or
-    more, and feedback sent just before trains only once they rate again: in d27 these were
-    `direct`'s p95 (80 s against a p50 of 13 s), the demo's pause rather than the loop."""
+    more, and feedback sent just before trains only once they rate again: such loops can make
+    a tenant's p95 (measured: 80 s against a p50 of 13 s), the demo's pause rather than the
+    loop."""
     free = [e["loop_ms"] for e in loops if not across_a_hold(e, holds)]
     return {**loop_summary(loops), "held": len(loops) - len(free),
             "unheld": {"p50": percentile(free, 50), "p95": percentile(free, 95), "n": len(free)}}

@@ -3,11 +3,12 @@ each device of this host, in the same run.
 
 Owns the measurement behind the many-tenant loop's bound: on 2 CPU cores the loop under
 load is a queue at the trainer, whose one core spends about a second per rated answer
-(docs/results.md, "Where the loop goes"). An online update is the recipe's `train_step` on
-the batch of ratings it took (the colocated reference in it when `kl_beta` > 0), then
-`save_adapter` of the version it publishes; this times exactly those two calls of a
-`LoraPolicy` built from the config's `[trainer]` section, on synthetic ratings of the given
-shape, for each batch size and device. Does not own the update (policy.py, recipes/online.py),
+(docs/results.md, "Many tenants (`make demo-tenants`)"; "GPU check" has this benchmark's
+figures). An online update is the recipe's `train_step` on the batch of ratings it took (the
+colocated reference in it when `kl_beta` > 0), then `save_adapter` of the version it
+publishes; this times exactly those two calls of a `LoraPolicy` built from the config's
+`[trainer]` section, on synthetic ratings of the given shape, for each batch size and
+device. Does not own the update (policy.py, recipes/online.py),
 the push (timed by `bench update-loop`) or any default it measures.
 
 Per device and batch size: the median over `--updates` timed updates (after one warm-up) of

@@ -91,10 +91,10 @@ PROMPTS: tuple[str, ...] = (
 # learn from binary scores. A second sample of 392 (same settings): 0.24, 0.13, 0.13, and the
 # first sentence ends with "!" 0.13. Through the mesh (the demo's idle phase, 90-100 answers per
 # run) they vary from run to run: 15 to 60 words 0.16-0.26, lists 0.13-0.20, "!" 0.13-0.21.
-# Complete answers (not cut off) of 15 to 60 words, the demo's `short` since run b8: 0.18 and
-# 0.14 of 159 and 152 idle answers (b7, b8).
+# Complete answers (not cut off) of 15 to 60 words, the demo's `short`: 0.18 and 0.14 in two
+# runs (159 and 152 idle answers).
 # Lists are met on the requests for one (the 14 from "List three fun facts" on): 0.40 there,
-# 0.02 on the other 35 (796 idle answers of runs c1-c5); the users draw prompts from a deck
+# 0.02 on the other 35 (796 idle answers of five runs); the users draw prompts from a deck
 # (`PromptDeck`) so that the mix of the two does not move a base rate from run to run.
 TENANT_PROMPTS: tuple[str, ...] = (
     "I'm thinking about getting a dog.",
@@ -168,14 +168,14 @@ class Brevity:
     answer: a near-empty answer is not short, it is broken (a lineage rewarded for "at most N
     words" alone collapsed to empty answers). Graded, not a flat -1: with a flat floor a lineage
     near the lower edge was pushed as hard as it could go toward long answers by one one-liner
-    and swung past the band (docs/results.md, "A confirmed stop", z3).
+    and swung past the band.
 
     `complete`: only answers the model ended itself count; one cut off at the token limit
     never matches and scores -1. Without it, "short" counts words in a fixed token budget, so
     any style with more tokens per word (exclamations, emoji, broken words) is "short" too: the
-    `exclaim` lineage of the many-tenant demo's run b7 gave 0.42 of its answers in 15-60 words
-    against 0.23 at the base, and half of those were cut off; complete ones only, 0.21 against
-    0.18 (docs/results.md). A user who likes short answers does not like cut-off ones.
+    `exclaim` lineage of the many-tenant demo gave 0.42 of its answers in 15-60 words against
+    0.23 at the base, and half of those were cut off; complete ones only, 0.21 against 0.18.
+    A user who likes short answers does not like cut-off ones.
 
     The default limit sits at the base model's 15th percentile. Measured (SmolLM2-135M-Instruct,
     vLLM, these prompts x 4 at temperature 1, 128 new tokens, 2026-11-29): word-count
@@ -354,7 +354,7 @@ class Direct:
     Chosen as a preference the base model meets on every kind of prompt: lists (`Bullets`)
     come 0.40 of the time on the requests for a list and 0.02 on the other prompts, so twice
     their base rate asks for a habit on a third of the prompts with nothing to learn from on
-    the rest. Measured on 796 idle answers of the many-tenant demo (runs c1-c5, SmolLM2-135M-
+    the rest. Measured on 796 idle answers of the many-tenant demo (five runs, SmolLM2-135M-
     Instruct, `TENANT_PROMPTS`, 128 tokens at temperature 1): met by 0.17 (0.11 on the list
     requests, 0.19 on the others); the share of `short`'s answers among those that meet it
     minus among the others +0.01 (the other way round +0.01), of `exclaim`'s -0.06 (-0.07).
@@ -417,10 +417,10 @@ class PromptDeck:
     Drawn independently at random, the prompts of a few hundred answers were an uneven mix, and
     a preference met on some prompts far more than on others moved with the mix, not with the
     model: the many-tenant demo's lists came 0.40 of the time on its 14 requests for a list and
-    0.02 on the other 35 (637 base-model answers, c1-c4 in docs/results.md), so the base rate
-    of 150 answers, and the target set at twice it, varied by +-0.05 from the draw alone. Drawn
-    from a deck, every run of `len(prompts)` answers asks each prompt about once, and a share
-    varies with what the model says."""
+    0.02 on the other 35 (637 base-model answers), so the base rate of 150 answers, and the
+    target set at twice it, varied by +-0.05 from the draw alone. Drawn from a deck, every run
+    of `len(prompts)` answers asks each prompt about once, and a share varies with what the
+    model says."""
 
     def __init__(self, n: int, rng: random.Random):
         if n < 1:

@@ -60,8 +60,8 @@ class OptimizerSettings(Section):
     and its share of a preference swings (the tenant demo's lineages by 0.4 between adjacent
     updates at 2e-3); a step falling as 1/sqrt(k) keeps the sum of steps growing (the signal)
     and the sum of their squares slowing (the noise). Half of `lr` after 3 x decay_steps.
-    Measured there (decay_steps 50, docs/results.md d25-d26): lineages still swung at half
-    the rate and each run missed one target, so the demo keeps a constant rate."""
+    Measured there (decay_steps 50): lineages still swung, at half the rate, and each run
+    missed one target, so the demo keeps a constant rate."""
 
     @model_validator(mode="after")
     def _betas_in_range(self) -> OptimizerSettings:
@@ -322,7 +322,7 @@ class OnlineConfig(Section):
     minus the mean of the rest, so the batch's advantages sum to zero); a batch of one by the
     running baseline. The running baseline lags, and while it sits above the scores every
     update pushes every answer down, which raises what the model rarely says, incoherent text
-    included (with batches of 4-6: docs/results.md, b1). The more updates hold two or more
+    included (measured with batches of 4-6). The more updates hold two or more
     feedback (`batch_size`, `batch_window_s`), the more it does."""
     negative_weight: float = Field(1.0, ge=0.0, le=1.0)
     """Multiply each negative advantage by this (1: REINFORCE as it is; 0: learn from the
@@ -330,7 +330,7 @@ class OnlineConfig(Section):
     everything else the model could say, the target among it only in proportion; where most
     ratings are below the baseline (a preference the base model rarely meets), updates of one
     answer are mostly such pushes (the tenant demo's `bullets`, three ratings in four at -1,
-    wandered for 242 updates: docs/results.md, "Many tenants", b9). AsymRE (Arnal et al. 2025)
+    wandered for 242 updates). AsymRE (Arnal et al. 2025)
     lowers the baseline for the same reason; this weights the negative side only. Below 1 the
     advantages of a leave-one-out batch no longer sum to 0."""
     serve_average: float = Field(0.0, ge=0.0, lt=1.0)
@@ -339,15 +339,15 @@ class OnlineConfig(Section):
     learner/averaging.py), and each version is s. 0: each version is the trained adapter.
     Updates of one or two rated answers move every parameter by about the learning rate, so
     adjacent versions can differ as much as distant ones (the tenant demo: a window of 30
-    answers held 0.47 of its preference, the next version 0.04; docs/results.md, "Many
-    tenants"). At 0.8 a version moves a fifth of an update and follows the trained adapter
-    ~4 updates behind. Users are served s, and the trainer learns from answers sampled from s
-    (the truncated importance weight, `is_cap`, corrects for the difference). The average is
-    checkpointed with the lineage; a reset starts it over at the base (or at the version it
-    goes back to). The tenant demo serves 0.8: there a check holds one of the tens of versions
-    a block of answers spans, and without the average adjacent versions differed by up to
-    0.4 (d18); with the k3 estimate it had slowed the fastest lineage instead (c1, c2, c4;
-    docs/results.md, "Many tenants")."""
+    answers held 0.47 of its preference, the next version 0.04). At 0.8 a version moves a
+    fifth of an update and follows the trained adapter ~4 updates behind. Users are served s,
+    and the trainer learns from answers sampled from s (the truncated importance weight,
+    `is_cap`, corrects for the difference). The average is checkpointed with the lineage; a
+    reset starts it over at the base (or at the version it goes back to). The tenant demo
+    serves 0.8: there a check holds one of the tens of versions a block of answers spans, and
+    without the average adjacent versions differ by up to 0.4 in a preference's share
+    (docs/results.md, "Many tenants (`make demo-tenants`)"); with the k3 estimate it slowed
+    the fastest lineage instead."""
     kl_target: float | None = Field(None, gt=0.0)
     """Adaptive KL per lineage (Ziegler et al. 2019, as PPO's `kl_target`): raise the KL
     coefficient above `[trainer.loss] kl_beta` (> 0; never below it) while the per-token KL of
@@ -356,20 +356,20 @@ class OnlineConfig(Section):
     a per-token KL of 0.3-0.7 over ~90 updates, where their answers were incoherent (coherent
     ones reached their targets at 0.03-0.1). Why the floor: a lineage starts at the base model,
     where the KL stays near 0 for tens of updates, and a controller free to go lower had taken
-    the coefficient to 0.013 by the time the KL rose past the target (docs/results.md, b5)."""
+    the coefficient to 0.013 by the time the KL rose past the target."""
     kl_horizon: int = Field(2, ge=1)
     """Adaptive KL: feedback over which the coefficient may change by a factor of e^0.2 at
     most (each update moves it by its error, clipped to +-20%, times feedback / horizon). A
     lineage learns from tens to hundreds of feedback, not PPO's thousands of samples, mostly
-    one per update: at 10 it rose only to 0.1-0.3 while lineages drifted to a KL of 0.3-0.4
-    (b4); 2 moves it by up to 10% per feedback."""
+    one per update: at 10 it rose only to 0.1-0.3 while lineages drifted to a KL of 0.3-0.4;
+    2 moves it by up to 10% per feedback."""
     reference: Literal["service", "colocated"] = "service"
     """Where the KL term's reference logprobs come from (with `[trainer.loss] kl_beta` > 0).
     `service`: the mesh's reference service, asked before the update waits for its turn.
     `colocated`: this process's own base model with the adapter disabled, in the update's
     turn (no reference process, no second copy of the base weights). On a few shared cores
     colocated is the faster: a reference process computes beside the engine and the trainer
-    and slows both (docs/results.md, "Many tenants")."""
+    and slows both (measured in the tenant demo on 2 cores)."""
     tenant: TenantId = DEFAULT
     """The tenant whose lineage this loop trains (`[tenants.<name>]`; "": the default tenant).
     It reads only that tenant's feedback subject, and dead-letters (reason `other_tenant`) a

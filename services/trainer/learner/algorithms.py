@@ -256,8 +256,8 @@ class EmaBaseline:
     instead (RLOO: score_i - mean of the others), so its advantages sum to zero; a batch of
     one still by the running value. A running value lags the scores it follows, and while it
     sits above them every answer of every batch is pushed down: the sampled answers get
-    less likely and the rest, the incoherent included, more (measured: docs/results.md, "Many
-    tenants", b1)."""
+    less likely and the rest, the incoherent included, more (measured in the tenant demo:
+    lineages wandered into incoherent text)."""
 
     decay: float
     value: float = 0.0

@@ -3,9 +3,9 @@
 An online lineage learns from one or two rated answers per update; at a learning rate that
 moves it within a few minutes, AdamW moves every adapter parameter by about the rate at each
 update, so adjacent versions differ as much as distant ones and a share measured over the
-answers of several versions says little about the next one (docs/results.md, "Many tenants",
-b10-b14: a window of 30 answers held 0.47 of its preference, the version after it 0.04; c1-c4
-found much of that gap was the demo's window read at its luckiest; the demo leaves it off).
+answers of several versions says little about the next one (measured in the tenant demo: a
+window of 30 answers held 0.47 of its preference, the version after it 0.04, though much of
+that gap was a sliding window read at its luckiest; the demo reads consecutive blocks).
 `PolyakAverage` keeps s <- decay * s + (1 - decay) * theta over the adapter's tensors after each
 update, and the lineage publishes s: the served model changes by (1 - decay) of an update at a
 time, and moves where the updates agree (Polyak & Juditsky 1992; the EMA "target" weights of
