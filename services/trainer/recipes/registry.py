@@ -73,14 +73,15 @@ def register(entry: Registered) -> Registered:
 
 
 def recipes() -> dict[str, Registered]:
-    """Every recipe by name, the package's modules imported on the first call."""
+    """Every recipe by name, sorted (registration order follows whichever module a process
+    imported first), the package's modules imported on the first call."""
     global _imported
     if not _imported:
         for module in pkgutil.iter_modules([str(Path(__file__).resolve().parent)]):
             if module.name not in _NOT_RECIPES and not module.name.startswith("_"):
                 importlib.import_module(f"{__package__}.{module.name}")
         _imported = True
-    return dict(_REGISTERED)
+    return dict(sorted(_REGISTERED.items()))
 
 
 def recipe(name: str) -> Registered:
