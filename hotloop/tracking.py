@@ -98,8 +98,11 @@ class ReportConfig(Section):
     run_name: str = ""
     """The run's name in the trackers; empty: the job's run id."""
     tensorboard: TensorBoardReport = TensorBoardReport()
+    """`[report.tensorboard]`: where the event files go (read when `to` names it)."""
     mlflow: MlflowReport = MlflowReport()
+    """`[report.mlflow]`: the tracking store and experiment (read when `to` names it)."""
     wandb: WandbReport = WandbReport()
+    """`[report.wandb]`: the project and mode, offline by default (read when `to` names it)."""
 
     @field_validator("to")
     @classmethod

@@ -13,6 +13,8 @@ import json
 import re
 from pathlib import Path
 
+from hotloop import pyast
+
 from .task import CodeTask
 
 REQUIRED = {"task_id": str, "prompt": str, "tests": (list, str), "entry_point": str}
@@ -29,7 +31,7 @@ def split_test_string(block: str) -> tuple[tuple[str, ...], str]:
     """
     if _DEFINES_CHECK.search(block):
         return (), block
-    tree = ast.parse(block)  # the caller has checked that it parses
+    tree = pyast.parse(block)  # the caller has checked that it parses
     if tree.body and all(isinstance(node, ast.Assert) for node in tree.body):
         return tuple(ast.get_source_segment(block, node) for node in tree.body), ""
     return (), block
@@ -64,7 +66,7 @@ def _parse_line(raw: str) -> tuple[CodeTask | None, str | None, list[str]]:
         cases, block = tuple(tests), ""
     else:
         try:
-            ast.parse(tests)
+            pyast.parse(tests)
         except (SyntaxError, ValueError) as e:
             return None, None, [f"the tests do not parse: {type(e).__name__}: {e}"]
         cases, block = split_test_string(tests)

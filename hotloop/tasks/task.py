@@ -7,8 +7,9 @@ an identifier, test code parses). Does not own: where tasks come from (`builtin.
 
 from __future__ import annotations
 
-import ast
 from dataclasses import dataclass
+
+from hotloop import pyast
 
 CODE_BLOCK_INSTRUCTION = "Put your code in a ```python block."
 
@@ -54,7 +55,7 @@ class CodeTask:
 
 def syntax_error(code: str) -> str | None:
     try:
-        ast.parse(code)
+        pyast.parse(code)
     except (SyntaxError, ValueError) as e:
         return f"{type(e).__name__}: {e}"
     return None

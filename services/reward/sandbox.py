@@ -765,10 +765,12 @@ def _names_used(cases: tuple[str, ...], entry_point: str) -> list[str]:
     import ast
     import builtins
 
+    from hotloop import pyast
+
     names = {entry_point} if entry_point else set()
     for case in cases:
         try:
-            tree = ast.parse(case)
+            tree = pyast.parse(case)
         except (SyntaxError, ValueError, RecursionError, MemoryError):
             continue
         names.update(n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load))

@@ -24,7 +24,6 @@ trainer can tell a broken scorer from a bad sample). A composite with a part in
 
 from __future__ import annotations
 
-import ast
 import asyncio
 import importlib
 import inspect
@@ -34,6 +33,8 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+
+from hotloop import pyast
 
 from .config import PYTHON_SCORER_PREFIX, LengthRule, RegexRule, RewardConfig
 from .pool import SandboxPool
@@ -83,7 +84,7 @@ def _parse_error(code: str) -> str | None:
     # ast.parse rather than compile: it does no constant folding, so nothing in the
     # completion is evaluated in this process.
     try:
-        ast.parse(code)
+        pyast.parse(code)
     except (SyntaxError, ValueError, RecursionError, OverflowError) as e:
         return f"{type(e).__name__}: {e}"
     return None

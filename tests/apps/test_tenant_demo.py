@@ -589,9 +589,9 @@ def test_demo_tenants_trains_each_lane_on_its_own_feedback_and_stops_on_sigterm(
         assert t["turns"]["updates"] >= 1 and t["turns"]["tokens"] >= 1 and t["turns"]["tokens_share"] > 0
         assert t["turns"]["kl_last"] is not None and t["turns"]["kl_coef_last"] > 0
         # its lane's files, where the shared trainer keeps them
-        steps = [json.loads(line)["step"] for line in
-                 (run / "trainer" / "tenants" / t["name"] / "metrics.jsonl").read_text().splitlines()
-                 if '"step"' in line]
+        records = [json.loads(line) for line in
+                   (run / "trainer" / "tenants" / t["name"] / "metrics.jsonl").read_text().splitlines()]
+        steps = [r["step"] for r in records if "step" in r]  # one kind a line: step, published, ...
         assert len(steps) >= t["turns"]["updates"]
         seqs[t["name"]] = {q for step in steps for q in step["seqs"]}
         # the demo's KL to the base model: every step computed the reference logprobs, in the

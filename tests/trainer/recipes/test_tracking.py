@@ -75,7 +75,7 @@ async def test_a_grpo_run_reaches_tensorboard_and_mlflow_as_metrics_jsonl_says(m
 
 
 def test_the_report_section_is_read_with_the_rest_of_the_file(tmp_path):
-    from apps import sections
+    from launch import sections
     from apps.train import load_job, load_job_report
     from hotloop.config import ConfigError
 
@@ -120,7 +120,7 @@ async def test_each_tenants_lane_writes_its_updates_and_loop_latency_under_its_n
     from services.trainer.learner.policy import LoraPolicy
     from services.trainer.tenants.lanes import Lanes, lane_dir
     from services.trainer.publish import Publisher
-    from tests.trainer.recipes.test_lanes import DURABLE, TOKEN, Mesh, stop, until
+    from tests.trainer.tenants.test_lanes import DURABLE, TOKEN, Mesh, stop, until
 
     mesh = await Mesh(nats_server.url).start()
     job = OnlineConfig(batch_size=1, tenants=["", "acme"], batch_window_s=0, durable=DURABLE,
