@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from hotloop.config import ServiceSection
 
@@ -70,6 +70,14 @@ class RolloutConfig(ServiceSection):
     scheduling_policy: Literal["fcfs", "priority"] = "priority"
     """vLLM scheduler policy. `priority`: a request's `priority` orders admission (lower first:
     users before training rollouts); `fcfs` ignores it."""
+    max_num_batched_tokens: int | None = Field(None, ge=8)
+    """Most tokens one engine step computes (vLLM's chunked-prefill budget): the running
+    requests' next tokens first, then chunks of waiting prompts. Every user whose answer is
+    streaming waits for the whole step, so this bounds how long a training batch's prefill can
+    stall them: admitted whole, a PPO batch's prompts made one step of about a second on one
+    core. None: vLLM's default (2,048 on the CPU). At least `max_num_seqs`."""
+    max_num_seqs: int | None = Field(None, ge=1)
+    """Most sequences the engine runs at once (vLLM's; None: its default, 128 on the CPU)."""
     swap_drain_timeout_s: float = Field(120.0, gt=0)
     """merged mode: longest wait for in-flight requests to finish before a version swap."""
     enforce_eager: bool = True
@@ -110,3 +118,13 @@ class RolloutConfig(ServiceSection):
     reconnects: core NATS delivers an announcement at most once."""
     catchup_retry_max_s: float = Field(30.0, gt=0, le=3600)
     """Longest wait between two failed catch-up attempts (the wait doubles from 0.5 s)."""
+
+    @model_validator(mode="after")
+    def _step_budget(self) -> "RolloutConfig":
+        # vLLM refuses a step budget below its running-sequence limit, whose CPU default is 128
+        if self.max_num_batched_tokens is not None and \
+                self.max_num_batched_tokens < (self.max_num_seqs or 256):
+            raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) is below "
+                             f"max_num_seqs ({self.max_num_seqs or 'vLLM default, up to 256'}): "
+                             "set max_num_seqs to at most max_num_batched_tokens")
+        return self

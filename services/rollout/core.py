@@ -619,6 +619,8 @@ class RolloutCore:
             gpu_memory_utilization=self.cfg.gpu_memory_utilization,
             scheduling_policy=self.cfg.scheduling_policy,
             disable_log_stats=True,
+            **{k: v for k in ("max_num_batched_tokens", "max_num_seqs")
+               if (v := getattr(self.cfg, k)) is not None},
         )
         with self._engine_cores():
             self.engine = AsyncLLM.from_engine_args(args)
