@@ -509,9 +509,12 @@ def summarize(records: list[Record]) -> dict:
         "score_mean": statistics.fmean(r.score for r in ok) if ok else None,
         "words_mean": statistics.fmean(r.words for r in ok) if ok else None,
         "ttft_ms": {"p50": percentile((r.ttft_ms for r in ok), 50),
+                    "p95": percentile((r.ttft_ms for r in ok), 95),
                     "p99": percentile((r.ttft_ms for r in ok), 99)},
-        # per-request ITL medians: the p99 of those is the slowest streams' typical gap
+        # p50: the median of per-request ITL medians; p95/p99: of per-request p99s (a stream's
+        # longest stalls)
         "itl_ms": {"p50": percentile(itl_p50, 50),
+                   "p95": percentile((r.itl_ms.get("p99") for r in ok if r.itl_ms.get("n")), 95),
                    "p99": percentile((r.itl_ms.get("p99") for r in ok if r.itl_ms.get("n")), 99)},
         "feedback": {"sent": sum(bool(r.feedback) for r in records),
                      "accepted": sum(r.feedback in ("accepted", "duplicate") for r in records),

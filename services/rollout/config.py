@@ -76,6 +76,12 @@ class RolloutConfig(ServiceSection):
     streaming waits for the whole step, so this bounds how long a training batch's prefill can
     stall them: admitted whole, a PPO batch's prompts made one step of about a second on one
     core. None: vLLM's default (2,048 on the CPU). At least `max_num_seqs`."""
+    training_admission: Literal["users_first", "all_at_once"] = "users_first"
+    """How training prompts (priority > 0) enter the engine. `users_first`: one at a time,
+    each once no user waits for a first token, the next when the last one's prefill is done,
+    so a user never waits behind a whole training batch's prefill (the engine serves prompts
+    already being prefilled before new ones, whatever their priority). `all_at_once`: as they
+    come (the engine batches their prefills; what the rollout did before)."""
     max_num_seqs: int | None = Field(None, ge=1)
     """Most sequences the engine runs at once (vLLM's; None: its default, 128 on the CPU)."""
     swap_drain_timeout_s: float = Field(120.0, gt=0)

@@ -15,6 +15,7 @@ from benchmarks.joint import (
     foreign_cpu,
     hop_figures,
     markdown,
+    meets_aim,
     parse_policies,
     parse_steps,
     ppo_rate,
@@ -65,7 +66,9 @@ def test_ppo_rate_counts_the_steps_logged_inside_the_window_and_not_skipped_ones
                (16, 170.0, 10.0, False))  # logged after SIGTERM: outside
     r = ppo_rate(st, 100.0, 160.0)
     assert r["ppo_steps"] == 3 and r["ppo_skipped_steps"] == 1 and r["ppo_samples"] == 32
-    assert r["ppo_samples_per_s"] == pytest.approx(32 / 60)
+    # over the time the counted steps took (to the last one's line at 150), not the window's
+    # tail, where a step was cut by SIGTERM
+    assert r["ppo_samples_per_s"] == pytest.approx(32 / 50)
     assert r["ppo_samples_per_s_per_step"] == pytest.approx(32 / 20)
     empty = ppo_rate(st, 200.0, 260.0)
     assert empty["ppo_samples_per_s"] == 0.0 and empty["ppo_samples_per_s_per_step"] is None
@@ -89,7 +92,7 @@ def test_summary_ratios_the_choice_and_the_aim():
     assert none["requests"] == 101 and none["errors"] == 1  # the failed request is counted, not timed
     assert none["ttft_p99_ratio"] == pytest.approx((300 + 2 * 98.01) / idle_p99)
     assert nice["ttft_p99_ratio"] == pytest.approx((120 + 98.01) / idle_p99)
-    assert none["ppo_samples_per_s"] == pytest.approx(32 / 60) and nice["ppo_samples_per_s"] == pytest.approx(16 / 60)
+    assert none["ppo_samples_per_s"] == pytest.approx(32 / 30) and nice["ppo_samples_per_s"] == pytest.approx(16 / 20)
     assert none["first_step_wait_s"] == 40.0  # extras pass through
     assert nice["startup"]["ttft_ms"]["p50"] == 9000.0 and none["startup"]["requests"] == 0
     assert nice["requests"] == 100  # neither the start-up nor the stopping request
@@ -180,3 +183,12 @@ def test_notes_say_what_weakens_the_numbers():
     assert any("0.60 of 2 cores during the idle phase" in n for n in got)
     assert any(n.startswith("nice is within 10% of `none`") for n in got)
     assert any("the measurement chose `none`, the config's default is `nice`" in n for n in got)
+
+
+def test_the_aim_holds_time_to_first_token_and_the_streams_stalls_alike():
+    ok = {"ttft_p99_ratio": 1.4, "itl_p99_ratio": 1.9, "ppo_samples_per_s": 0.13}
+    assert meets_aim(ok)
+    assert not meets_aim({**ok, "itl_p99_ratio": 2.1})  # a stream frozen mid-answer
+    assert not meets_aim({**ok, "ttft_p99_ratio": 1.6})
+    assert not meets_aim({**ok, "itl_p99_ratio": None})  # not measured is not met
+    assert not meets_aim({**ok, "ppo_samples_per_s": 0.0})
