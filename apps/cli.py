@@ -275,11 +275,13 @@ def build_parser() -> argparse.ArgumentParser:
     bt.add_argument("--steps", type=int, default=3, help="timed LoRA steps per setting (median)")
     bj = _bench_parser(bsub, "joint", "users through the gateway alone, then beside PPO training: TTFT/ITL "
                        "p50/p99 per users-first policy, and PPO samples/s", config=True)
-    bj.add_argument("--users", type=int, default=2, help="concurrent simulated users (openai client)")
-    bj.add_argument("--phase-s", type=float, default=90.0, help="seconds of each phase (idle, each policy)")
+    # 4 users with 32-token answers give >= 200 requests a phase (a p99 that rests on more
+    # than the slowest one or two), and 240 s holds two PPO steps on 2 CPU cores
+    bj.add_argument("--users", type=int, default=4, help="concurrent simulated users (openai client)")
+    bj.add_argument("--phase-s", type=float, default=240.0, help="seconds of each phase (idle, each policy)")
     bj.add_argument("--policies", default="none,pause",
                     help="users-first policies to measure beside training ([ppo] users_first)")
-    bj.add_argument("--max-tokens", type=int, default=64, help="users' answer length")
+    bj.add_argument("--max-tokens", type=int, default=32, help="users' answer length")
     _out_dir(bj, "bench-joint")
     bts = _bench_parser(bsub, "train-step", "LoRA step tokens/s against a matmul FLOP roofline measured in "
                         "the same run", model=True, dtype=True)

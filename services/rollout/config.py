@@ -76,12 +76,12 @@ class RolloutConfig(ServiceSection):
     streaming waits for the whole step, so this bounds how long a training batch's prefill can
     stall them: admitted whole, a PPO batch's prompts made one step of about a second on one
     core. None: vLLM's default (2,048 on the CPU). At least `max_num_seqs`."""
-    training_admission: Literal["users_first", "all_at_once"] = "users_first"
-    """How training prompts (priority > 0) enter the engine. `users_first`: one at a time,
-    each once no user waits for a first token, the next when the last one's prefill is done,
-    so a user never waits behind a whole training batch's prefill (the engine serves prompts
-    already being prefilled before new ones, whatever their priority). `all_at_once`: as they
-    come (the engine batches their prefills; what the rollout did before)."""
+    training_prompts_beside_users: int = Field(0, ge=0)
+    """Most training prompts (priority > 0) the engine runs at once while any user's request
+    is in flight; 0: no limit. Users share every engine step with the training samples beside
+    them and a step's time grows with its sequences, so this bounds what training adds to
+    users' time to first token and to their streams' stalls. With no user on the replica a
+    training batch runs whole."""
     max_num_seqs: int | None = Field(None, ge=1)
     """Most sequences the engine runs at once (vLLM's; None: its default, 128 on the CPU)."""
     swap_drain_timeout_s: float = Field(120.0, gt=0)

@@ -410,33 +410,42 @@ def make_updater(mode: str, engine, model_dir: Path, max_rank: int, swap: str = 
 
 # ---- the core ----------------------------------------------------------------------------
 class TrainingGate:
-    """How training prompts (priority > 0) enter the engine beside users: one at a time, each
-    once no user waits for a first token, the next once the last one's prefill is done (its
-    first output).
+    """How many training prompts (priority > 0) the engine runs at once while users are on the
+    replica: at most `limit`; with no user in flight, any number (a batch job alone keeps its
+    whole batch in one engine batch).
 
-    Why: the engine's scheduler serves running requests first, and a training prompt whose
-    prefill is under way is running, so a user who arrives behind a batch of training prompts
-    waits for all their prefill chunks, however it is prioritised; admitted together, a PPO
-    batch's prompts delayed users' first tokens by up to ~0.8 s on one core. One at a time, a
-    user waits at most for the rest of one training prompt's prefill. Decoding is not held:
-    training samples still decode in the same batches as users'. With no user on the replica
-    the gate only orders the prefills, which cost the same compute one after another."""
+    Why: users' requests share every engine step with the training samples running beside
+    them, and a step's time grows with its sequences: with a PPO batch's 16 samples decoding
+    beside 4 users, users' time to first token doubled at the median and its tail reached
+    ~0.8 s on one core. Fewer training samples at a time keep each step short; the training
+    tokens are the same, in more, smaller waves."""
 
-    def __init__(self, users: "UserLoad") -> None:
+    def __init__(self, users: "UserLoad", limit: int) -> None:
         self.users = users
-        self._lock = asyncio.Lock()
+        self.limit = limit
+        self.running = 0
+        self._wakes: set[asyncio.Event] = set()
+
+    def _may_enter(self) -> bool:
+        return self.users.foreground == 0 or self.running < self.limit
 
     async def enter(self) -> None:
-        """Wait for this prompt's turn; `leave` at its first output or its end."""
-        await self._lock.acquire()
-        try:
-            await self.users.until_none_waits()
-        except BaseException:
-            self._lock.release()
-            raise
+        """Wait for room; `leave` when the prompt's engine request ends."""
+        while not self._may_enter():
+            wake = asyncio.Event()
+            self._wakes.add(wake)
+            self.users.watchers.add(wake)  # users leaving may open the gate too
+            try:
+                await wake.wait()
+            finally:
+                self._wakes.discard(wake)
+                self.users.watchers.discard(wake)
+        self.running += 1  # no await between the check and this: one event loop
 
     def leave(self) -> None:
-        self._lock.release()
+        self.running -= 1
+        for wake in self._wakes:
+            wake.set()
 
 
 class UserLoad:
@@ -448,7 +457,7 @@ class UserLoad:
     def __init__(self) -> None:
         self.foreground = 0
         self.waiting = 0
-        self._watchers: set[asyncio.Event] = set()
+        self.watchers: set[asyncio.Event] = set()  # each set at every change
         # The same counts in shared memory for a trainer on this host (hotloop/loadboard.py):
         # its hooks read them directly, with no thread to wake. Opened by the core's start.
         self.board = None
@@ -472,21 +481,11 @@ class UserLoad:
         """(in flight, waiting for a first token)."""
         return self.foreground, self.waiting
 
-    async def until_none_waits(self) -> None:
-        """Return once no user waits for a first token (at once if none does)."""
-        while self.waiting > 0:
-            ev = asyncio.Event()
-            self._watchers.add(ev)
-            try:
-                if self.waiting > 0:
-                    await ev.wait()
-            finally:
-                self._watchers.discard(ev)
 
     def _changed(self) -> None:
         if self.board is not None:
             self.board.write(self.foreground, self.waiting)
-        for ev in self._watchers:
+        for ev in self.watchers:
             ev.set()
 
     def open_board(self) -> None:
@@ -504,14 +503,14 @@ class UserLoad:
         """The counts now, then after each change; changes made while the caller is busy
         with the last yield are coalesced into one (it sees the latest, never a backlog)."""
         ev = asyncio.Event()
-        self._watchers.add(ev)
+        self.watchers.add(ev)
         try:
             while True:
                 ev.clear()
                 yield self.snapshot()
                 await ev.wait()
         finally:
-            self._watchers.discard(ev)
+            self.watchers.discard(ev)
 
 
 class RolloutMetrics:
@@ -626,8 +625,9 @@ class RolloutCore:
         self.honor_seeds = True
         self._warned_priority = False
         self.users = UserLoad()  # priority-0 (users') Generate calls: in flight, waiting
-        # training prompts' way into the engine beside users (`[rollout] training_admission`)
-        self.training_gate = TrainingGate(self.users) if cfg.training_admission == "users_first" else None
+        # training prompts running beside users (`[rollout] training_prompts_beside_users`)
+        self.training_gate = (TrainingGate(self.users, cfg.training_prompts_beside_users)
+                              if cfg.training_prompts_beside_users else None)
         self.heartbeat = Heartbeat(cfg.engine_stall_s)
         self._streams: set[asyncio.Queue] = set()  # each Generate call's output queue
         self.registry = registry if registry is not None else CollectorRegistry()
@@ -1012,9 +1012,6 @@ class RolloutCore:
                             async for out in self.engine.generate(
                                 prompt, params, f"{rid}-{i}", lora_request=adm.lora, priority=priority
                             ):
-                                if gate is not None:  # prefilled: the next training prompt may go
-                                    gate.leave()
-                                    gate = None
                                 await queue.put((i, out))
                     finally:
                         if gate is not None:

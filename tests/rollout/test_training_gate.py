@@ -1,5 +1,5 @@
-"""`TrainingGate`: training prompts enter the engine one at a time, each once no user waits
-for a first token (plain asyncio, no engine: the gate's order is the whole behaviour)."""
+"""`TrainingGate`: while users are on the replica, at most `limit` training prompts run in the
+engine at once; with none, any number (plain asyncio, no engine: the count is the behaviour)."""
 
 from __future__ import annotations
 
@@ -15,53 +15,53 @@ async def settle() -> None:
         await asyncio.sleep(0)
 
 
-async def test_a_training_prompt_waits_while_a_user_waits_for_a_first_token():
+async def test_without_users_a_training_batch_enters_whole():
+    gate = TrainingGate(UserLoad(), limit=2)
+    for _ in range(8):
+        await asyncio.wait_for(gate.enter(), 1)
+    assert gate.running == 8
+
+
+async def test_beside_users_at_most_limit_run_and_the_next_enters_when_one_ends():
     users = UserLoad()
-    gate = TrainingGate(users)
-    users.begin()  # a user's request: waiting for its first token
-    entered = asyncio.create_task(gate.enter())
-    await settle()
-    assert not entered.done()
-    users.first_token()  # streaming now: it waits no more
-    await asyncio.wait_for(entered, 1)
-    gate.leave()
-    users.end(True)
-
-
-async def test_training_prompts_enter_one_at_a_time():
-    gate = TrainingGate(UserLoad())
-    await gate.enter()
-    second = asyncio.create_task(gate.enter())
-    await settle()
-    assert not second.done()  # the first one's prefill is not done
-    gate.leave()
-    await asyncio.wait_for(second, 1)
-    gate.leave()
-
-
-async def test_a_user_who_comes_while_a_prompt_waits_keeps_it_waiting():
-    users = UserLoad()
-    gate = TrainingGate(users)
-    await gate.enter()
-    queued = asyncio.create_task(gate.enter())
-    users.begin()  # a user arrives while the next training prompt waits for its turn
-    gate.leave()
-    await settle()
-    assert not queued.done()
-    users.end(False)  # the user's call failed before a token: it waits no more either
-    await asyncio.wait_for(queued, 1)
-    gate.leave()
-
-
-async def test_a_cancelled_wait_gives_the_turn_on():
-    users = UserLoad()
-    gate = TrainingGate(users)
     users.begin()
+    gate = TrainingGate(users, limit=2)
+    await gate.enter()
+    await gate.enter()
+    third = asyncio.create_task(gate.enter())
+    await settle()
+    assert not third.done() and gate.running == 2
+    gate.leave()
+    await asyncio.wait_for(third, 1)
+    assert gate.running == 2
+
+
+async def test_prompts_waiting_beside_users_go_in_when_the_users_leave():
+    users = UserLoad()
+    users.begin()
+    gate = TrainingGate(users, limit=1)
+    await gate.enter()
+    waiting = [asyncio.create_task(gate.enter()) for _ in range(3)]
+    await settle()
+    assert not any(t.done() for t in waiting)
+    users.first_token()  # still in flight: still beside a user
+    await settle()
+    assert not any(t.done() for t in waiting)
+    users.end(True)  # the last user is gone
+    await asyncio.wait_for(asyncio.gather(*waiting), 1)
+    assert gate.running == 4
+
+
+async def test_a_cancelled_wait_takes_no_room():
+    users = UserLoad()
+    users.begin()
+    gate = TrainingGate(users, limit=1)
+    await gate.enter()
     waiting = asyncio.create_task(gate.enter())
     await settle()
     waiting.cancel()
     with pytest.raises(asyncio.CancelledError):
         await waiting
-    users.first_token()
-    await asyncio.wait_for(gate.enter(), 1)  # the cancelled one did not keep the turn
+    assert gate.running == 1 and not gate._wakes and not users.watchers
     gate.leave()
+    await asyncio.wait_for(gate.enter(), 1)

@@ -39,4 +39,4 @@ async def test_watch_reports_now_then_each_change_coalesced():
     load.begin()
     assert await asyncio.wait_for(nothing, 1) == (1, 1)
     await watch.aclose()
-    assert not load._watchers  # a closed watcher is forgotten
+    assert not load.watchers  # a closed watcher is forgotten
