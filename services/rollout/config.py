@@ -78,10 +78,12 @@ class RolloutConfig(ServiceSection):
     core. None: vLLM's default (2,048 on the CPU). At least `max_num_seqs`."""
     training_prompts_beside_users: int = Field(0, ge=0)
     """Most training prompts (priority > 0) the engine runs at once while any user's request
-    is in flight; 0: no limit. Users share every engine step with the training samples beside
-    them and a step's time grows with its sequences, so this bounds what training adds to
-    users' time to first token and to their streams' stalls. With no user on the replica a
-    training batch runs whole."""
+    is in flight, entering one prefill at a time; 0: no limit. Users share every engine step
+    with the training samples beside them and a step's time grows with its sequences, so this
+    bounds what training adds to users' time to first token and to their streams' stalls; and
+    the engine serves prompts in mid-prefill before a waiting user's, so one prefill at a time
+    bounds a user's wait behind training prompts by one prompt's chunks. With no user on the
+    replica a training batch runs whole (`rollout.core.TrainingGate`)."""
     max_num_seqs: int | None = Field(None, ge=1)
     """Most sequences the engine runs at once (vLLM's; None: its default, 128 on the CPU)."""
     swap_drain_timeout_s: float = Field(120.0, gt=0)

@@ -410,27 +410,50 @@ def make_updater(mode: str, engine, model_dir: Path, max_rank: int, swap: str = 
 
 # ---- the core ----------------------------------------------------------------------------
 class TrainingGate:
-    """How many training prompts (priority > 0) the engine runs at once while users are on the
-    replica: at most `limit`; with no user in flight, any number (a batch job alone keeps its
-    whole batch in one engine batch).
+    """How training prompts (priority > 0) run in the engine while users are on the replica:
+    at most `limit` at once, and one prefill at a time (the next training prompt enters once
+    the last one's first output came). With no user in flight, any number enter at once (a
+    batch job alone keeps its whole batch in one engine batch).
 
     Why: users' requests share every engine step with the training samples running beside
-    them, and a step's time grows with its sequences: with a PPO batch's 16 samples decoding
-    beside 4 users, users' time to first token doubled at the median and its tail reached
-    ~0.8 s on one core. Fewer training samples at a time keep each step short; the training
-    tokens are the same, in more, smaller waves."""
+    them. A step's time grows with its sequences, so the limit keeps steps short (beside 4
+    users, a PPO batch's 16 samples doubled users' median time to first token). And the
+    engine's scheduler serves requests already running before waiting ones, whatever their
+    priority, a prompt in mid-prefill among them: a user who came while a wave of training
+    prompts was being prefilled waited for all their chunks (~0.5 s on one core). One prefill
+    at a time bounds that wait by one training prompt's remaining chunks."""
+
+    class Pass:
+        """One training prompt's place: `prefilled` at its first output, `leave` at its end."""
+
+        def __init__(self, gate: "TrainingGate") -> None:
+            self.gate, self._prefilling, self._in = gate, True, True
+
+        def prefilled(self) -> None:
+            if self._prefilling:
+                self._prefilling = False
+                self.gate.prefilling -= 1
+                self.gate._wake()
+
+        def leave(self) -> None:
+            self.prefilled()
+            if self._in:
+                self._in = False
+                self.gate.running -= 1
+                self.gate._wake()
 
     def __init__(self, users: "UserLoad", limit: int) -> None:
         self.users = users
         self.limit = limit
-        self.running = 0
+        self.running = 0  # training prompts in the engine
+        self.prefilling = 0  # of which still before their first output
         self._wakes: set[asyncio.Event] = set()
 
     def _may_enter(self) -> bool:
-        return self.users.foreground == 0 or self.running < self.limit
+        return self.users.foreground == 0 or (self.running < self.limit and self.prefilling == 0)
 
-    async def enter(self) -> None:
-        """Wait for room; `leave` when the prompt's engine request ends."""
+    async def enter(self) -> "TrainingGate.Pass":
+        """Wait for this prompt's turn."""
         while not self._may_enter():
             wake = asyncio.Event()
             self._wakes.add(wake)
@@ -440,10 +463,12 @@ class TrainingGate:
             finally:
                 self._wakes.discard(wake)
                 self.users.watchers.discard(wake)
-        self.running += 1  # no await between the check and this: one event loop
+        # no await between the check and these: one event loop
+        self.running += 1
+        self.prefilling += 1
+        return TrainingGate.Pass(self)
 
-    def leave(self) -> None:
-        self.running -= 1
+    def _wake(self) -> None:
         for wake in self._wakes:
             wake.set()
 
@@ -1005,17 +1030,18 @@ class RolloutCore:
                     # weights under one cache; tenants share it).
                     prompt = TokensPrompt(prompt_token_ids=prompt_ids, cache_salt=adm.cache_salt)
                     gate = self.training_gate if priority > 0 else None
-                    if gate is not None:
-                        await gate.enter()
+                    turn = await gate.enter() if gate is not None else None
                     try:
                         with self.heartbeat.working():
                             async for out in self.engine.generate(
                                 prompt, params, f"{rid}-{i}", lora_request=adm.lora, priority=priority
                             ):
+                                if turn is not None:
+                                    turn.prefilled()
                                 await queue.put((i, out))
                     finally:
-                        if gate is not None:
-                            gate.leave()
+                        if turn is not None:
+                            turn.leave()
                 except BaseException as e:  # handed to the consumer, which re-raises it
                     await queue.put((i, e))
                     raise

@@ -279,3 +279,45 @@ async def test_a_pause_trainer_sees_users_wait_and_get_served(rollout):
     finally:
         await users.close()
     assert users._thread is None
+
+
+async def test_training_prompts_beside_a_user_run_at_most_the_limit_at_once(rollout):
+    """`[rollout] training_prompts_beside_users`: while a user streams, a training call's
+    prompts go through the engine `limit` at a time (and one prefill at a time); all of them
+    finish, and once the user is gone a batch enters at once."""
+    from services.rollout.core import TrainingGate
+
+    core, stub, _ = rollout
+    core.training_gate = TrainingGate(core.users, limit=1)
+    try:
+        user = stub.Generate(stream_request([text_prompt("count:")], max_tokens=400, temperature=0))
+        async for _ in user:  # the user's stream is under way
+            break
+        peak = 0
+
+        async def watch() -> None:
+            nonlocal peak
+            while True:
+                peak = max(peak, core.training_gate.running)
+                await asyncio.sleep(0.001)
+
+        watcher = asyncio.create_task(watch())
+        prompts = [text_prompt(f"def f{i}(x):") for i in range(4)]
+        req = rollout_pb2.GenerateRequest(prompts=prompts, priority=1, sampling=common_pb2.SamplingParams(
+            max_tokens=8, temperature=0))
+        done = [c async for c in stub.Generate(req)]
+        watcher.cancel()
+        assert sorted(c.prompt_index for c in done) == [0, 1, 2, 3] and all(c.final for c in done)
+        assert peak == 1, f"{peak} training prompts ran at once beside a user (limit 1)"
+        user.cancel()
+        t0 = time.perf_counter()
+        while core.users.foreground and time.perf_counter() - t0 < 10.0:
+            await asyncio.sleep(0.01)
+        # no user now: a batch enters whole
+        gate = core.training_gate
+        turns = await asyncio.wait_for(asyncio.gather(*(gate.enter() for _ in range(3))), 1)
+        assert gate.running == 3
+        for t in turns:
+            t.leave()
+    finally:
+        core.training_gate = None

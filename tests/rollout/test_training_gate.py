@@ -1,5 +1,7 @@
 """`TrainingGate`: while users are on the replica, at most `limit` training prompts run in the
-engine at once; with none, any number (plain asyncio, no engine: the count is the behaviour)."""
+engine at once and one is prefilled at a time; with no user, any number enter (plain asyncio,
+no engine: the counts are the behaviour; tests/rollout/test_rollout_stream.py has it on an
+engine)."""
 
 from __future__ import annotations
 
@@ -17,23 +19,34 @@ async def settle() -> None:
 
 async def test_without_users_a_training_batch_enters_whole():
     gate = TrainingGate(UserLoad(), limit=2)
-    for _ in range(8):
-        await asyncio.wait_for(gate.enter(), 1)
-    assert gate.running == 8
+    turns = [await asyncio.wait_for(gate.enter(), 1) for _ in range(8)]
+    assert gate.running == 8 and gate.prefilling == 8
+    for t in turns:
+        t.leave()
+    assert gate.running == 0 and gate.prefilling == 0
 
 
-async def test_beside_users_at_most_limit_run_and_the_next_enters_when_one_ends():
+async def test_beside_users_one_prefill_at_a_time_and_at_most_limit_running():
     users = UserLoad()
     users.begin()
     gate = TrainingGate(users, limit=2)
-    await gate.enter()
-    await gate.enter()
+    first = await gate.enter()
+    second = asyncio.create_task(gate.enter())
+    await settle()
+    assert not second.done()  # the first is still being prefilled
+    first.prefilled()
+    second = await asyncio.wait_for(second, 1)
+    second.prefilled()
     third = asyncio.create_task(gate.enter())
     await settle()
-    assert not third.done() and gate.running == 2
-    gate.leave()
-    await asyncio.wait_for(third, 1)
-    assert gate.running == 2
+    assert not third.done() and gate.running == 2  # the limit
+    first.leave()
+    third = await asyncio.wait_for(third, 1)
+    assert gate.running == 2 and gate.prefilling == 1
+    second.leave()
+    third.leave()
+    third.leave()  # twice is once
+    assert gate.running == 0 and gate.prefilling == 0
 
 
 async def test_prompts_waiting_beside_users_go_in_when_the_users_leave():
@@ -52,16 +65,28 @@ async def test_prompts_waiting_beside_users_go_in_when_the_users_leave():
     assert gate.running == 4
 
 
+async def test_a_prompt_that_ends_before_its_first_output_frees_its_turn():
+    users = UserLoad()
+    users.begin()
+    gate = TrainingGate(users, limit=4)
+    failed = await gate.enter()
+    nxt = asyncio.create_task(gate.enter())
+    await settle()
+    failed.leave()  # aborted or failed: no output ever came
+    await asyncio.wait_for(nxt, 1)
+    assert gate.running == 1 and gate.prefilling == 1
+
+
 async def test_a_cancelled_wait_takes_no_room():
     users = UserLoad()
     users.begin()
     gate = TrainingGate(users, limit=1)
-    await gate.enter()
+    turn = await gate.enter()
     waiting = asyncio.create_task(gate.enter())
     await settle()
     waiting.cancel()
     with pytest.raises(asyncio.CancelledError):
         await waiting
     assert gate.running == 1 and not gate._wakes and not users.watchers
-    gate.leave()
+    turn.leave()
     await asyncio.wait_for(gate.enter(), 1)
