@@ -69,14 +69,18 @@ class PpoJobConfig(TaskJobConfig):
     """`colocated`: reference logprobs from the policy's own base with the adapter disabled,
     in this process (no second copy of the base weights; `hotloop up --profile colocated`
     starts no reference service). `service`: the reference service of the mesh."""
-    users_first: Literal["none", "nice", "pause"] = "pause"
+    users_first: Literal["none", "nice", "pause"] = "none"
     """How the trainer yields to users served by the same host. `none`: it computes as it
     likes. `nice`: its threads run at the lowest OS priority (19), so the kernel gives the
     cores to the engine whenever users' tokens are being computed. `pause`: its forward and
     backward passes hold between decoder layers while a user waits for a first token (the
     rollout's `WatchLoad` stream or, on its host, its shared-memory board), at most
-    `max_pause_s` per busy spell. `hotloop bench joint` measures them; docs/architecture.md has
-    the runs (`pause` gave users the lower TTFT at no PPO cost, hence the default)."""
+    `max_pause_s` per busy spell. `hotloop bench joint` measures them in one run
+    (docs/results.md, "PPO beside users"): on 2 CPU cores, with the trainer on a core of its
+    own and users first inside the engine (`[rollout] max_num_batched_tokens`,
+    `training_prompts_beside_users`), `pause` gave users nothing `none` did not, at the same
+    PPO samples/s, hence the default; a host where the trainer shares the engine's cores may
+    measure otherwise."""
     max_pause_s: float = Field(2.0, gt=0.0, le=60.0)
     """`pause`: the longest one busy spell of users stops training, so training progresses."""
     sample_temperature: float = Field(1.0, gt=0)
