@@ -991,6 +991,7 @@ class RolloutCore:
     async def _generate(self, req: GenerateInput, ids: list[list[int]], s: Sampling, rid: str,
                         priority: int, kind) -> AsyncIterator[CompletionOut]:
         from vllm import SamplingParams, TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
 
         admitted = (self._admitted_tenant(req.tenant, req.pin_version) if req.tenant
                     else self._admitted(req.pin_version))
@@ -1015,6 +1016,12 @@ class RolloutCore:
             queue: asyncio.Queue = asyncio.Queue()
 
             async def one(i: int, prompt_ids: list[int]) -> None:
+                gate = self.training_gate if priority > 0 else None
+                # A gated prompt's turn to be prefilled ends at its first output, which a
+                # whole-mode request would get only at its end: ask the engine for its output
+                # every step (cumulative), and pass on only the last, as whole mode does.
+                whole = kind == RequestOutputKind.FINAL_ONLY
+                engine_kind = RequestOutputKind.CUMULATIVE if gate is not None and whole else kind
                 try:
                     params = SamplingParams(
                         n=s.n, max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p,
@@ -1022,14 +1029,13 @@ class RolloutCore:
                         seed=None if s.seed is None or not self.honor_seeds else s.seed + i,
                         stop=s.stop or None, ignore_eos=s.ignore_eos,
                         # k: the sampled token's logprob plus the top k (0: the sampled one)
-                        logprobs=s.top_logprobs, output_kind=kind,
+                        logprobs=s.top_logprobs, output_kind=engine_kind,
                         extra_args=adm.extra_args,  # a tenant's adapter label (worker slots)
                     )
                     # The cache salt keeps prefix-cache blocks computed under one version
                     # (or tenant version) from being reused by another (merged mode swaps
                     # weights under one cache; tenants share it).
                     prompt = TokensPrompt(prompt_token_ids=prompt_ids, cache_salt=adm.cache_salt)
-                    gate = self.training_gate if priority > 0 else None
                     turn = await gate.enter() if gate is not None else None
                     try:
                         with self.heartbeat.working():
@@ -1038,6 +1044,8 @@ class RolloutCore:
                             ):
                                 if turn is not None:
                                     turn.prefilled()
+                                if engine_kind != kind and not out.finished:
+                                    continue  # whole mode: the last output only
                                 await queue.put((i, out))
                     finally:
                         if turn is not None:

@@ -303,11 +303,16 @@ async def test_training_prompts_beside_a_user_run_at_most_the_limit_at_once(roll
 
         watcher = asyncio.create_task(watch())
         prompts = [text_prompt(f"def f{i}(x):") for i in range(4)]
+        # whole mode, greedy: the same completions as without the gate
+        alone = await generate(stub, prompts, max_tokens=8, temperature=0)
         req = rollout_pb2.GenerateRequest(prompts=prompts, priority=1, sampling=common_pb2.SamplingParams(
             max_tokens=8, temperature=0))
         done = [c async for c in stub.Generate(req)]
         watcher.cancel()
         assert sorted(c.prompt_index for c in done) == [0, 1, 2, 3] and all(c.final for c in done)
+        assert sorted((c.prompt_index, list(c.token_ids)) for c in done) == \
+            sorted((c.prompt_index, list(c.token_ids)) for c in alone)
+        assert len(done) == 4  # one whole completion a prompt, not its steps
         assert peak == 1, f"{peak} training prompts ran at once beside a user (limit 1)"
         user.cancel()
         t0 = time.perf_counter()
@@ -320,4 +325,39 @@ async def test_training_prompts_beside_a_user_run_at_most_the_limit_at_once(roll
         for t in turns:
             t.leave()
     finally:
+        core.training_gate = None
+
+
+async def test_a_training_prompts_prefill_turn_ends_at_its_first_token_not_its_last(rollout):
+    """Beside a user, the next training prompt enters once the last one is prefilled, so a
+    whole-mode batch still decodes together (up to the limit), not one prompt after another."""
+    from services.rollout.core import TrainingGate
+
+    core, stub, _ = rollout
+    core.training_gate = TrainingGate(core.users, limit=4)
+    watcher = None
+    try:
+        user = stub.Generate(stream_request([text_prompt("count:")], max_tokens=400, temperature=0))
+        async for _ in user:
+            break
+        peak = 0
+
+        async def watch() -> None:
+            nonlocal peak
+            while True:
+                peak = max(peak, core.training_gate.running)
+                await asyncio.sleep(0.001)
+
+        watcher = asyncio.create_task(watch())
+        req = rollout_pb2.GenerateRequest(
+            prompts=[text_prompt(f"def g{i}(x):") for i in range(3)], priority=1,
+            sampling=common_pb2.SamplingParams(max_tokens=64, temperature=0))
+        done = [c async for c in stub.Generate(req)]
+        watcher.cancel()
+        user.cancel()
+        assert len(done) == 3 and all(c.final for c in done)
+        assert peak >= 2, "each training prompt waited for the last one's end, not its prefill"
+    finally:
+        if watcher is not None:
+            watcher.cancel()
         core.training_gate = None
