@@ -1019,9 +1019,12 @@ class RolloutCore:
                 gate = self.training_gate if priority > 0 else None
                 # A gated prompt's turn to be prefilled ends at its first output, which a
                 # whole-mode request would get only at its end: ask the engine for its output
-                # every step (cumulative), and pass on only the last, as whole mode does.
+                # every step (cumulative) and pass on one output at the end, as whole mode
+                # does. With n > 1 each cumulative output holds only the sample that moved, so
+                # the last state of every sample is kept and the end carries them all.
                 whole = kind == RequestOutputKind.FINAL_ONLY
                 engine_kind = RequestOutputKind.CUMULATIVE if gate is not None and whole else kind
+                samples: dict[int, object] = {}
                 try:
                     params = SamplingParams(
                         n=s.n, max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p,
@@ -1044,8 +1047,11 @@ class RolloutCore:
                             ):
                                 if turn is not None:
                                     turn.prefilled()
-                                if engine_kind != kind and not out.finished:
-                                    continue  # whole mode: the last output only
+                                if engine_kind != kind:  # whole mode: one output, every sample
+                                    samples.update((c.index, c) for c in out.outputs)
+                                    if not out.finished:
+                                        continue
+                                    out.outputs = [samples[k] for k in sorted(samples)]
                                 await queue.put((i, out))
                     finally:
                         if turn is not None:

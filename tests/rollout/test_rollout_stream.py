@@ -351,11 +351,14 @@ async def test_a_training_prompts_prefill_turn_ends_at_its_first_token_not_its_l
         watcher = asyncio.create_task(watch())
         req = rollout_pb2.GenerateRequest(
             prompts=[text_prompt(f"def g{i}(x):") for i in range(3)], priority=1,
-            sampling=common_pb2.SamplingParams(max_tokens=64, temperature=0))
+            sampling=common_pb2.SamplingParams(max_tokens=64, temperature=1.0, n=2))
         done = [c async for c in stub.Generate(req)]
         watcher.cancel()
         user.cancel()
-        assert len(done) == 3 and all(c.final for c in done)
+        # every sample of every prompt, once, whole (n=2: the engine streams each sample apart)
+        assert sorted((c.prompt_index, c.sample_index) for c in done) == \
+            [(p, k) for p in range(3) for k in range(2)]
+        assert all(c.final and c.finish_reason for c in done)
         assert peak >= 2, "each training prompt waited for the last one's end, not its prefill"
     finally:
         if watcher is not None:
