@@ -281,6 +281,13 @@ async def test_a_pause_trainer_sees_users_wait_and_get_served(rollout):
     assert users._thread is None
 
 
+async def watch_peak(gate, peak: list[int]) -> None:
+    """Keep `peak[0]` the most training prompts `gate` had in the engine at once."""
+    while True:
+        peak[0] = max(peak[0], gate.running)
+        await asyncio.sleep(0.001)
+
+
 async def test_training_prompts_beside_a_user_run_at_most_the_limit_at_once(rollout):
     """`[rollout] training_prompts_beside_users`: while a user streams, a training call's
     prompts go through the engine `limit` at a time (and one prefill at a time); all of them
@@ -293,15 +300,8 @@ async def test_training_prompts_beside_a_user_run_at_most_the_limit_at_once(roll
         user = stub.Generate(stream_request([text_prompt("count:")], max_tokens=400, temperature=0))
         async for _ in user:  # the user's stream is under way
             break
-        peak = 0
-
-        async def watch() -> None:
-            nonlocal peak
-            while True:
-                peak = max(peak, core.training_gate.running)
-                await asyncio.sleep(0.001)
-
-        watcher = asyncio.create_task(watch())
+        peak = [0]
+        watcher = asyncio.create_task(watch_peak(core.training_gate, peak))
         prompts = [text_prompt(f"def f{i}(x):") for i in range(4)]
         # whole mode, greedy: the same completions as without the gate
         alone = await generate(stub, prompts, max_tokens=8, temperature=0)
@@ -313,7 +313,7 @@ async def test_training_prompts_beside_a_user_run_at_most_the_limit_at_once(roll
         assert sorted((c.prompt_index, list(c.token_ids)) for c in done) == \
             sorted((c.prompt_index, list(c.token_ids)) for c in alone)
         assert len(done) == 4  # one whole completion a prompt, not its steps
-        assert peak == 1, f"{peak} training prompts ran at once beside a user (limit 1)"
+        assert peak[0] == 1, f"{peak[0]} training prompts ran at once beside a user (limit 1)"
         user.cancel()
         t0 = time.perf_counter()
         while core.users.foreground and time.perf_counter() - t0 < 10.0:
@@ -340,15 +340,8 @@ async def test_a_training_prompts_prefill_turn_ends_at_its_first_token_not_its_l
         user = stub.Generate(stream_request([text_prompt("count:")], max_tokens=400, temperature=0))
         async for _ in user:
             break
-        peak = 0
-
-        async def watch() -> None:
-            nonlocal peak
-            while True:
-                peak = max(peak, core.training_gate.running)
-                await asyncio.sleep(0.001)
-
-        watcher = asyncio.create_task(watch())
+        peak = [0]
+        watcher = asyncio.create_task(watch_peak(core.training_gate, peak))
         req = rollout_pb2.GenerateRequest(
             prompts=[text_prompt(f"def g{i}(x):") for i in range(3)], priority=1,
             sampling=common_pb2.SamplingParams(max_tokens=64, temperature=1.0, n=2))
@@ -359,7 +352,7 @@ async def test_a_training_prompts_prefill_turn_ends_at_its_first_token_not_its_l
         assert sorted((c.prompt_index, c.sample_index) for c in done) == \
             [(p, k) for p in range(3) for k in range(2)]
         assert all(c.final and c.finish_reason for c in done)
-        assert peak >= 2, "each training prompt waited for the last one's end, not its prefill"
+        assert peak[0] >= 2, "each training prompt waited for the last one's end, not its prefill"
     finally:
         if watcher is not None:
             watcher.cancel()
